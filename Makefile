@@ -1,0 +1,63 @@
+# Two commands on a fresh machine: `make run` and `make test`. Everything they
+# need (virtualenv, Mosquitto, Cassandra 5.0 from Maven Central, the schema) is
+# set up here, idempotently. State (data, logs, pids) lives in .state/ (git-ignored).
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+GATEWAY := $(VENV)/bin/gateway
+export STATE_DIR ?= $(CURDIR)/.state
+# Settings for `make run`: the local services plus a small simulated fleet.
+SIM_DEVICES ?= 50
+SIM_RATE ?= 20
+
+.PHONY: help venv up down status run test lint schema bench clean
+
+help:
+	@echo "make run     set up everything, run the gateway in the foreground with a small simulated fleet"
+	@echo "make test    set up everything and run the tests against the real broker and Cassandra"
+	@echo "make up      start Mosquitto and Cassandra (installs/resolves what is missing), apply the schema"
+	@echo "make down    stop the Mosquitto and Cassandra processes this project started"
+	@echo "make status  show what is running"
+	@echo "make lint    ruff + mypy --strict"
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q -e '.[test]'
+	@touch $@
+
+venv: $(VENV)/.installed
+
+up: venv
+	@bash mosquitto/mosquitto.sh start
+	@bash cassandra/cassandra.sh start
+	@bash cassandra/cassandra.sh wait
+	@$(GATEWAY) schema apply
+
+down:
+	-@bash mosquitto/mosquitto.sh stop
+	-@bash cassandra/cassandra.sh stop
+
+status:
+	-@bash mosquitto/mosquitto.sh status
+	-@bash cassandra/cassandra.sh status
+
+schema: venv
+	$(GATEWAY) schema apply
+
+run: up
+	@$(VPY) -m gateway.demo --devices $(SIM_DEVICES) --rate $(SIM_RATE)
+
+test: up
+	$(VPY) -m pytest $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check gateway tests bench
+	$(VENV)/bin/ruff format --check gateway tests bench
+	$(VENV)/bin/mypy
+
+clean: down
+	rm -rf $(STATE_DIR)
