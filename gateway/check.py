@@ -1,0 +1,58 @@
+"""``gateway check``: is everything the gateway needs reachable and ready?
+
+Connects to the broker (with a throw-away client id, so the gateway's own
+persistent session is untouched) and to Cassandra, and checks the schema.
+Prints one line per check and exits non-zero if any fails. Never prints
+secrets: only hosts, ports, keyspace and table names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import aiomqtt
+
+from .config import Config
+from .database import connect
+from .errors import SinkError
+from .schema import missing_tables
+
+
+async def _broker(config: Config) -> tuple[bool, str]:
+    cfg = config.mqtt
+    where = f"mqtt://{cfg.host}:{cfg.port}"
+    try:
+        async with aiomqtt.Client(
+            cfg.host,
+            cfg.port,
+            identifier=f"{cfg.client_id}-check-{os.getpid()}",
+            username=cfg.username,
+            password=cfg.password.get_secret_value() if cfg.password else None,
+            timeout=5,
+        ):
+            return True, f"broker: ok ({where})"
+    except aiomqtt.MqttError as exc:
+        return False, f"broker: unreachable at {where}: {exc}"
+
+
+async def _cassandra(config: Config) -> tuple[bool, str]:
+    hosts = ",".join(f"{h}:{config.cassandra.port}" for h in config.cassandra.contact_points)
+    try:
+        async with connect(config.cassandra, keyspace=False) as db:
+            missing = await asyncio.get_running_loop().run_in_executor(None, missing_tables, db)
+    except SinkError as exc:
+        return False, f"cassandra: {exc}"
+    if missing:
+        return False, (
+            f"cassandra: reachable ({hosts}) but the schema is missing "
+            f"{', '.join(missing)}: run `gateway schema apply`"
+        )
+    return True, f"cassandra: ok ({hosts}, keyspace {config.cassandra.keyspace}, schema complete)"
+
+
+async def run(config: Config) -> int:
+    results = [await _broker(config), await _cassandra(config)]
+    for _, line in results:
+        print(line)
+    return 0 if all(ok for ok, _ in results) else 1

@@ -1,0 +1,334 @@
+"""Command line: ``gateway run | schema apply | check | devices | device | history |
+rejected | simulate``. The only place that configures logging and reads argv.
+
+Exit codes: 0 success, 1 runtime failure (service unreachable, write refused),
+2 usage or configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+from collections.abc import Coroutine, Sequence
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import orjson
+import uvloop
+
+from . import check, ingest, queries, schema
+from .config import Config, load_config, parse_duration
+from .database import connect
+from .errors import ConfigError, GatewayError
+from .simulate import FleetSpec, publish
+
+log = logging.getLogger("gateway")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        datefmt="%Y-%m-%dT%H:%M:%S",
+        stream=sys.stderr,
+    )
+    # The driver is chatty at INFO (topology events); its warnings still show.
+    logging.getLogger("cassandra").setLevel(logging.WARNING)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gateway",
+        description="MQTT edge-to-cloud gateway: device events from Mosquitto into Cassandra.",
+    )
+    parser.add_argument("--config", type=Path, help="TOML config file (or GATEWAY_CONFIG)")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    sub.add_parser("run", help="run the gateway until SIGTERM/SIGINT")
+
+    sch = sub.add_parser("schema", help="manage the Cassandra schema")
+    sch_sub = sch.add_subparsers(dest="schema_command", required=True, metavar="ACTION")
+    sch_sub.add_parser("apply", help="create the keyspace and tables (idempotent)")
+    sch_sub.add_parser("print", help="print the CQL that apply would run")
+
+    sub.add_parser(
+        "check",
+        help="exit non-zero if the broker or Cassandra is unreachable or the schema is missing",
+    )
+
+    dev = sub.add_parser("devices", help="devices currently in a state")
+    dev.add_argument("--tenant", required=True)
+    dev.add_argument("--state", required=True)
+    dev.add_argument("--json", action="store_true", help="print a JSON array")
+
+    one = sub.add_parser("device", help="a device's latest event")
+    one.add_argument("--tenant", required=True)
+    one.add_argument("device_id")
+    one.add_argument("--json", action="store_true")
+
+    his = sub.add_parser("history", help="a device's raw events in a time range, newest first")
+    his.add_argument("--tenant", required=True)
+    his.add_argument("device_id")
+    his.add_argument("--since", help="RFC 3339 time or a duration ago like 2h (default 24h)")
+    his.add_argument("--until", help="RFC 3339 time (default now)")
+    his.add_argument("--limit", type=int, default=1000)
+    his.add_argument("--json", action="store_true")
+
+    rej = sub.add_parser("rejected", help="recently rejected messages and why")
+    rej.add_argument("--tenant", default="", help="tenant ('' for topics that named none)")
+    rej.add_argument("--hours", type=int, default=1, help="how many hours back (default 1)")
+    rej.add_argument("--json", action="store_true")
+
+    sim = sub.add_parser("simulate", help="publish events from a simulated device fleet")
+    sim.add_argument("--devices", type=int, default=100)
+    sim.add_argument("--rate", type=float, default=50.0, help="messages per second, fleet-wide")
+    sim.add_argument("--format", choices=("json", "msgpack"), default="json")
+    sim.add_argument("--noisy", type=float, default=0.0, help="fraction of noisy devices (50x)")
+    sim.add_argument("--tenant", default="demo")
+    sim.add_argument("--count", type=int, help="stop after this many messages")
+    sim.add_argument("--duration", type=float, help="stop after this many seconds")
+    sim.add_argument("--seed", type=int, default=1)
+    return parser
+
+
+def _time_arg(text: str | None, default: datetime) -> datetime:
+    if text is None:
+        return default
+    try:
+        return datetime.now(UTC) - timedelta(seconds=parse_duration(text))
+    except ValueError:
+        pass
+    try:
+        parsed = datetime.fromisoformat(text)
+    except ValueError:
+        raise ConfigError(f"{text!r} is neither an RFC 3339 time nor a duration like 2h") from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def _print_json(value: Any) -> None:
+    sys.stdout.write(orjson.dumps(value, option=orjson.OPT_INDENT_2).decode() + "\n")
+
+
+async def _run(config: Config) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info(
+        "gateway starting: mqtt %s:%d, cassandra %s keyspace %s",
+        config.mqtt.host,
+        config.mqtt.port,
+        ",".join(config.cassandra.contact_points),
+        config.cassandra.keyspace,
+    )
+    task = asyncio.create_task(
+        ingest.run(config, stop, shutdown_deadline=config.pipeline.shutdown_deadline)
+    )
+    await asyncio.wait(
+        (task, asyncio.ensure_future(stop.wait())), return_when=asyncio.FIRST_COMPLETED
+    )
+    if not task.done():
+        started = time.monotonic()
+        try:
+            # The pipeline has its own deadline; this one is the backstop.
+            async with asyncio.timeout(config.pipeline.shutdown_deadline + 5):
+                await asyncio.shield(task)
+        except TimeoutError:
+            log.error("shutdown took over %.0f s; cancelling", time.monotonic() - started)
+            task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        return 1
+    return 0
+
+
+async def _schema_apply(config: Config) -> int:
+    async with connect(config.cassandra, keyspace=False) as db:
+        count = await schema.apply(db)
+    print(
+        f"schema: {count} statements applied to keyspace {config.cassandra.keyspace!r} (idempotent)"
+    )
+    return 0
+
+
+async def _check(config: Config) -> int:
+    return await check.run(config)
+
+
+async def _devices(config: Config, args: argparse.Namespace) -> int:
+    async with connect(config.cassandra) as db:
+        rows = await queries.devices_in_state(db, config, args.tenant, args.state)
+    if args.json:
+        _print_json([r.as_json() for r in rows])
+    else:
+        for r in rows:
+            print(f"{r.device_id}\t{queries.iso(r.ts)}\t{r.value if r.value is not None else ''}")
+        print(
+            f"({len(rows)} devices in state {args.state!r} for tenant {args.tenant!r})",
+            file=sys.stderr,
+        )
+    return 0
+
+
+async def _device(config: Config, args: argparse.Namespace) -> int:
+    async with connect(config.cassandra) as db:
+        row = await queries.latest_event(db, args.tenant, args.device_id)
+    if row is None:
+        print(f"no events for device {args.device_id!r} of tenant {args.tenant!r}", file=sys.stderr)
+        return 1
+    if args.json:
+        _print_json(row.as_json())
+    else:
+        print(f"{row.device_id}  state={row.state}  ts={queries.iso(row.ts)}  value={row.value}")
+        print(f"  metrics={row.metrics}  tags={row.tags}")
+    return 0
+
+
+async def _history(config: Config, args: argparse.Namespace) -> int:
+    now = datetime.now(UTC)
+    since = _time_arg(args.since, now - timedelta(hours=24))
+    until = _time_arg(args.until, now)
+    async with connect(config.cassandra) as db:
+        rows = await queries.history(db, args.tenant, args.device_id, since, until, args.limit)
+    if args.json:
+        _print_json([r.as_json() for r in rows])
+    else:
+        for r in rows:
+            print(
+                f"{queries.iso(r.ts)}\t{r.state or ''}\t{'' if r.value is None else r.value}"
+                f"\t{orjson.dumps(r.metrics).decode()}"
+            )
+        print(f"({len(rows)} events)", file=sys.stderr)
+    return 0
+
+
+async def _rejected(config: Config, args: argparse.Namespace) -> int:
+    hour = 3_600_000
+    now_ms = int(time.time() * 1000)
+    out = []
+    async with connect(config.cassandra) as db:
+        for h in range(args.hours):
+            start = now_ms - now_ms % hour - h * hour
+            rows = await db.execute(
+                f"SELECT received_at, topic, reason, detail, payload_size "
+                f"FROM {db.keyspace}.rejected_messages WHERE tenant = %s AND hour_start = %s",
+                (args.tenant, start),
+            )
+            out.extend(rows)
+    if args.json:
+        _print_json(
+            [
+                {
+                    "received_at": queries.iso(r.received_at),
+                    "topic": r.topic,
+                    "reason": r.reason,
+                    "detail": r.detail,
+                    "payload_size": r.payload_size,
+                }
+                for r in out
+            ]
+        )
+    else:
+        for r in out:
+            print(f"{queries.iso(r.received_at)}\t{r.reason}\t{r.topic}\t{r.detail}")
+        print(
+            f"({len(out)} rejected in the last {args.hours} h for tenant {args.tenant!r})",
+            file=sys.stderr,
+        )
+    return 0
+
+
+async def _simulate(config: Config, args: argparse.Namespace) -> int:
+    try:
+        spec = FleetSpec(
+            devices=args.devices,
+            rate=args.rate,
+            fmt=args.format,
+            noisy=args.noisy,
+            tenant=args.tenant,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    task = asyncio.create_task(
+        publish(
+            spec,
+            host=config.mqtt.host,
+            port=config.mqtt.port,
+            count=args.count,
+            duration=args.duration,
+        )
+    )
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        stats = await task
+    except asyncio.CancelledError:
+        return 0
+    print(f"simulate: sent {stats.sent} messages in {stats.elapsed_s:.1f} s ({stats.rate:.0f}/s)")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _setup_logging(args.log_level)
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"gateway: {exc}", file=sys.stderr)
+        return 2
+    commands: dict[str, Any] = {
+        "run": lambda: _run(config),
+        "check": lambda: _check(config),
+        "devices": lambda: _devices(config, args),
+        "device": lambda: _device(config, args),
+        "history": lambda: _history(config, args),
+        "rejected": lambda: _rejected(config, args),
+        "simulate": lambda: _simulate(config, args),
+    }
+    if args.command == "schema":
+        if args.schema_command == "print":
+            for name, stmt in schema.statements(config.cassandra):
+                print(f"-- {name}\n{stmt};\n")
+            return 0
+        coro: Coroutine[Any, Any, int] = _schema_apply(config)
+    else:
+        coro = commands[args.command]()
+    try:
+        return uvloop.run(coro)
+    except KeyboardInterrupt:
+        return 130
+    except (GatewayError, BaseExceptionGroup) as exc:
+        # Errors raised inside a TaskGroup arrive wrapped in a group.
+        errors = _gateway_errors(exc)
+        if not errors:
+            raise
+        for err in errors:
+            print(f"gateway: {err}", file=sys.stderr)
+        return 2 if any(isinstance(err, ConfigError) for err in errors) else 1
+
+
+def _gateway_errors(exc: BaseException) -> list[GatewayError]:
+    if isinstance(exc, GatewayError):
+        return [exc]
+    if isinstance(exc, BaseExceptionGroup):
+        found: list[GatewayError] = []
+        for inner in exc.exceptions:
+            more = _gateway_errors(inner)
+            if not more:
+                return []
+            found += more
+        return found
+    return []
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,348 @@
+"""Typed configuration, validated once at start-up.
+
+Sources, later ones winning: the TOML file (``--config`` or ``GATEWAY_CONFIG``),
+then ``GATEWAY_<SECTION>__<KEY>`` environment variables (``GATEWAY_MQTT__HOST``,
+``GATEWAY_TENANTS__ACME__STATE_BUCKETS``), then the defaults below. Nothing else
+in the package reads the environment. Unknown keys are errors, and every error
+names the key and where it came from, e.g.
+``mqtt.port (from GATEWAY_MQTT__PORT): Input should be less than or equal to 65535``.
+Secrets are ``SecretStr`` (masked in reprs and logs) and can come from files
+that only the service user may read.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import tomllib
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from .errors import ConfigError
+
+ENV_PREFIX = "GATEWAY_"
+ENV_CONFIG_PATH = "GATEWAY_CONFIG"
+DEFAULT_TEMPLATE = "tenants/{tenant}/devices/{device_id}/events"
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+_IDENTIFIER = r"^[a-z][a-z0-9_]{0,47}$"
+# Readers look this far back before a range for the bucket that contains its start.
+MAX_BUCKET_SECONDS = 7 * 86400
+
+
+def parse_duration(value: object) -> float:
+    """``"15m"``, ``"1h"``, ``"250ms"``, ``30`` (seconds) -> seconds."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as 30, '15m' or '1h'")
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str) and (match := _DURATION.match(value)):
+        return float(match.group(1)) * _UNITS[match.group(2)]
+    raise ValueError(f"expected a duration such as 30, '15m' or '1h', got {value!r}")
+
+
+def _split_list(value: object) -> object:
+    # Environment variables carry lists as "a,b,c".
+    if isinstance(value, str):
+        return [item.strip() for item in value.split(",") if item.strip()]
+    return value
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration), Field(gt=0)]
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _read_secret_file(path: Path, key: str) -> SecretStr:
+    try:
+        info = path.stat()
+    except OSError as exc:
+        raise ValueError(f"{key}: cannot read {path}: {exc.strerror}") from None
+    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ValueError(
+            f"{key}: {path} is readable by other users (mode {stat.filemode(info.st_mode)}); "
+            "make it readable only by the service user (chmod 600)"
+        )
+    return SecretStr(path.read_text().rstrip("\n"))
+
+
+class MqttConfig(_Model):
+    host: str = "127.0.0.1"
+    port: Port = 1883
+    # Fixed client id: the broker keeps this id's persistent session (and its
+    # backlog) while the gateway is away.
+    client_id: str = Field(default="mqtt-cassandra-gateway", min_length=1, max_length=128)
+    keepalive: int = Field(default=30, ge=5, le=3600)
+    # How long the broker keeps our session and backlog after we disconnect.
+    session_expiry: Duration = 7 * 86400.0
+    # MQTT v5 Receive Maximum: the broker sends at most this many unacknowledged
+    # QoS 1 messages. It is the gateway's flow control and memory bound.
+    receive_maximum: int = Field(default=1000, ge=1, le=65535)
+    reconnect_min: Duration = 0.5
+    reconnect_max: Duration = 30.0
+    username: str | None = None
+    password: SecretStr | None = None
+    password_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _password_from_file(self) -> MqttConfig:
+        if self.password_file is not None:
+            if self.password is not None:
+                raise ValueError("set mqtt.password or mqtt.password_file, not both")
+            secret = _read_secret_file(self.password_file, "mqtt.password_file")
+            object.__setattr__(self, "password", secret)
+        return self
+
+
+class TopicTemplate(_Model):
+    template: str = DEFAULT_TEMPLATE
+    # Fixed tenant for a tree without a {tenant} level, e.g. site/{device_id}/events.
+    tenant: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> TopicTemplate:
+        levels = self.template.split("/")
+        names = [lvl[1:-1] for lvl in levels if lvl.startswith("{") and lvl.endswith("}")]
+        for level in levels:
+            if not level:
+                raise ValueError(f"template {self.template!r} has an empty level")
+            if level in ("+", "#") or (
+                ("{" in level or "}" in level)
+                and level[1:-1]
+                not in (
+                    "tenant",
+                    "device_id",
+                    "_",
+                )
+            ):
+                raise ValueError(
+                    f"template {self.template!r}: level {level!r} must be a fixed word, "
+                    "{tenant}, {device_id} or {_} (any value, ignored)"
+                )
+        if names.count("device_id") != 1:
+            raise ValueError(f"template {self.template!r} needs exactly one {{device_id}} level")
+        has_tenant = names.count("tenant")
+        if has_tenant > 1:
+            raise ValueError(f"template {self.template!r} has more than one {{tenant}} level")
+        if has_tenant == 0 and not self.tenant:
+            raise ValueError(
+                f"template {self.template!r} has no {{tenant}} level: set a fixed tenant"
+            )
+        if has_tenant == 1 and self.tenant:
+            raise ValueError(
+                f"template {self.template!r} has a {{tenant}} level and a fixed tenant"
+            )
+        return self
+
+
+Consistency = Literal["ONE", "LOCAL_ONE", "QUORUM", "LOCAL_QUORUM", "EACH_QUORUM", "ALL"]
+
+
+class CassandraConfig(_Model):
+    contact_points: Annotated[list[str], BeforeValidator(_split_list)] = Field(
+        default_factory=lambda: ["127.0.0.1"], min_length=1
+    )
+    port: Port = 9042
+    keyspace: str = Field(default="gateway", pattern=_IDENTIFIER)
+    local_dc: str | None = None
+    # Used by `gateway schema apply` when it creates the keyspace.
+    replication: Literal["SimpleStrategy", "NetworkTopologyStrategy"] = "SimpleStrategy"
+    replication_factor: int = Field(default=1, ge=1, le=10)
+    datacenters: dict[str, int] = Field(default_factory=dict)
+    consistency: Consistency = "LOCAL_QUORUM"
+    connect_timeout: Duration = 10.0
+    request_timeout: Duration = 10.0
+    # Cap on concurrent requests to Cassandra (the writer's semaphore).
+    max_in_flight: int = Field(default=64, ge=1, le=4096)
+    # A write failing with timeouts/unavailable is retried with capped backoff.
+    # After this long without success the gateway stops with an error; nothing
+    # is lost because unwritten messages were never acknowledged to the broker.
+    give_up_after: Duration = 600.0
+    username: str | None = None
+    password: SecretStr | None = None
+    password_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> CassandraConfig:
+        if self.replication == "NetworkTopologyStrategy" and not self.datacenters:
+            raise ValueError(
+                "cassandra.datacenters is required with NetworkTopologyStrategy, e.g. {dc1 = 3}"
+            )
+        if self.password_file is not None:
+            if self.password is not None:
+                raise ValueError("set cassandra.password or cassandra.password_file, not both")
+            secret = _read_secret_file(self.password_file, "cassandra.password_file")
+            object.__setattr__(self, "password", secret)
+        return self
+
+
+class PipelineConfig(_Model):
+    # Bounded queue between decode and the Cassandra writer. When it is full
+    # the receiver stops reading; the broker then stops sending once
+    # mqtt.receive_maximum messages are unacknowledged.
+    queue_size: int = Field(default=2000, ge=1, le=1_000_000)
+    # The writer takes up to this many messages at a time and groups their rows
+    # by partition.
+    batch_max_events: int = Field(default=500, ge=1, le=100_000)
+    # Rows per unlogged batch (only rows of one partition are batched).
+    batch_max_rows: int = Field(default=32, ge=1, le=1000)
+    status_interval: Duration = 5.0
+    # Every event deletes the device from each other state its tenant knows, so
+    # the number of states per tenant is bounded; past it, events with a new
+    # state are rejected with reason "too_many_states".
+    max_states_per_tenant: int = Field(default=32, ge=2, le=1024)
+    # Re-read the states each tenant knows this often (other gateway instances
+    # may add states).
+    states_refresh: Duration = 60.0
+    # How many (device, time bucket) raw-telemetry partitions are remembered as
+    # already indexed; past it the oldest are forgotten and indexed again.
+    partition_cache_size: int = Field(default=100_000, ge=100, le=10_000_000)
+    # Bad messages are logged at most this many per second (all are counted).
+    reject_log_per_s: float = Field(default=5.0, ge=0)
+    # On SIGTERM: stop reading, write and acknowledge what was read, within this.
+    shutdown_deadline: Duration = 10.0
+
+
+class LimitsConfig(_Model):
+    max_payload_bytes: int = Field(default=64 * 1024, ge=64, le=16 * 1024 * 1024)
+    max_metrics: int = Field(default=64, ge=0, le=10_000)
+    max_tags: int = Field(default=32, ge=0, le=10_000)
+    max_key_length: int = Field(default=64, ge=1, le=1024)
+    max_state_length: int = Field(default=64, ge=1, le=1024)
+    max_text_length: int = Field(default=1024, ge=1, le=65536)
+    max_topic_level_length: int = Field(default=128, ge=1, le=1024)
+    # Devices with a fast clock: timestamps further ahead than this are rejected.
+    max_future_skew: Duration = 300.0
+    # Old timestamps are legitimate (backfill); only implausible ones are rejected.
+    min_timestamp: datetime = datetime(2000, 1, 1, tzinfo=UTC)
+    # Rejected payloads are stored truncated to this many bytes.
+    rejected_payload_bytes: int = Field(default=2048, ge=0, le=1024 * 1024)
+
+    @field_validator("min_timestamp")
+    @classmethod
+    def _aware(cls, value: datetime) -> datetime:
+        return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+class TenantConfig(_Model):
+    # Solution 5's artificial buckets per state partition; 1 is Solution 3.
+    # Choose before data arrives: changing it moves devices to other buckets.
+    state_buckets: int = Field(default=1, ge=1, le=1024)
+    # Raw telemetry partition size: one partition per device and time bucket.
+    telemetry_bucket: Duration = 3600.0
+    ttl: Duration = 30 * 86400.0
+
+    @field_validator("telemetry_bucket")
+    @classmethod
+    def _whole_seconds(cls, value: float) -> float:
+        if value < 60 or value > MAX_BUCKET_SECONDS or value != int(value):
+            raise ValueError("telemetry_bucket must be a whole number of seconds between 1m and 7d")
+        return value
+
+
+class Config(_Model):
+    mqtt: MqttConfig = Field(default_factory=MqttConfig)
+    cassandra: CassandraConfig = Field(default_factory=CassandraConfig)
+    topics: list[TopicTemplate] = Field(default_factory=lambda: [TopicTemplate()], min_length=1)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    # [tenants.default] applies to every tenant without a section of its own.
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+
+    def tenant(self, name: str) -> TenantConfig:
+        found = self.tenants.get(name) or self.tenants.get("default")
+        return found if found is not None else _DEFAULT_TENANT
+
+
+_DEFAULT_TENANT = TenantConfig()
+
+
+def _env_overlay(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[tuple[str, ...], str]]:
+    tree: dict[str, Any] = {}
+    origin: dict[tuple[str, ...], str] = {}
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX) or name == ENV_CONFIG_PATH:
+            continue
+        path = tuple(part.lower() for part in name[len(ENV_PREFIX) :].split("__"))
+        if not all(path):
+            raise ConfigError(f"{name}: malformed variable name (use GATEWAY_SECTION__KEY)")
+        node = tree
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"{name}: {'.'.join(path)} conflicts with another variable")
+            node = child
+        node[path[-1]] = _env_value(raw)
+        origin[path] = name
+    return tree, origin
+
+
+def _env_value(raw: str) -> Any:
+    # TOML syntax for a value ("8", "true", "[1, 2]", "{dc1 = 3}"); else a string.
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _describe(exc: ValidationError, origin: Mapping[tuple[str, ...], str], file: str) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(str(part) for part in err["loc"])
+        key = ".".join(loc) or "(top level)"
+        source = next((origin[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in origin), file)
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            message = "unknown key"
+        lines.append(f"{key} (from {source}): {message}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def load_config(path: Path | None = None, env: Mapping[str, str] | None = None) -> Config:
+    """Read the file, overlay the environment, validate. Raises ConfigError."""
+    env = os.environ if env is None else env
+    if path is None and env.get(ENV_CONFIG_PATH):
+        path = Path(env[ENV_CONFIG_PATH])
+    data: dict[str, Any] = {}
+    file = "defaults"
+    if path is not None:
+        file = str(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    overlay, origin = _env_overlay(env)
+    try:
+        return Config.model_validate(_merge(data, overlay))
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, origin, file)) from None

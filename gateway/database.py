@@ -1,0 +1,129 @@
+"""The Cassandra session, owned by an async context manager.
+
+``connect(config)`` yields a :class:`Database`: the driver session plus
+``execute()``, which bridges the driver's callback futures into asyncio (the
+callbacks run on the driver's IO thread, so they only hand the result over
+with ``call_soon_threadsafe``). Connecting and shutting down block on sockets
+and run in an executor, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+from cassandra.auth import PlainTextAuthProvider
+from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile, Session
+from cassandra.policies import DCAwareRoundRobinPolicy, RoundRobinPolicy, TokenAwarePolicy
+from cassandra.query import PreparedStatement, Statement
+
+from cassandra import ConsistencyLevel
+
+from .config import CassandraConfig
+from .errors import SinkError
+
+log = logging.getLogger(__name__)
+
+
+class Database:
+    """A connected session and the helpers every stage uses."""
+
+    def __init__(self, cluster: Cluster, session: Session, config: CassandraConfig) -> None:
+        self.cluster = cluster
+        self.session = session
+        self.config = config
+        self.keyspace = config.keyspace
+        self._loop = asyncio.get_running_loop()
+
+    def prepare(self, cql: str) -> PreparedStatement:
+        # Preparing blocks, but only at start-up, before any message flows.
+        return self.session.prepare(cql.replace("{keyspace}", self.keyspace))
+
+    def execute(
+        self, statement: Statement | str, params: Sequence[Any] | None = None
+    ) -> asyncio.Future[Any]:
+        """Send a statement; the returned future resolves to all its rows."""
+        loop = self._loop
+        future: asyncio.Future[Any] = loop.create_future()
+        response = self.session.execute_async(statement, params)
+
+        def on_rows(rows: Any) -> None:
+            if response.has_more_pages:
+                # Rare here (small reads); fetching the next page is async too.
+                collected.extend(rows)
+                response.start_fetching_next_page()
+                return
+            collected.extend(rows or ())
+            loop.call_soon_threadsafe(_resolve, future, collected)
+
+        def on_error(exc: BaseException) -> None:
+            loop.call_soon_threadsafe(_fail, future, exc)
+
+        collected: list[Any] = []
+        response.add_callbacks(on_rows, on_error)
+        return future
+
+
+def _resolve(future: asyncio.Future[Any], value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
+
+
+def build_cluster(config: CassandraConfig, ssl_context: ssl.SSLContext | None = None) -> Cluster:
+    local = (
+        DCAwareRoundRobinPolicy(local_dc=config.local_dc) if config.local_dc else RoundRobinPolicy()
+    )
+    profile = ExecutionProfile(
+        load_balancing_policy=TokenAwarePolicy(local),
+        consistency_level=getattr(ConsistencyLevel, config.consistency),
+        request_timeout=config.request_timeout,
+    )
+    auth = None
+    if config.username is not None:
+        password = config.password.get_secret_value() if config.password else ""
+        auth = PlainTextAuthProvider(username=config.username, password=password)
+    return Cluster(
+        contact_points=list(config.contact_points),
+        port=config.port,
+        execution_profiles={EXEC_PROFILE_DEFAULT: profile},
+        auth_provider=auth,
+        ssl_context=ssl_context,
+        connect_timeout=config.connect_timeout,
+        control_connection_timeout=config.connect_timeout,
+        # One connection per host carries thousands of concurrent requests
+        # (protocol v4+); more would only cost memory on a small edge host.
+        protocol_version=5,
+    )
+
+
+@asynccontextmanager
+async def connect(config: CassandraConfig, *, keyspace: bool = True) -> AsyncIterator[Database]:
+    """Connect (in an executor) and always shut the cluster down on exit."""
+    loop = asyncio.get_running_loop()
+    cluster = build_cluster(config)
+    try:
+        session = await loop.run_in_executor(None, cluster.connect)
+    except Exception as exc:
+        await loop.run_in_executor(None, cluster.shutdown)
+        where = ", ".join(f"{h}:{config.port}" for h in config.contact_points)
+        raise SinkError(f"cannot connect to Cassandra at {where}: {exc}") from None
+    try:
+        if keyspace:
+            try:
+                await loop.run_in_executor(None, session.set_keyspace, config.keyspace)
+            except Exception:
+                raise SinkError(
+                    f"keyspace {config.keyspace!r} does not exist: run `gateway schema apply`"
+                ) from None
+        yield Database(cluster, session, config)
+    finally:
+        await loop.run_in_executor(None, cluster.shutdown)

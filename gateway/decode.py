@@ -1,0 +1,300 @@
+"""Decode and validate one MQTT payload into an :class:`Event`.
+
+Format: JSON (orjson) or MessagePack, chosen by the MQTT v5 content type when
+present, otherwise by the first byte (``{`` or whitespace means JSON, a
+MessagePack map header means MessagePack). One event per message::
+
+    {"ts": <epoch ms int | RFC 3339 string>, "state": str, "value": str | number,
+     "metrics": {name: number}, "tags": {key: str}, "sent_at": <epoch ms, optional>}
+
+Every field but ``ts`` is optional; without ``ts`` the gateway's receive time is
+used (and counted). ``sent_at`` is the publisher's clock at publish time, used
+only to measure latency. Unknown fields are rejected rather than silently
+dropped, so what is stored is exactly what was sent.
+
+Promises: ``decode`` never raises anything but :class:`DecodeError`, whose
+``reason`` is one of REASONS and whose detail names the field and the limit.
+Validation is pydantic in strict mode (no coercion: ``"21"`` is not a number,
+``true`` is not a number), with bounded sizes from ``[limits]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Annotated, Any
+
+import msgpack
+import orjson
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
+
+from .config import LimitsConfig
+from .errors import DecodeError
+
+REASONS = (
+    "topic",  # the topic matches no template or has a bad level
+    "too_large",  # payload over limits.max_payload_bytes
+    "empty",  # zero-length payload
+    "invalid_json",
+    "invalid_msgpack",
+    "unsupported_content_type",
+    "not_an_object",  # the payload is valid but not a map/object
+    "invalid_field",  # a field has the wrong type, size or value
+    "unknown_field",
+    "invalid_ts",  # unparseable, or outside the plausible range
+    "too_many_states",  # set by the writer: the tenant's state budget is spent
+)
+
+JSON_TYPES = frozenset({"application/json", "text/json"})
+MSGPACK_TYPES = frozenset(
+    {"application/msgpack", "application/x-msgpack", "application/vnd.msgpack"}
+)
+
+
+@dataclass(slots=True)
+class Event:
+    """One validated device event, ready for the writers."""
+
+    tenant: str
+    device_id: str
+    ts_ms: int
+    state: str | None
+    value_text: str | None
+    value_num: float | None
+    metrics: dict[str, float]
+    tags: dict[str, str]
+    received_ms: int
+    ts_from_receive: bool
+    sent_at_ms: float | None
+    event_id: int
+    write_ts: int
+
+
+def event_identity(
+    tenant: str,
+    device_id: str,
+    ts_ms: int,
+    state: str | None,
+    value: str | float | None,
+    metrics: dict[str, float],
+    tags: dict[str, str],
+) -> tuple[int, int]:
+    """(event_id, write timestamp in µs) for an event's content.
+
+    event_id is a signed 64-bit hash of everything the event says, so a
+    redelivered copy maps to the same raw-telemetry row. The write timestamp is
+    the event time in microseconds plus a deterministic tie-break below the
+    millisecond (0..999 from the hash), so two different events of one device in
+    the same millisecond still resolve the same way in every table.
+    """
+    canonical = orjson.dumps(
+        [tenant, device_id, ts_ms, state, value, metrics, tags], option=orjson.OPT_SORT_KEYS
+    )
+    digest = hashlib.blake2b(canonical, digest_size=8).digest()
+    event_id = int.from_bytes(digest, "big", signed=True)
+    return event_id, ts_ms * 1000 + (event_id % 1000)
+
+
+class Decoder:
+    """Validates payloads against the configured limits. One per gateway."""
+
+    def __init__(self, limits: LimitsConfig) -> None:
+        self._limits = limits
+        key = Annotated[StrictStr, Field(min_length=1, max_length=limits.max_key_length)]
+        text = Annotated[StrictStr, Field(max_length=limits.max_text_length)]
+        number = Annotated[StrictInt | StrictFloat, Field(allow_inf_nan=False)]
+
+        class Payload(BaseModel):
+            model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+            ts: StrictInt | Annotated[StrictStr, Field(max_length=64)] | None = None
+            state: (
+                Annotated[StrictStr, Field(min_length=1, max_length=limits.max_state_length)] | None
+            ) = None
+            value: text | number | None = None
+            metrics: Annotated[dict[key, number], Field(max_length=limits.max_metrics)] = {}
+            tags: Annotated[dict[key, text], Field(max_length=limits.max_tags)] = {}
+            sent_at: number | None = None
+
+        self._payload = Payload
+        self._min_ms = int(limits.min_timestamp.timestamp() * 1000)
+        self._skew_ms = int(limits.max_future_skew * 1000)
+
+    def decode(
+        self,
+        tenant: str,
+        device_id: str,
+        payload: bytes,
+        content_type: str | None,
+        received_ms: int,
+    ) -> Event:
+        size = len(payload)
+        if size == 0:
+            raise DecodeError("empty", "the payload is empty")
+        if size > self._limits.max_payload_bytes:
+            raise DecodeError(
+                "too_large",
+                f"payload of {size} bytes is over the limit of "
+                f"{self._limits.max_payload_bytes} (limits.max_payload_bytes)",
+            )
+        raw = self._parse(payload, content_type)
+        if not isinstance(raw, dict):
+            raise DecodeError(
+                "not_an_object", f"expected one event as an object, got {type(raw).__name__}"
+            )
+        try:
+            data = self._payload.model_validate(raw)
+        except ValidationError as exc:
+            raise _reason(exc) from None
+
+        if data.ts is None:
+            ts_ms, from_receive = received_ms, True
+        else:
+            ts_ms, from_receive = self._timestamp(data.ts), False
+            if ts_ms < self._min_ms:
+                hint = " (epoch seconds instead of milliseconds?)" if ts_ms > 0 else ""
+                raise DecodeError(
+                    "invalid_ts",
+                    f"ts {data.ts!r} is before limits.min_timestamp "
+                    f"{self._limits.min_timestamp.isoformat()}{hint}",
+                )
+            if ts_ms > received_ms + self._skew_ms:
+                raise DecodeError(
+                    "invalid_ts",
+                    f"ts {data.ts!r} is {(ts_ms - received_ms) / 1000:.0f} s in the future, "
+                    f"over limits.max_future_skew ({self._limits.max_future_skew:.0f} s)",
+                )
+        value = data.value
+        value_text = value if isinstance(value, str) else None
+        value_num = float(value) if value is not None and not isinstance(value, str) else None
+        metrics = {name: float(v) for name, v in data.metrics.items()}
+        tags = dict(data.tags)
+        event_id, write_ts = event_identity(
+            tenant, device_id, ts_ms, data.state, value, metrics, tags
+        )
+        return Event(
+            tenant=tenant,
+            device_id=device_id,
+            ts_ms=ts_ms,
+            state=data.state,
+            value_text=value_text,
+            value_num=value_num,
+            metrics=metrics,
+            tags=tags,
+            received_ms=received_ms,
+            ts_from_receive=from_receive,
+            sent_at_ms=float(data.sent_at) if data.sent_at is not None else None,
+            event_id=event_id,
+            write_ts=write_ts,
+        )
+
+    @staticmethod
+    def _parse(payload: bytes, content_type: str | None) -> Any:
+        kind = _kind(payload, content_type)
+        if kind == "json":
+            try:
+                return orjson.loads(payload)
+            except orjson.JSONDecodeError as exc:
+                raise DecodeError("invalid_json", f"not valid JSON: {exc}") from None
+        try:
+            # strict_map_key: keys must be str/bytes; raw=False: str must be UTF-8.
+            return msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        except UnicodeDecodeError:
+            raise DecodeError("invalid_msgpack", "a text field is not valid UTF-8") from None
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            raise DecodeError("invalid_msgpack", f"not valid MessagePack: {exc}") from None
+
+    @staticmethod
+    def _timestamp(ts: int | str) -> int:
+        if isinstance(ts, int):
+            return ts
+        try:
+            parsed = datetime.fromisoformat(ts)
+        except ValueError:
+            raise DecodeError(
+                "invalid_ts", f"ts {ts!r} is neither epoch milliseconds nor an RFC 3339 time"
+            ) from None
+        if parsed.tzinfo is None:
+            raise DecodeError("invalid_ts", f"ts {ts!r} has no UTC offset (RFC 3339 needs one)")
+        return math.floor(parsed.timestamp() * 1000)
+
+
+def _kind(payload: bytes, content_type: str | None) -> str:
+    if content_type:
+        base = content_type.split(";", 1)[0].strip().lower()
+        if base in JSON_TYPES:
+            return "json"
+        if base in MSGPACK_TYPES:
+            return "msgpack"
+        raise DecodeError(
+            "unsupported_content_type",
+            f"content type {content_type!r} is neither JSON nor MessagePack",
+        )
+    first = payload[0]
+    # A JSON object starts with '{' (maybe after whitespace); anything else is
+    # tried as MessagePack, whose maps start with 0x80-0x8f, 0xde or 0xdf.
+    if first in b'{ \t\r\n["':
+        return "json"
+    return "msgpack"
+
+
+_UNION_TAGS = frozenset({"str", "int", "float", "constrained-str", "none", "function-after"})
+_EXPECTED = {
+    "ts": "epoch milliseconds (an integer) or an RFC 3339 string",
+    "value": "text or a finite number",
+    "metrics": "a finite number",
+    "sent_at": "a finite number",
+}
+
+
+def _reason(exc: ValidationError) -> DecodeError:
+    errors = exc.errors(include_url=False)
+    err = errors[0]
+    parts = _clean_loc(err["loc"])
+    field = ".".join(parts) or "payload"
+    if err["type"] == "extra_forbidden":
+        return DecodeError("unknown_field", f"unknown field {field!r}")
+    same_field = [e for e in errors if _clean_loc(e["loc"]) == parts]
+    value = err.get("input")
+    if any(e["type"] == "finite_number" for e in same_field):
+        value = next(e["input"] for e in same_field if e["type"] == "finite_number")
+        message = f"must be a finite number, got {value!r}"
+    elif len(same_field) > 1 and parts[0] in _EXPECTED and err["type"].endswith("_type"):
+        # A union member failed on type: say what the field accepts.
+        message = f"expected {_EXPECTED[parts[0]]}, got {_type_name(value)}"
+    else:
+        message = str(err["msg"])
+        if isinstance(value, str | int | float | bool) and len(repr(value)) <= 40:
+            message += f" (got {value!r})"
+        elif isinstance(value, str):
+            message += f" (got {len(value)} characters)"
+    reason = "invalid_ts" if parts[0] == "ts" else "invalid_field"
+    return DecodeError(reason, f"{field}: {message}")
+
+
+def _clean_loc(loc: tuple[int | str, ...]) -> list[str]:
+    # pydantic names union members in the location ("str", "union[int,float]"...).
+    return [str(p) for p in loc if str(p) not in _UNION_TAGS and "[" not in str(p)]
+
+
+def _type_name(value: object) -> str:
+    names = {
+        bool: "a boolean",
+        str: "text",
+        int: "an integer",
+        float: "a float",
+        bytes: "binary data",
+        list: "a list",
+        dict: "an object",
+        type(None): "null",
+    }
+    return names.get(type(value), type(value).__name__)

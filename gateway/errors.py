@@ -1,0 +1,45 @@
+"""The gateway's small error tree.
+
+Foreign errors (driver, paho, pydantic, OS) are converted at module boundaries
+with ``raise ... from``. A bad *message* is not an exception that escapes a loop:
+it becomes a :class:`Rejection` (see ``decode``) and is recorded as data.
+"""
+
+from __future__ import annotations
+
+
+class GatewayError(Exception):
+    """Base of every error the gateway raises on purpose."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self)!r})"
+
+
+class ConfigError(GatewayError):
+    """The configuration is invalid; the message names the offending key."""
+
+
+class DecodeError(GatewayError):
+    """A payload or topic could not be turned into an event.
+
+    ``reason`` is a short machine-friendly code (``invalid_json``, ``topic``,
+    ``too_large`` ...) and ``detail`` a human sentence; both are stored in
+    ``rejected_messages``.
+    """
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class SinkError(GatewayError):
+    """Cassandra refused a write in a way retrying cannot fix, or gave up."""
+
+
+class SchemaError(GatewayError):
+    """The schema could not be applied, or is missing."""
+
+
+class BrokerError(GatewayError):
+    """The MQTT broker could not be reached or refused us."""

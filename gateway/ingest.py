@@ -1,0 +1,237 @@
+"""The gateway's main job: receive → topics → decode → queue → writers → ack.
+
+    receive.py    MQTT session; each message comes with an Ack
+    topics.py     (tenant, device_id) from the topic, or a rejection
+    decode.py     the payload into a validated Event, or a rejection
+    (queue)       bounded asyncio.Queue of pipeline.queue_size
+    state.py      latest_events_by_state / _by_device writes
+    telemetry.py  raw, time-bucketed telemetry writes
+    rejects.py    rejected_messages writes
+    sink.py       batches per partition, in-flight cap, retries
+    → Ack.done() once every write of the message is acknowledged by Cassandra
+
+Promises: every message the broker hands over ends up written (event or
+rejection) before it is acknowledged; nothing is dropped. When Cassandra is
+slow the queue fills, the receiver waits on it, and the broker stops sending
+after ``mqtt.receive_maximum`` unacknowledged messages. On stop the receiver
+stops reading, what was read is written and acknowledged (within
+``shutdown_deadline``), and one summary line is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .config import Config
+from .database import Database, connect
+from .decode import Decoder, Event
+from .errors import DecodeError, SchemaError
+from .metrics import Stats
+from .receive import Delivery, Receiver
+from .rejects import Rejection, Rejects
+from .schema import missing_tables
+from .sink import Pending, Sink, Write
+from .state import LatestState
+from .telemetry import Telemetry
+from .topics import TopicMatcher
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Item:
+    delivery: Delivery
+    event: Event | None
+    rejection: Rejection | None
+
+
+_STOP = object()
+
+
+class Pipeline:
+    """Everything between a delivery and its acknowledgement."""
+
+    def __init__(self, config: Config, db: Database, sink: Sink, stats: Stats) -> None:
+        self.config = config
+        self.stats = stats
+        self._sink = sink
+        self._matcher = TopicMatcher(config.topics, config.limits)
+        self._decoder = Decoder(config.limits)
+        self._state = LatestState(db, sink, config, stats)
+        self._telemetry = Telemetry(db, config)
+        self._rejects = Rejects(db, config, stats)
+        self._queue: asyncio.Queue[_Item | object] = asyncio.Queue(config.pipeline.queue_size)
+        self._batch = config.pipeline.batch_max_events
+
+    @property
+    def subscriptions(self) -> list[str]:
+        return self._matcher.subscriptions
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    def classify(self, delivery: Delivery) -> _Item:
+        """Topic and payload to an Event, or to a Rejection. Never raises."""
+        tenant = ""
+        device: str | None = None
+        try:
+            tenant, device = self._matcher.match(delivery.topic)
+            event = self._decoder.decode(
+                tenant, device, delivery.payload, delivery.content_type, delivery.received_ms
+            )
+        except DecodeError as exc:
+            if not tenant:
+                tenant = self._matcher.tenant_of(delivery.topic)
+            return _Item(
+                delivery,
+                None,
+                Rejection(
+                    tenant,
+                    device,
+                    delivery.topic,
+                    exc.reason,
+                    exc.detail,
+                    delivery.payload,
+                    delivery.received_ms,
+                ),
+            )
+        if event.ts_from_receive:
+            self.stats.no_ts += 1
+        return _Item(delivery, event, None)
+
+    async def accept(self, delivery: Delivery) -> None:
+        """Receiver's handler: classify and enqueue (waits while the queue is full)."""
+        item = self.classify(delivery)
+        if self._queue.full():
+            started = time.monotonic()
+            await self._queue.put(item)
+            self.stats.throttled_s += time.monotonic() - started
+        else:
+            self._queue.put_nowait(item)
+
+    async def close(self) -> None:
+        """No more deliveries: the writer finishes what is queued, then returns."""
+        await self._queue.put(_STOP)
+
+    async def write_loop(self) -> None:
+        """Take chunks off the queue and write them until close()."""
+        queue = self._queue
+        while True:
+            first = await queue.get()
+            chunk: list[_Item] = []
+            stop = first is _STOP
+            if not stop:
+                chunk.append(first)  # type: ignore[arg-type]
+            while not stop and len(chunk) < self._batch and not queue.empty():
+                item = queue.get_nowait()
+                if item is _STOP:
+                    stop = True
+                    break
+                chunk.append(item)  # type: ignore[arg-type]
+            self.stats.queue_depth = queue.qsize()
+            if chunk:
+                await self._write_chunk(chunk)
+            if stop:
+                await self._sink.drain()
+                return
+
+    async def _write_chunk(self, chunk: list[_Item]) -> None:
+        events = [item.event for item in chunk if item.event is not None]
+        over, late = await self._state.prepare_chunk(events) if events else ([], {})
+        over_ids = {id(e) for e in over}
+        writes: list[Write] = []
+        for item in chunk:
+            pending = Pending(self._done_callback(item))
+            event = item.event
+            if event is not None and id(event) in over_ids:
+                item.rejection = Rejection(
+                    event.tenant,
+                    event.device_id,
+                    item.delivery.topic,
+                    "too_many_states",
+                    f"state {event.state!r} would exceed the tenant's "
+                    f"{self.config.pipeline.max_states_per_tenant} states "
+                    "(pipeline.max_states_per_tenant)",
+                    item.delivery.payload,
+                    item.delivery.received_ms,
+                )
+                item.event = event = None
+            if event is not None:
+                writes += self._state.writes(event, pending, late.get(id(event)))
+                writes += self._telemetry.writes(event, pending)
+            else:
+                assert item.rejection is not None
+                writes += self._rejects.writes(item.rejection, pending)
+        await self._sink.submit(writes)
+
+    def _done_callback(self, item: _Item) -> Callable[[], None]:
+        stats = self.stats
+
+        def done() -> None:
+            if item.event is not None:
+                stats.written += 1
+            item.delivery.ack.done()
+
+        return done
+
+
+async def _status(pipeline: Pipeline, interval: float, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            async with asyncio.timeout(interval):
+                await stop.wait()
+        except TimeoutError:
+            pipeline.stats.queue_depth = pipeline.queue_depth
+            log.info("status: %s", pipeline.stats.status_line())
+
+
+async def run(
+    config: Config,
+    stop: asyncio.Event,
+    *,
+    stats: Stats | None = None,
+    shutdown_deadline: float = 10.0,
+    ready: asyncio.Event | None = None,
+) -> Stats:
+    """Run until ``stop`` is set; returns the counters."""
+    stats = stats or Stats()
+    async with connect(config.cassandra) as db:
+        missing = await asyncio.get_running_loop().run_in_executor(None, missing_tables, db)
+        if missing:
+            raise SchemaError(
+                f"schema incomplete in keyspace {config.cassandra.keyspace!r} "
+                f"(missing: {', '.join(missing)}): run `gateway schema apply`"
+            )
+        async with Sink(db, config, stats) as sink:
+            pipeline = Pipeline(config, db, sink, stats)
+            receiver = Receiver(
+                config.mqtt, pipeline.subscriptions, stats, shutdown_deadline=shutdown_deadline
+            )
+
+            async def receive() -> None:
+                try:
+                    await receiver.run(pipeline.accept, stop)
+                finally:
+                    await pipeline.close()
+
+            async def signal_ready() -> None:
+                connected = asyncio.ensure_future(receiver.connected.wait())
+                stopped = asyncio.ensure_future(stop.wait())
+                await asyncio.wait((connected, stopped), return_when=asyncio.FIRST_COMPLETED)
+                connected.cancel()
+                stopped.cancel()
+                if ready is not None and receiver.connected.is_set():
+                    ready.set()
+
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(receive())
+                tasks.create_task(pipeline.write_loop())
+                tasks.create_task(_status(pipeline, config.pipeline.status_interval, stop))
+                tasks.create_task(signal_ready())
+    log.info("stopped: %s", stats.summary())
+    return stats

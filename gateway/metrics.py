@@ -1,0 +1,59 @@
+"""Counters shared by the pipeline stages, and the one-line status.
+
+Plain integers updated on the event loop (no locks needed). Everything that is
+dropped, retried, rejected or throttled has a counter here, so no decision of
+the gateway is invisible.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Stats:
+    started: float = field(default_factory=time.monotonic)
+    received: int = 0  # messages the broker handed us
+    written: int = 0  # events whose every Cassandra write was acknowledged
+    rejected: int = 0  # messages recorded in rejected_messages
+    rejected_by_reason: Counter[str] = field(default_factory=Counter)
+    acked: int = 0  # PUBACKs sent to the broker
+    acks_dropped: int = 0  # finished after their connection closed: the broker redelivers
+    no_ts: int = 0  # events that took the receive time as ts
+    requests: int = 0  # Cassandra requests sent (a batch is one)
+    rows: int = 0  # statements in those requests
+    retries: int = 0  # Cassandra requests retried after a transient error
+    in_flight: int = 0  # Cassandra requests not yet answered
+    queue_depth: int = 0
+    connects: int = 0  # successful MQTT connections
+    disconnects: int = 0
+    states_registered: int = 0
+    late_state_checks: int = 0  # reads done for old events into recently known states
+    throttled_s: float = 0.0  # time the receiver waited on a full queue
+    _last: tuple[float, int, int] = (0.0, 0, 0)
+
+    def status_line(self) -> str:
+        now = time.monotonic()
+        t0, rx0, wr0 = self._last or (self.started, 0, 0)
+        if t0 == 0.0:
+            t0 = self.started
+        span = max(now - t0, 1e-9)
+        self._last = (now, self.received, self.written)
+        return (
+            f"in={self.received} ({(self.received - rx0) / span:.0f}/s) "
+            f"written={self.written} ({(self.written - wr0) / span:.0f}/s) "
+            f"rejected={self.rejected} queue={self.queue_depth} in_flight={self.in_flight} "
+            f"retries={self.retries} acked={self.acked}"
+        )
+
+    def summary(self) -> str:
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(self.rejected_by_reason.items()))
+        return (
+            f"received={self.received} written={self.written} rejected={self.rejected}"
+            f"{f' ({reasons})' if reasons else ''} acked={self.acked} "
+            f"unacked_redelivered_later={self.acks_dropped} no_ts={self.no_ts} "
+            f"requests={self.requests} retries={self.retries} connects={self.connects} "
+            f"uptime={time.monotonic() - self.started:.0f}s"
+        )

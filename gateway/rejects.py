@@ -1,0 +1,96 @@
+"""Bad messages become rows of ``rejected_messages``, never exceptions.
+
+Each rejection keeps the tenant (when the topic gave one), the topic, the
+reason code and sentence, the receive time and the payload truncated to
+``limits.rejected_payload_bytes``. It is counted by reason and logged at most
+``pipeline.reject_log_per_s`` times a second, so a flood of garbage cannot
+flood the log. Once its row is written the message is acknowledged like any
+other.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from cassandra.util import uuid_from_time
+
+from .config import Config
+from .database import Database
+from .metrics import Stats
+from .sink import Pending, Write
+
+log = logging.getLogger(__name__)
+
+HOUR_MS = 3_600_000
+
+
+@dataclass(slots=True)
+class Rejection:
+    tenant: str
+    device_id: str | None
+    topic: str
+    reason: str
+    detail: str
+    payload: bytes
+    received_ms: int
+
+
+class Rejects:
+    def __init__(self, db: Database, config: Config, stats: Stats) -> None:
+        self._stats = stats
+        self._keep = config.limits.rejected_payload_bytes
+        self._rate = config.pipeline.reject_log_per_s
+        self._tokens = self._rate
+        self._last = time.monotonic()
+        self._suppressed = 0
+        self._insert = db.prepare(
+            "INSERT INTO {keyspace}.rejected_messages "
+            "(tenant, hour_start, received_at, id, topic, device_id, reason, detail, payload, "
+            "payload_size) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        )
+
+    def writes(self, rejection: Rejection, pending: Pending) -> list[Write]:
+        self._stats.rejected += 1
+        self._stats.rejected_by_reason[rejection.reason] += 1
+        self._log(rejection)
+        hour = rejection.received_ms - rejection.received_ms % HOUR_MS
+        return [
+            Write(
+                ("rejected", rejection.tenant, hour),
+                self._insert.bind(
+                    (
+                        rejection.tenant,
+                        hour,
+                        rejection.received_ms,
+                        uuid_from_time(rejection.received_ms / 1000),
+                        rejection.topic,
+                        rejection.device_id,
+                        rejection.reason,
+                        rejection.detail,
+                        rejection.payload[: self._keep],
+                        len(rejection.payload),
+                    )
+                ),
+                pending,
+            )
+        ]
+
+    def _log(self, rejection: Rejection) -> None:
+        now = time.monotonic()
+        self._tokens = min(self._rate, self._tokens + (now - self._last) * self._rate)
+        self._last = now
+        if self._tokens < 1:
+            self._suppressed += 1
+            return
+        self._tokens -= 1
+        more = f" ({self._suppressed} more not logged)" if self._suppressed else ""
+        self._suppressed = 0
+        log.warning(
+            "rejected message on %r: %s: %s%s",
+            rejection.topic,
+            rejection.reason,
+            rejection.detail,
+            more,
+        )

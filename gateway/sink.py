@@ -1,0 +1,202 @@
+"""Send rows to Cassandra: grouped by partition, capped in flight, retried.
+
+The stages (``state``, ``telemetry``, ``rejects``) turn a message into
+:class:`Write` objects; the sink sends them. Promises:
+
+* Rows of one partition are grouped into UNLOGGED batches of at most
+  ``pipeline.batch_max_rows`` (one partition per batch: one replica set, no
+  batch log). Rows of different partitions are never batched.
+* At most ``cassandra.max_in_flight`` requests are outstanding; ``submit``
+  waits for a free slot, which is how a slow Cassandra slows the reader down.
+* Timeouts, unavailable replicas and lost connections are retried with capped
+  exponential backoff and jitter, which is safe because every write is
+  idempotent (fixed keys, event-time write timestamps). After
+  ``cassandra.give_up_after`` seconds of failing, or on an error retrying cannot
+  fix, the sink raises :class:`SinkError` and the gateway stops: the messages
+  concerned were never acknowledged, so the broker still has them.
+* A message's :class:`Pending` completes only when every one of its writes has
+  been acknowledged by Cassandra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from cassandra.cluster import NoHostAvailable
+from cassandra.connection import ConnectionException
+from cassandra.protocol import (
+    IsBootstrappingErrorMessage,
+    OverloadedErrorMessage,
+    ServerError,
+)
+from cassandra.query import BatchStatement, BatchType, Statement
+
+from cassandra import (
+    CoordinationFailure,
+    OperationTimedOut,
+    ReadTimeout,
+    Unavailable,
+    WriteTimeout,
+)
+
+from .config import Config
+from .database import Database
+from .errors import SinkError
+from .metrics import Stats
+
+log = logging.getLogger(__name__)
+
+TRANSIENT = (
+    OperationTimedOut,
+    WriteTimeout,
+    ReadTimeout,
+    Unavailable,
+    CoordinationFailure,
+    NoHostAvailable,
+    ConnectionException,
+    OverloadedErrorMessage,
+    IsBootstrappingErrorMessage,
+    ServerError,
+    ConnectionError,
+)
+BACKOFF_MIN = 0.05
+BACKOFF_MAX = 10.0
+
+
+class Pending:
+    """The writes one message still waits for; ``on_done`` runs at zero."""
+
+    __slots__ = ("on_done", "remaining")
+
+    def __init__(self, on_done: Callable[[], None]) -> None:
+        self.remaining = 0
+        self.on_done = on_done
+
+    def add(self, count: int = 1) -> None:
+        self.remaining += count
+
+    def finish_one(self) -> None:
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.on_done()
+
+
+@dataclass(slots=True)
+class Write:
+    """One statement for one partition, on behalf of one message."""
+
+    partition: Hashable  # (table, partition key...): rows with equal keys may be batched
+    statement: Statement
+    pending: Pending
+
+
+class Sink:
+    """Owns the in-flight requests; ``async with`` waits for them on exit."""
+
+    def __init__(self, db: Database, config: Config, stats: Stats) -> None:
+        self._db = db
+        self._max_rows = config.pipeline.batch_max_rows
+        self._give_up_after = config.cassandra.give_up_after
+        self._slots = asyncio.BoundedSemaphore(config.cassandra.max_in_flight)
+        self._stats = stats
+        self._tasks = asyncio.TaskGroup()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._failing_since: float | None = None
+
+    async def __aenter__(self) -> Sink:
+        await self._tasks.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._tasks.__aexit__(exc_type, exc, tb)
+
+    async def submit(self, writes: list[Write]) -> None:
+        """Group by partition and send; returns once every request is sent."""
+        groups: dict[Hashable, list[Write]] = {}
+        for write in writes:
+            write.pending.add()
+            groups.setdefault(write.partition, []).append(write)
+        for group in groups.values():
+            for start in range(0, len(group), self._max_rows):
+                await self._send(group[start : start + self._max_rows])
+
+    async def drain(self) -> None:
+        """Wait until no request is in flight (a barrier for rare schema-like work)."""
+        await self._idle.wait()
+
+    async def _send(self, rows: list[Write]) -> None:
+        await self._slots.acquire()
+        self._stats.in_flight += 1
+        self._idle.clear()
+        self._tasks.create_task(self._run(rows))
+
+    async def _run(self, rows: list[Write]) -> None:
+        try:
+            if len(rows) == 1:
+                statement: Statement = rows[0].statement
+            else:
+                batch = BatchStatement(batch_type=BatchType.UNLOGGED)
+                for row in rows:
+                    batch.add(row.statement)
+                statement = batch
+            await self.execute(statement, rows=len(rows))
+            for row in rows:
+                row.pending.finish_one()
+        finally:
+            self._slots.release()
+            self._stats.in_flight -= 1
+            if self._stats.in_flight == 0:
+                self._idle.set()
+
+    async def execute(
+        self, statement: Statement | str, params: Any = None, *, rows: int = 1
+    ) -> Any:
+        """Execute with retries on transient errors; raise SinkError otherwise."""
+        attempt = 0
+        while True:
+            self._stats.requests += 1
+            self._stats.rows += rows
+            try:
+                result = await self._db.execute(statement, params)
+            except TRANSIENT as exc:
+                now = time.monotonic()
+                if self._failing_since is None:
+                    self._failing_since = now
+                    log.warning("Cassandra write failed, retrying: %s", _short(exc))
+                if now - self._failing_since > self._give_up_after:
+                    raise SinkError(
+                        f"Cassandra writes failing for over {self._give_up_after:.0f} s "
+                        f"(cassandra.give_up_after); last error: {_short(exc)}"
+                    ) from None
+                attempt += 1
+                self._stats.retries += 1
+                delay = min(BACKOFF_MAX, BACKOFF_MIN * 2**attempt)
+                await asyncio.sleep(delay * (0.5 + random.random() / 2))
+                continue
+            except Exception as exc:
+                raise SinkError(f"Cassandra refused a write: {_short(exc)}") from None
+            if self._failing_since is not None:
+                log.warning(
+                    "Cassandra writes succeed again after %.1f s",
+                    time.monotonic() - self._failing_since,
+                )
+                self._failing_since = None
+            return result
+
+
+def _short(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) < 300 else text[:297] + "..."

@@ -1,0 +1,240 @@
+"""Latest state: the insert-plus-delete writes of ``latest_events_by_state``
+and the upsert of ``latest_events_by_device`` (schema/002_latest_events.cql).
+
+For an event of device D with state S, written with ``USING TIMESTAMP`` equal
+to the event's write timestamp (event time in µs plus a tie-break):
+
+* INSERT D into partition (tenant, S, bucket(D));
+* DELETE D from (tenant, S', bucket(D)) for every other state S' the tenant knows;
+* INSERT the event into latest_events_by_device.
+
+Because Cassandra keeps, per cell, the write with the highest timestamp (and a
+tombstone wins a tie), any order of delivery converges on the newest event.
+
+Promises and bounds:
+
+* A state seen for the first time is recorded in ``tenant_states`` (after the
+  writes already in flight have finished) before any write that uses it, so
+  every later event's deletes cover it. A tenant may know at most
+  ``pipeline.max_states_per_tenant`` states; an event with one more is rejected
+  (reason ``too_many_states``).
+* The one case the deletes cannot cover: an *old* event into state S arriving
+  after a *newer* event of the same device was processed before S was known.
+  For events older than S's registration (plus the allowed clock skew) the
+  writer reads the device's newest state write and, if it is newer and in
+  another state, also deletes D from S at that newer timestamp. Only backfill
+  and the first minutes of a new state pay this read.
+* Other gateway instances may register states; known states are re-read every
+  ``pipeline.states_refresh`` seconds. Between two refreshes an instance can
+  miss a brand-new state in its deletes (documented in the README).
+* Events without a state update latest_events_by_device only (the device stays
+  in the state partition it was in).
+* The per-tenant cache of states holds at most MAX_TENANTS tenants (LRU); an
+  evicted tenant is simply re-read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from cassandra.query import UNSET_VALUE
+
+from .config import Config
+from .database import Database
+from .decode import Event
+from .metrics import Stats
+from .sink import Pending, Sink, Write
+
+log = logging.getLogger(__name__)
+
+MAX_TENANTS = 10_000
+
+
+def state_bucket(device_id: str, buckets: int) -> int:
+    """Stable across processes and versions (unlike hash())."""
+    return zlib.crc32(device_id.encode()) % buckets if buckets > 1 else 0
+
+
+@dataclass(slots=True)
+class _TenantStates:
+    states: dict[str, int]  # state -> registered_at (epoch ms)
+    loaded_at: float = field(default_factory=time.monotonic)
+
+
+class LatestState:
+    def __init__(self, db: Database, sink: Sink, config: Config, stats: Stats) -> None:
+        self._db = db
+        self._sink = sink
+        self._config = config
+        self._stats = stats
+        self._max_states = config.pipeline.max_states_per_tenant
+        self._refresh = config.pipeline.states_refresh
+        self._skew_ms = int(config.limits.max_future_skew * 1000)
+        self._tenants: OrderedDict[str, _TenantStates] = OrderedDict()
+        self._lock = asyncio.Lock()
+        self._insert_state = db.prepare(
+            "INSERT INTO {keyspace}.latest_events_by_state "
+            "(tenant, state, bucket, device_id, ts, value, value_num) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?"
+        )
+        self._delete_state = db.prepare(
+            "DELETE FROM {keyspace}.latest_events_by_state USING TIMESTAMP ? "
+            "WHERE tenant = ? AND state = ? AND bucket = ? AND device_id = ?"
+        )
+        self._insert_device = db.prepare(
+            "INSERT INTO {keyspace}.latest_events_by_device "
+            "(tenant, device_id, state, ts, value, value_num, metrics, tags) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?"
+        )
+        self._select_states = db.prepare(
+            "SELECT state, registered_at FROM {keyspace}.tenant_states WHERE tenant = ?"
+        )
+        self._register = db.prepare(
+            "INSERT INTO {keyspace}.tenant_states (tenant, state, registered_at) "
+            "VALUES (?, ?, ?) IF NOT EXISTS"
+        )
+        self._newest_state = db.prepare(
+            "SELECT state, WRITETIME(state) AS wt FROM {keyspace}.latest_events_by_device "
+            "WHERE tenant = ? AND device_id = ?"
+        )
+
+    async def prepare_chunk(self, events: list[Event]) -> tuple[list[Event], dict[int, int]]:
+        """Make every state of these events known. Returns the events over the
+        state budget, and for late events the extra delete timestamps (by id(event))."""
+        over: list[Event] = []
+        risky: list[tuple[Event, _TenantStates]] = []
+        for event in events:
+            if event.state is None:
+                continue
+            known = await self._known(event.tenant)
+            if event.state not in known.states and not await self._register_state(
+                event.tenant, event.state, known
+            ):
+                over.append(event)
+                continue
+            if event.ts_ms < known.states[event.state] + self._skew_ms:
+                risky.append((event, known))
+        extra: dict[int, int] = {}
+        if risky:
+            self._stats.late_state_checks += len(risky)
+            rows = await asyncio.gather(
+                *(self._sink.execute(self._newest_state, (e.tenant, e.device_id)) for e, _ in risky)
+            )
+            for (event, _), found in zip(risky, rows, strict=True):
+                if found and found[0].wt is not None:
+                    newest_state, newest_ts = found[0].state, found[0].wt
+                    if newest_ts > event.write_ts and newest_state != event.state:
+                        extra[id(event)] = newest_ts
+        return over, extra
+
+    def writes(self, event: Event, pending: Pending, late_delete_ts: int | None) -> list[Write]:
+        tenant, device = event.tenant, event.device_id
+        ts = event.write_ts
+        out = [
+            Write(
+                ("device", tenant, device),
+                self._insert_device.bind(
+                    (
+                        tenant,
+                        device,
+                        event.state if event.state is not None else UNSET_VALUE,
+                        event.ts_ms,
+                        event.value_text,
+                        event.value_num,
+                        event.metrics,
+                        event.tags,
+                        ts,
+                    )
+                ),
+                pending,
+            )
+        ]
+        if event.state is None:
+            return out
+        bucket = state_bucket(device, self._config.tenant(tenant).state_buckets)
+        out.append(
+            Write(
+                ("state", tenant, event.state, bucket),
+                self._insert_state.bind(
+                    (
+                        tenant,
+                        event.state,
+                        bucket,
+                        device,
+                        event.ts_ms,
+                        event.value_text,
+                        event.value_num,
+                        ts,
+                    )
+                ),
+                pending,
+            )
+        )
+        known = self._tenants[tenant].states
+        for other in known:
+            if other != event.state:
+                out.append(
+                    Write(
+                        ("state", tenant, other, bucket),
+                        self._delete_state.bind((ts, tenant, other, bucket, device)),
+                        pending,
+                    )
+                )
+        if late_delete_ts is not None:
+            out.append(
+                Write(
+                    ("state", tenant, event.state, bucket),
+                    self._delete_state.bind((late_delete_ts, tenant, event.state, bucket, device)),
+                    pending,
+                )
+            )
+        return out
+
+    async def _known(self, tenant: str) -> _TenantStates:
+        known = self._tenants.get(tenant)
+        if known is not None and time.monotonic() - known.loaded_at < self._refresh:
+            self._tenants.move_to_end(tenant)
+            return known
+        rows = await self._sink.execute(self._select_states, (tenant,))
+        states = {row.state: _epoch_ms(row.registered_at) for row in rows}
+        if known is not None:
+            known.states.update(states)
+            known.loaded_at = time.monotonic()
+        else:
+            known = _TenantStates(states)
+            self._tenants[tenant] = known
+            if len(self._tenants) > MAX_TENANTS:
+                self._tenants.popitem(last=False)
+        self._tenants.move_to_end(tenant)
+        return known
+
+    async def _register_state(self, tenant: str, state: str, known: _TenantStates) -> bool:
+        if len(known.states) >= self._max_states:
+            return False
+        # Writes in flight may belong to newer events whose deletes did not
+        # cover this state; let them land first so the late-event check sees them.
+        await self._sink.drain()
+        now_ms = int(time.time() * 1000)
+        rows = await self._sink.execute(self._register, (tenant, state, now_ms))
+        applied = rows[0]
+        # Lightweight transaction: another instance may have registered it first.
+        registered = now_ms if applied.applied else _epoch_ms(applied.registered_at)
+        known.states[state] = registered
+        self._stats.states_registered += 1
+        log.info(
+            "tenant %r: new state %r (the tenant now has %d)", tenant, state, len(known.states)
+        )
+        return True
+
+
+def _epoch_ms(value: object) -> int:
+    if isinstance(value, datetime):
+        aware = value if value.tzinfo else value.replace(tzinfo=UTC)
+        return int(aware.timestamp() * 1000)
+    return 0

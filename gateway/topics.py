@@ -1,0 +1,105 @@
+"""Topic templates: which MQTT subscriptions to make, and who sent a message.
+
+A template such as ``tenants/{tenant}/devices/{device_id}/events`` becomes one
+QoS 1 subscription (``tenants/+/devices/+/events``); for each message the
+named levels are read back from its topic. ``{_}`` matches any level and is
+ignored. A template without ``{tenant}`` has a fixed tenant from the config.
+
+Promises: a topic that matches no template, or whose tenant or device level is
+empty, too long, or holds control characters, raises ``DecodeError("topic", ...)``
+with a sentence saying which. The first matching template wins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import LimitsConfig, TopicTemplate
+from .errors import DecodeError
+
+_NAMED = {"{tenant}": "tenant", "{device_id}": "device_id", "{_}": "_"}
+
+
+def _has_control(text: str) -> bool:
+    return any(ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0 for ch in text)
+
+
+@dataclass(frozen=True, slots=True)
+class _Compiled:
+    levels: tuple[str | None, ...]  # fixed word, or None for a named level
+    tenant_index: int | None
+    device_index: int
+    fixed_tenant: str | None
+    subscription: str
+
+
+def _compile(template: TopicTemplate) -> _Compiled:
+    parts = template.template.split("/")
+    levels = tuple(None if part in _NAMED else part for part in parts)
+    return _Compiled(
+        levels=levels,
+        tenant_index=parts.index("{tenant}") if "{tenant}" in parts else None,
+        device_index=parts.index("{device_id}"),
+        fixed_tenant=template.tenant,
+        subscription="/".join("+" if level is None else level for level in levels),
+    )
+
+
+class TopicMatcher:
+    """Maps message topics to (tenant, device_id) using the configured templates."""
+
+    def __init__(self, templates: list[TopicTemplate], limits: LimitsConfig) -> None:
+        self._templates = [_compile(t) for t in templates]
+        self._max_level = limits.max_topic_level_length
+
+    @property
+    def subscriptions(self) -> list[str]:
+        # Two templates may share a filter (e.g. differing only in fixed words
+        # that a '+' covers); subscribe once.
+        return list(dict.fromkeys(t.subscription for t in self._templates))
+
+    def match(self, topic: str) -> tuple[str, str]:
+        """Return (tenant, device_id) for a topic, or raise DecodeError('topic')."""
+        parts = topic.split("/")
+        for tpl in self._templates:
+            if len(parts) != len(tpl.levels):
+                continue
+            if any(
+                fixed is not None and fixed != part
+                for fixed, part in zip(tpl.levels, parts, strict=True)
+            ):
+                continue
+            device = parts[tpl.device_index]
+            self._check_level("device_id", device, topic)
+            if tpl.tenant_index is None:
+                assert tpl.fixed_tenant is not None  # guaranteed by TopicTemplate
+                return tpl.fixed_tenant, device
+            tenant = parts[tpl.tenant_index]
+            self._check_level("tenant", tenant, topic)
+            return tenant, device
+        raise DecodeError("topic", f"topic {topic!r} matches no configured template")
+
+    def tenant_of(self, topic: str) -> str:
+        """Best-effort tenant for a topic that failed to match fully ('' if none)."""
+        parts = topic.split("/")
+        for tpl in self._templates:
+            if len(parts) != len(tpl.levels):
+                continue
+            if tpl.tenant_index is None:
+                return tpl.fixed_tenant or ""
+            tenant = parts[tpl.tenant_index]
+            if tenant and len(tenant) <= self._max_level and not _has_control(tenant):
+                return tenant
+        return ""
+
+    def _check_level(self, name: str, value: str, topic: str) -> None:
+        if not value:
+            raise DecodeError("topic", f"topic {topic!r} has an empty {name} level")
+        if len(value) > self._max_level:
+            raise DecodeError(
+                "topic",
+                f"{name} level of {len(value)} characters is over the limit of "
+                f"{self._max_level} (limits.max_topic_level_length)",
+            )
+        if _has_control(value):
+            raise DecodeError("topic", f"{name} level {value!r} holds control characters")

@@ -1,0 +1,217 @@
+"""The simulated fleet: deterministic generation, and delivery through the real broker."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import Counter
+from typing import Any
+
+import aiomqtt
+import msgpack
+import orjson
+import pytest
+
+from gateway.simulate import Fleet, FleetSpec, PublishStats, noisy_device_ids, publish
+
+BROKER_HOST = "127.0.0.1"
+BROKER_PORT = 1883
+NOW_MS = 1_700_000_000_000
+
+
+def _draw(fleet: Fleet, n: int, *, step_every: int = 7) -> list[tuple[str, bytes, dict[str, Any]]]:
+    # A clock that often repeats the same millisecond, to exercise the per-device bump.
+    return [fleet.next_message(NOW_MS + i // step_every) for i in range(n)]
+
+
+def _device_of(topic: str) -> str:
+    parts = topic.split("/")
+    assert parts[0] == "tenants"
+    assert parts[2] == "devices"
+    assert parts[4] == "events"
+    return parts[3]
+
+
+def test_same_spec_same_messages() -> None:
+    spec = FleetSpec(devices=50, rate=100.0, noisy=0.1, seed=42)
+    assert _draw(Fleet(spec), 2_000) == _draw(Fleet(spec), 2_000)
+    other = _draw(Fleet(FleetSpec(devices=50, rate=100.0, noisy=0.1, seed=43)), 2_000)
+    assert other != _draw(Fleet(spec), 2_000)
+
+
+def test_device_ids_and_noisy_ids() -> None:
+    spec = FleetSpec(devices=20, rate=10.0, noisy=0.1)
+    assert Fleet(spec).device_ids == [f"dev-{i:06d}" for i in range(20)]
+    assert noisy_device_ids(spec) == ["dev-000000", "dev-000001"]
+    assert noisy_device_ids(FleetSpec(devices=20, rate=10.0)) == []
+
+
+def test_noisy_devices_send_about_50x() -> None:
+    spec = FleetSpec(devices=100, rate=1000.0, noisy=0.1, seed=7)
+    counts = Counter(_device_of(topic) for topic, _, _ in _draw(Fleet(spec), 20_000))
+    noisy = set(noisy_device_ids(spec))
+    assert len(noisy) == 10
+    noisy_mean = sum(counts[d] for d in noisy) / len(noisy)
+    normal_ids = [d for d in Fleet(spec).device_ids if d not in noisy]
+    normal_mean = sum(counts[d] for d in normal_ids) / len(normal_ids)
+    assert 35 < noisy_mean / normal_mean < 70
+    # Every device gets picked eventually (~34 expected each for normal ones).
+    assert all(counts[d] > 0 for d in normal_ids)
+
+
+def test_ts_strictly_increasing_per_device() -> None:
+    fleet = Fleet(FleetSpec(devices=5, rate=100.0, noisy=0.2))
+    last: dict[str, int] = {}
+    # Same millisecond for every event: all bumps.
+    for _ in range(1_000):
+        topic, _, event = fleet.next_message(NOW_MS)
+        dev = _device_of(topic)
+        assert event["ts"] > last.get(dev, -1)
+        assert event["ts"] >= NOW_MS
+        last[dev] = event["ts"]
+    # A clock running ahead is taken as is.
+    topic, _, event = fleet.next_message(NOW_MS + 10_000_000)
+    assert event["ts"] == NOW_MS + 10_000_000
+
+
+def test_json_payload_decodes_to_event() -> None:
+    fleet = Fleet(FleetSpec(devices=10, rate=10.0, fmt="json", tenant="t1"))
+    assert fleet.content_type == "application/json"
+    for topic, payload, event in _draw(fleet, 500):
+        assert orjson.loads(payload) == event
+        assert topic == f"tenants/t1/devices/{_device_of(topic)}/events"
+        assert set(event) == {"ts", "state", "value", "metrics", "tags", "sent_at"}
+        assert isinstance(event["ts"], int)
+        assert isinstance(event["sent_at"], float)
+        assert event["value"] == event["metrics"]["temperature"]
+        assert set(event["metrics"]) == {"temperature", "humidity", "battery"}
+        assert event["tags"]["kind"] == "sensor"
+        assert event["tags"]["site"].startswith("site-")
+
+
+def test_msgpack_payload_decodes_to_event() -> None:
+    fleet = Fleet(FleetSpec(devices=10, rate=10.0, fmt="msgpack", device_kind="switch"))
+    assert fleet.content_type == "application/msgpack"
+    for _, payload, event in _draw(fleet, 500):
+        assert msgpack.unpackb(payload, raw=False) == event
+        # Non-sensor kinds report their state as a text value.
+        assert event["value"] == event["state"]
+        assert event["tags"]["kind"] == "switch"
+
+
+def test_sent_at_override() -> None:
+    _, payload, event = Fleet(FleetSpec(devices=1, rate=1.0)).next_message(
+        NOW_MS, sent_at=NOW_MS + 0.5
+    )
+    assert event["sent_at"] == NOW_MS + 0.5
+    assert orjson.loads(payload)["sent_at"] == NOW_MS + 0.5
+
+
+def test_some_but_not_all_events_change_state() -> None:
+    spec = FleetSpec(devices=20, rate=10.0, states=("on", "off", "idle"), seed=3)
+    previous: dict[str, str] = {}
+    changes = repeats = 0
+    for topic, _, event in _draw(Fleet(spec), 10_000):
+        dev = _device_of(topic)
+        assert event["state"] in spec.states
+        if dev in previous:
+            if previous[dev] == event["state"]:
+                repeats += 1
+            else:
+                changes += 1
+        previous[dev] = event["state"]
+    assert changes > 0
+    assert repeats > 0
+    # p = 0.05: about 500 changes out of ~10,000; loose bounds.
+    assert 200 < changes < 1_000
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"devices": 0, "rate": 1.0},
+        {"devices": 1, "rate": 0.0},
+        {"devices": 1, "rate": float("inf")},
+        {"devices": 1, "rate": 1.0, "noisy": 1.5},
+        {"devices": 1, "rate": 1.0, "fmt": "xml"},
+        {"devices": 1, "rate": 1.0, "states": ()},
+        {"devices": 1, "rate": 1.0, "state_change_probability": -0.1},
+        {"devices": 1, "rate": 1.0, "topic_template": "tenants/{tenant}/events"},
+        {"devices": 1, "rate": 1.0, "topic_template": "{tenant}/{device_id}/{oops}"},
+    ],
+)
+def test_spec_validation(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):  # noqa: PT011 - each case has its own message
+        FleetSpec(**kwargs)
+
+
+async def _collect(
+    spec: FleetSpec, count: int
+) -> tuple[PublishStats, list[tuple[str, dict[str, Any]]], dict[tuple[str, int], Any]]:
+    """Subscribe to the spec's tenant, publish ``count`` messages, gather what arrives."""
+    sent: list[tuple[str, dict[str, Any]]] = []
+    received: dict[tuple[str, int], Any] = {}
+    content_types: set[str | None] = set()
+    decode = orjson.loads if spec.fmt == "json" else lambda b: msgpack.unpackb(b, raw=False)
+    async with aiomqtt.Client(
+        BROKER_HOST,
+        BROKER_PORT,
+        identifier=f"test-sim-sub-{uuid.uuid4().hex}",
+        protocol=aiomqtt.ProtocolVersion.V5,
+    ) as sub:
+        async with asyncio.timeout(10):
+            await sub.subscribe(f"tenants/{spec.tenant}/devices/+/events", qos=1)
+        pub = asyncio.create_task(
+            publish(
+                spec,
+                host=BROKER_HOST,
+                port=BROKER_PORT,
+                count=count,
+                on_sent=lambda topic, event: sent.append((topic, event)),
+            )
+        )
+        try:
+            async with asyncio.timeout(30):
+                async for message in sub.messages:
+                    assert isinstance(message.payload, bytes)
+                    event = decode(message.payload)
+                    dev = _device_of(str(message.topic))
+                    received[(dev, event["ts"])] = (str(message.topic), event)
+                    props = message.properties
+                    content_types.add(getattr(props, "ContentType", None))
+                    if len(received) >= count:
+                        break
+                stats = await pub
+        finally:
+            if not pub.done():
+                pub.cancel()
+                await asyncio.gather(pub, return_exceptions=True)
+    assert content_types == {"application/json" if spec.fmt == "json" else "application/msgpack"}
+    return stats, sent, received
+
+
+@pytest.mark.parametrize("fmt", ["json", "msgpack"])
+async def test_publish_end_to_end(fmt: str) -> None:
+    spec = FleetSpec(
+        devices=30,
+        rate=2000.0,
+        fmt="json" if fmt == "json" else "msgpack",
+        noisy=0.1,
+        tenant=f"sim-{uuid.uuid4().hex}",
+    )
+    stats, sent, received = await _collect(spec, 500)
+    assert stats.sent == 500
+    assert len(sent) == 500
+    sent_by_key = {(_device_of(topic), event["ts"]): (topic, event) for topic, event in sent}
+    assert len(sent_by_key) == 500, "(device_id, ts) must be unique"
+    assert received == sent_by_key
+    # sent_at is the real publish time, not the deterministic default.
+    assert all(isinstance(event["sent_at"], float) for _, event in sent)
+
+
+async def test_publish_duration_stops() -> None:
+    spec = FleetSpec(devices=5, rate=200.0, tenant=f"sim-{uuid.uuid4().hex}")
+    async with asyncio.timeout(30):
+        stats = await publish(spec, host=BROKER_HOST, port=BROKER_PORT, duration=0.3)
+    # The schedule never goes past rate * duration messages.
+    assert 0 < stats.sent <= 60
