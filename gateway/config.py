@@ -12,6 +12,7 @@ that only the service user may read.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import stat
@@ -50,10 +51,14 @@ def parse_duration(value: object) -> float:
     if isinstance(value, bool):
         raise ValueError("expected a duration such as 30, '15m' or '1h'")
     if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, str) and (match := _DURATION.match(value)):
-        return float(match.group(1)) * _UNITS[match.group(2)]
-    raise ValueError(f"expected a duration such as 30, '15m' or '1h', got {value!r}")
+        seconds = float(value)
+    elif isinstance(value, str) and (match := _DURATION.match(value)):
+        seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    else:
+        raise ValueError(f"expected a duration such as 30, '15m' or '1h', got {value!r}")
+    if not math.isfinite(seconds):
+        raise ValueError(f"expected a finite duration, got {value!r}")
+    return seconds
 
 
 def _split_list(value: object) -> object:
@@ -63,12 +68,16 @@ def _split_list(value: object) -> object:
     return value
 
 
-Duration = Annotated[float, BeforeValidator(parse_duration), Field(gt=0)]
+# Bounded: a month covers every timeout and interval; longer spans (session
+# expiry, TTL) say so with their own bound.
+Duration = Annotated[float, BeforeValidator(parse_duration), Field(gt=0, le=31 * 86400)]
+LongDuration = Annotated[float, BeforeValidator(parse_duration), Field(gt=0, le=20 * 365 * 86400)]
 Port = Annotated[int, Field(ge=1, le=65535)]
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # coerce_numbers_to_str: GATEWAY_MQTT__PASSWORD=123456 is a string, not an error.
+    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
 
 
 def _read_secret_file(path: Path, key: str) -> SecretStr:
@@ -76,12 +85,17 @@ def _read_secret_file(path: Path, key: str) -> SecretStr:
         info = path.stat()
     except OSError as exc:
         raise ValueError(f"{key}: cannot read {path}: {exc.strerror}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{key}: {path} is not a regular file")
     if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ValueError(
             f"{key}: {path} is readable by other users (mode {stat.filemode(info.st_mode)}); "
             "make it readable only by the service user (chmod 600)"
         )
-    return SecretStr(path.read_text().rstrip("\n"))
+    try:
+        return SecretStr(path.read_text().rstrip("\n"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{key}: cannot read {path}: {exc}") from None
 
 
 class MqttConfig(_Model):
@@ -92,7 +106,9 @@ class MqttConfig(_Model):
     client_id: str = Field(default="mqtt-cassandra-gateway", min_length=1, max_length=128)
     keepalive: int = Field(default=30, ge=5, le=3600)
     # How long the broker keeps our session and backlog after we disconnect.
-    session_expiry: Duration = 7 * 86400.0
+    session_expiry: Annotated[
+        float, BeforeValidator(parse_duration), Field(ge=1, le=4_294_967_295)
+    ] = 7 * 86400.0
     # MQTT v5 Receive Maximum: the broker sends at most this many unacknowledged
     # QoS 1 messages. It is the gateway's flow control and memory bound.
     receive_maximum: int = Field(default=1000, ge=1, le=65535)
@@ -124,15 +140,8 @@ class TopicTemplate(_Model):
         for level in levels:
             if not level:
                 raise ValueError(f"template {self.template!r} has an empty level")
-            if level in ("+", "#") or (
-                ("{" in level or "}" in level)
-                and level[1:-1]
-                not in (
-                    "tenant",
-                    "device_id",
-                    "_",
-                )
-            ):
+            named = level in ("{tenant}", "{device_id}", "{_}")
+            if not named and any(ch in level for ch in "+#{}"):
                 raise ValueError(
                     f"template {self.template!r}: level {level!r} must be a fixed word, "
                     "{tenant}, {device_id} or {_} (any value, ignored)"
@@ -248,7 +257,8 @@ class TenantConfig(_Model):
     state_buckets: int = Field(default=1, ge=1, le=1024)
     # Raw telemetry partition size: one partition per device and time bucket.
     telemetry_bucket: Duration = 3600.0
-    ttl: Duration = 30 * 86400.0
+    # Cassandra's TTL is whole seconds, at most 20 years.
+    ttl: Annotated[LongDuration, Field(ge=60)] = 30 * 86400.0
 
     @field_validator("telemetry_bucket")
     @classmethod
@@ -318,7 +328,11 @@ def _describe(exc: ValidationError, origin: Mapping[tuple[str, ...], str], file:
     for err in exc.errors():
         loc = tuple(str(part) for part in err["loc"])
         key = ".".join(loc) or "(top level)"
-        source = next((origin[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in origin), file)
+        source = next((origin[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in origin), None)
+        if source is None:
+            # A whole-section check: name the variables that fed that section.
+            under = sorted(name for path, name in origin.items() if path[: len(loc)] == loc)
+            source = ", ".join(under) if under and loc else file
         message = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             message = "unknown key"

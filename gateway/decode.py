@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any
@@ -55,6 +56,9 @@ REASONS = (
     "too_many_states",  # set by the writer: the tenant's state budget is spent
 )
 
+_RFC3339 = re.compile(
+    r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d{1,9})?([Zz]|[+-]\d{2}:\d{2})?$"
+)
 JSON_TYPES = frozenset({"application/json", "text/json"})
 MSGPACK_TYPES = frozenset(
     {"application/msgpack", "application/x-msgpack", "application/vnd.msgpack"}
@@ -178,8 +182,15 @@ class Decoder:
         value_num = float(value) if value is not None and not isinstance(value, str) else None
         metrics = {name: float(v) for name, v in data.metrics.items()}
         tags = dict(data.tags)
+        # Numbers are hashed as floats (as stored): 1 and 1.0 are one event.
         event_id, write_ts = event_identity(
-            tenant, device_id, ts_ms, data.state, value, metrics, tags
+            tenant,
+            device_id,
+            ts_ms,
+            data.state,
+            value_text if value_text is not None else value_num,
+            metrics,
+            tags,
         )
         return Event(
             tenant=tenant,
@@ -211,14 +222,20 @@ class Decoder:
         except UnicodeDecodeError:
             raise DecodeError("invalid_msgpack", "a text field is not valid UTF-8") from None
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
-            raise DecodeError("invalid_msgpack", f"not valid MessagePack: {exc}") from None
+            why = str(exc) or type(exc).__name__  # FormatError/StackError carry no text
+            raise DecodeError("invalid_msgpack", f"not valid MessagePack: {why}") from None
 
     @staticmethod
     def _timestamp(ts: int | str) -> int:
         if isinstance(ts, int):
             return ts
+        if not _RFC3339.match(ts):
+            raise DecodeError(
+                "invalid_ts", f"ts {ts!r} is neither epoch milliseconds nor an RFC 3339 time"
+            )
         try:
-            parsed = datetime.fromisoformat(ts)
+            parsed = datetime.fromisoformat(ts.upper())  # 3.11 wants 'T' and 'Z'
+
         except ValueError:
             raise DecodeError(
                 "invalid_ts", f"ts {ts!r} is neither epoch milliseconds nor an RFC 3339 time"
@@ -247,7 +264,7 @@ def _kind(payload: bytes, content_type: str | None) -> str:
     return "msgpack"
 
 
-_UNION_TAGS = frozenset({"str", "int", "float", "constrained-str", "none", "function-after"})
+_MAPS = frozenset({"metrics", "tags"})
 _EXPECTED = {
     "ts": "epoch milliseconds (an integer) or an RFC 3339 string",
     "value": "text or a finite number",
@@ -260,7 +277,7 @@ def _reason(exc: ValidationError) -> DecodeError:
     errors = exc.errors(include_url=False)
     err = errors[0]
     parts = _clean_loc(err["loc"])
-    field = ".".join(parts) or "payload"
+    field = ".".join(part if len(part) <= 40 else part[:37] + "..." for part in parts) or "payload"
     if err["type"] == "extra_forbidden":
         return DecodeError("unknown_field", f"unknown field {field!r}")
     same_field = [e for e in errors if _clean_loc(e["loc"]) == parts]
@@ -282,8 +299,11 @@ def _reason(exc: ValidationError) -> DecodeError:
 
 
 def _clean_loc(loc: tuple[int | str, ...]) -> list[str]:
-    # pydantic names union members in the location ("str", "union[int,float]"...).
-    return [str(p) for p in loc if str(p) not in _UNION_TAGS and "[" not in str(p)]
+    # pydantic appends union members to the location ("str", "union[int,float]"),
+    # which could collide with a metric named "int": keep the field, and for the
+    # two maps the key, and drop the rest.
+    parts = [str(p) for p in loc]
+    return parts[:2] if parts and parts[0] in _MAPS else parts[:1]
 
 
 def _type_name(value: object) -> str:

@@ -39,8 +39,20 @@ def main(argv: list[str] | None = None) -> int:
     simulator = None
     if args.devices > 0:
         simulator = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "simulate",
-             "--tenant", "demo", "--devices", str(args.devices), "--rate", str(args.rate)],
+            [
+                sys.executable,
+                "-m",
+                "gateway.cli",
+                "--log-level",
+                "WARNING",
+                "simulate",
+                "--tenant",
+                "demo",
+                "--devices",
+                str(args.devices),
+                "--rate",
+                str(args.rate),
+            ],
         )
         print(HINTS.format(devices=args.devices, rate=args.rate), flush=True)
     try:

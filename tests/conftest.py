@@ -154,6 +154,22 @@ async def running_gateway(config: Config | None = None) -> AsyncIterator[Running
         stop.set()
         async with asyncio.timeout(30):
             await task
+        await clear_session(config.mqtt.client_id)
+
+
+async def clear_session(client_id: str) -> None:
+    """End a test gateway's persistent session, so the broker stops queueing for it."""
+    props = Properties(PacketTypes.CONNECT)
+    props.SessionExpiryInterval = 0
+    async with aiomqtt.Client(
+        MQTT_HOST,
+        MQTT_PORT,
+        identifier=client_id,
+        protocol=aiomqtt.ProtocolVersion.V5,
+        clean_start=True,
+        properties=props,
+    ):
+        pass
 
 
 async def publish(
@@ -251,3 +267,4 @@ def gateway_process(keyspace: str, tmp_path: Path) -> Iterator[Callable[..., Gat
     for proc in made:
         if proc.proc is not None and proc.proc.poll() is None:
             proc.kill()
+        asyncio.run(clear_session(proc.env["GATEWAY_MQTT__CLIENT_ID"]))

@@ -1,0 +1,509 @@
+"""Configuration loading and validation: pure unit tests, no services needed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from pydantic import SecretStr, ValidationError
+
+from gateway.config import (
+    DEFAULT_TEMPLATE,
+    Config,
+    TenantConfig,
+    TopicTemplate,
+    load_config,
+    parse_duration,
+)
+from gateway.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+SECRET = "s3cr3t-Pa55word"
+
+
+def _write(tmp_path: Path, text: str, name: str = "gateway.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _error(path: Path | None = None, env: dict[str, str] | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env or {})
+    return str(info.value)
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+
+
+# --- sources and precedence -------------------------------------------------
+
+
+def test_defaults_load_without_file_or_env() -> None:
+    config = load_config(None, {})
+    assert config.mqtt.host == "127.0.0.1"
+    assert config.mqtt.port == 1883
+    assert config.mqtt.client_id == "mqtt-cassandra-gateway"
+    assert config.mqtt.password is None
+    assert config.cassandra.contact_points == ["127.0.0.1"]
+    assert config.cassandra.keyspace == "gateway"
+    assert config.cassandra.replication == "SimpleStrategy"
+    assert config.topics == [TopicTemplate(template=DEFAULT_TEMPLATE)]
+    assert config.limits.max_payload_bytes == 64 * 1024
+    assert config.limits.max_future_skew == 300.0
+    assert config.limits.min_timestamp == datetime(2000, 1, 1, tzinfo=UTC)
+    assert config.tenants == {}
+
+
+def test_non_gateway_env_vars_are_ignored() -> None:
+    config = load_config(None, {"PATH": "/bin", "MQTT__PORT": "1", "GATEWAYX": "1"})
+    assert config == load_config(None, {})
+
+
+def test_file_values_then_env_overrides(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        '[mqtt]\nhost = "broker.example"\nport = 1883\n[cassandra]\nkeyspace = "from_file"\n',
+    )
+    config = load_config(path, {"GATEWAY_MQTT__PORT": "1884"})
+    assert config.mqtt.port == 1884  # env wins over the file
+    assert config.mqtt.host == "broker.example"  # file value kept
+    assert config.cassandra.keyspace == "from_file"
+    assert load_config(path, {}).mqtt.port == 1883
+
+
+def test_env_values_use_toml_syntax_else_plain_strings() -> None:
+    config = load_config(
+        None,
+        {
+            "GATEWAY_MQTT__HOST": "broker.example",
+            "GATEWAY_MQTT__KEEPALIVE": "60",
+            "GATEWAY_CASSANDRA__REPLICATION": "NetworkTopologyStrategy",
+            "GATEWAY_CASSANDRA__DATACENTERS": "{dc1 = 3, dc2 = 2}",
+            "GATEWAY_MQTT__PASSWORD": '"123456"',
+        },
+    )
+    assert config.mqtt.host == "broker.example"
+    assert config.mqtt.keepalive == 60
+    assert config.cassandra.datacenters == {"dc1": 3, "dc2": 2}
+    assert config.mqtt.password is not None
+    assert config.mqtt.password.get_secret_value() == "123456"
+
+
+def test_gateway_config_env_names_the_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, "[mqtt]\nport = 1999\n")
+    assert load_config(None, {"GATEWAY_CONFIG": str(path)}).mqtt.port == 1999
+
+
+def test_example_file_loads_and_shows_the_defaults() -> None:
+    example = load_config(ROOT / "gateway.example.toml", {})
+    defaults = load_config(None, {})
+    # "shown values are the defaults unless marked example"
+    assert example.mqtt == defaults.mqtt
+    assert example.cassandra == defaults.cassandra
+    assert example.topics == defaults.topics
+    assert example.pipeline == defaults.pipeline
+    assert example.limits == defaults.limits
+    assert set(example.tenants) == {"default"}
+    assert example.tenant("anyone") == TenantConfig()
+
+
+def test_contact_points_from_env_are_comma_separated() -> None:
+    config = load_config(None, {"GATEWAY_CASSANDRA__CONTACT_POINTS": "10.0.0.5, 10.0.0.6 ,cass-3,"})
+    assert config.cassandra.contact_points == ["10.0.0.5", "10.0.0.6", "cass-3"]
+    single = load_config(None, {"GATEWAY_CASSANDRA__CONTACT_POINTS": "10.0.0.7"})
+    assert single.cassandra.contact_points == ["10.0.0.7"]
+    toml_list = load_config(None, {"GATEWAY_CASSANDRA__CONTACT_POINTS": '["a", "b"]'})
+    assert toml_list.cassandra.contact_points == ["a", "b"]
+
+
+def test_empty_contact_points_rejected() -> None:
+    message = _error(env={"GATEWAY_CASSANDRA__CONTACT_POINTS": " , "})
+    assert "cassandra.contact_points (from GATEWAY_CASSANDRA__CONTACT_POINTS)" in message
+
+
+# --- every error names the key and its source -------------------------------
+
+
+def test_unknown_key_in_file_names_key_and_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, "[mqtt]\nprot = 1884\n")
+    assert f"mqtt.prot (from {path}): unknown key" in _error(path)
+
+
+def test_unknown_section_in_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, "[mqttt]\nport = 1884\n")
+    assert f"mqttt (from {path}): unknown key" in _error(path)
+
+
+def test_unknown_key_from_env_names_the_variable() -> None:
+    message = _error(env={"GATEWAY_MQTT__PROT": "1884"})
+    assert "mqtt.prot (from GATEWAY_MQTT__PROT): unknown key" in message
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragment"),
+    [
+        ("70000", "less than or equal to 65535"),
+        ("0", "greater than or equal to 1"),
+        ("abc", "valid integer"),
+    ],
+)
+def test_bad_env_value_names_key_and_variable(raw: str, fragment: str) -> None:
+    message = _error(env={"GATEWAY_MQTT__PORT": raw})
+    assert "mqtt.port (from GATEWAY_MQTT__PORT)" in message
+    assert fragment in message
+
+
+def test_bad_file_value_names_key_and_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, "[pipeline]\nqueue_size = 0\n")
+    assert f"pipeline.queue_size (from {path})" in _error(path)
+
+
+def test_env_error_attributed_to_env_even_with_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, "[mqtt]\nport = 1883\n")
+    message = _error(path, {"GATEWAY_MQTT__PORT": "99999"})
+    assert "mqtt.port (from GATEWAY_MQTT__PORT)" in message
+    assert str(path) not in message
+
+
+def test_nested_tenant_env_error() -> None:
+    message = _error(env={"GATEWAY_TENANTS__ACME__STATE_BUCKETS": "0"})
+    assert "tenants.acme.state_buckets (from GATEWAY_TENANTS__ACME__STATE_BUCKETS)" in message
+    assert "greater than or equal to 1" in message
+
+
+def test_nested_tenant_env_sets_a_tenant() -> None:
+    config = load_config(None, {"GATEWAY_TENANTS__ACME__STATE_BUCKETS": "8"})
+    assert config.tenant("acme").state_buckets == 8
+
+
+def test_several_errors_are_all_reported(tmp_path: Path) -> None:
+    path = _write(tmp_path, "[mqtt]\nport = 0\nkeepalive = 1\n")
+    message = _error(path)
+    assert f"mqtt.port (from {path})" in message
+    assert f"mqtt.keepalive (from {path})" in message
+
+
+@pytest.mark.parametrize("name", ["GATEWAY_MQTT____PORT", "GATEWAY___PORT", "GATEWAY_MQTT__"])
+def test_malformed_env_variable_name(name: str) -> None:
+    message = _error(env={name: "1"})
+    assert name in message
+    assert "malformed" in message
+
+
+def test_invalid_toml_and_missing_file(tmp_path: Path) -> None:
+    bad = _write(tmp_path, "[[mqtt\n")
+    assert f"config file {bad} is not valid TOML" in _error(bad)
+    missing = tmp_path / "missing.toml"
+    assert f"cannot read config file {missing}" in _error(missing)
+
+
+# --- durations ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "seconds"),
+    [
+        ("15m", 900.0),
+        ("250ms", 0.25),
+        ("30s", 30.0),
+        ("1h", 3600.0),
+        ("2d", 172800.0),
+        ("1.5h", 5400.0),
+        (" 10 s ", 10.0),
+        ("45", 45.0),
+        (30, 30.0),
+        (0.5, 0.5),
+    ],
+)
+def test_parse_duration(raw: object, seconds: float) -> None:
+    assert parse_duration(raw) == seconds
+
+
+@pytest.mark.parametrize("raw", ["abc", "15 minutes", "-5s", "1e3", "", True, None, [1]])
+def test_parse_duration_rejects(raw: object) -> None:
+    with pytest.raises(ValueError, match="expected a duration"):
+        parse_duration(raw)
+
+
+def test_durations_in_config(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        '[mqtt]\nsession_expiry = "15m"\nreconnect_min = "250ms"\n'
+        '[cassandra]\ngive_up_after = "1h"\n',
+    )
+    config = load_config(path, {"GATEWAY_PIPELINE__STATUS_INTERVAL": "2s"})
+    assert config.mqtt.session_expiry == 900.0
+    assert config.mqtt.reconnect_min == 0.25
+    assert config.cassandra.give_up_after == 3600.0
+    assert config.pipeline.status_interval == 2.0
+
+
+def test_bad_duration_names_the_key(tmp_path: Path) -> None:
+    path = _write(tmp_path, '[mqtt]\nsession_expiry = "abc"\n')
+    message = _error(path)
+    assert f"mqtt.session_expiry (from {path})" in message
+    assert "expected a duration" in message
+    assert "'abc'" in message
+
+
+def test_zero_duration_rejected() -> None:
+    message = _error(env={"GATEWAY_PIPELINE__STATUS_INTERVAL": "0s"})
+    assert "pipeline.status_interval (from GATEWAY_PIPELINE__STATUS_INTERVAL)" in message
+
+
+@pytest.mark.parametrize("raw", ['"30s"', '"8d"', '"90.5"', "59"])
+def test_telemetry_bucket_must_be_whole_seconds_between_1m_and_7d(tmp_path: Path, raw: str) -> None:
+    path = _write(tmp_path, f"[tenants.default]\ntelemetry_bucket = {raw}\n")
+    message = _error(path)
+    assert f"tenants.default.telemetry_bucket (from {path})" in message
+    assert "whole number of seconds between 1m and 7d" in message
+
+
+@pytest.mark.parametrize(("raw", "seconds"), [('"1m"', 60.0), ('"15m"', 900.0), ('"7d"', 604800.0)])
+def test_telemetry_bucket_accepted(tmp_path: Path, raw: str, seconds: float) -> None:
+    path = _write(tmp_path, f"[tenants.default]\ntelemetry_bucket = {raw}\n")
+    assert load_config(path, {}).tenant("x").telemetry_bucket == seconds
+
+
+@pytest.mark.parametrize("raw", ["inf", "500ms"])
+def test_ttl_that_cannot_be_written_is_rejected(raw: str) -> None:
+    _error(env={"GATEWAY_TENANTS__DEFAULT__TTL": raw})
+
+
+@pytest.mark.parametrize("raw", ["inf", "50000d"])
+def test_session_expiry_out_of_mqtt_range_is_rejected(raw: str) -> None:
+    _error(env={"GATEWAY_MQTT__SESSION_EXPIRY": raw})
+
+
+# --- topic templates ------------------------------------------------------------
+
+
+def _topics_toml(*entries: str) -> str:
+    return "".join(f"[[topics]]\n{entry}\n" for entry in entries)
+
+
+def test_several_templates_load(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        _topics_toml(
+            'template = "tenants/{tenant}/devices/{device_id}/events"',
+            'template = "site/{device_id}/events"\ntenant = "site-a"',
+            'template = "x/{_}/{tenant}/{device_id}"',
+        ),
+    )
+    config = load_config(path, {})
+    assert [t.template for t in config.topics] == [
+        "tenants/{tenant}/devices/{device_id}/events",
+        "site/{device_id}/events",
+        "x/{_}/{tenant}/{device_id}",
+    ]
+    assert config.topics[1].tenant == "site-a"
+
+
+@pytest.mark.parametrize(
+    ("entry", "fragment"),
+    [
+        ('template = "tenants/{tenant}/events"', "needs exactly one {device_id} level"),
+        (
+            'template = "a/{device_id}/{device_id}/{tenant}"',
+            "needs exactly one {device_id} level",
+        ),
+        ('template = "site/{device_id}/events"', "has no {tenant} level: set a fixed tenant"),
+        (
+            'template = "t/{tenant}/{device_id}"\ntenant = "fixed"',
+            "has a {tenant} level and a fixed tenant",
+        ),
+        ('template = "t/{tenant}/{tenant}/{device_id}"', "more than one {tenant} level"),
+        ('template = "tenants/+/devices/{device_id}/{tenant}"', "level '+' must be a fixed word"),
+        ('template = "tenants/{tenant}/{device_id}/#"', "level '#' must be a fixed word"),
+        ('template = "t/{tenant}/{device}"', "level '{device}' must be a fixed word"),
+        ('template = "t//{tenant}/{device_id}"', "has an empty level"),
+        ('template = "/{tenant}/{device_id}"', "has an empty level"),
+    ],
+)
+def test_bad_topic_templates(tmp_path: Path, entry: str, fragment: str) -> None:
+    path = _write(tmp_path, _topics_toml('template = "ok/{tenant}/{device_id}"', entry))
+    message = _error(path)
+    assert f"topics.1 (from {path})" in message
+    assert fragment in message
+
+
+def test_no_topics_is_an_error(tmp_path: Path) -> None:
+    path = _write(tmp_path, "topics = []\n")
+    assert f"topics (from {path})" in _error(path)
+
+
+def test_template_model_directly() -> None:
+    assert TopicTemplate().template == DEFAULT_TEMPLATE
+    TopicTemplate(template="site/{device_id}/events", tenant="site-a")
+    with pytest.raises(ValidationError, match="fixed tenant"):
+        TopicTemplate(template="site/{device_id}/events")
+
+
+# --- cassandra replication --------------------------------------------------------
+
+
+def test_network_topology_strategy_needs_datacenters(tmp_path: Path) -> None:
+    path = _write(tmp_path, '[cassandra]\nreplication = "NetworkTopologyStrategy"\n')
+    message = _error(path)
+    assert f"(from {path})" in message
+    assert "cassandra.datacenters is required with NetworkTopologyStrategy" in message
+
+    ok = _write(
+        tmp_path,
+        '[cassandra]\nreplication = "NetworkTopologyStrategy"\ndatacenters = {dc1 = 3}\n',
+        name="ok.toml",
+    )
+    assert load_config(ok, {}).cassandra.datacenters == {"dc1": 3}
+
+
+def test_model_level_error_from_env_names_the_variable() -> None:
+    message = _error(env={"GATEWAY_CASSANDRA__REPLICATION": "NetworkTopologyStrategy"})
+    assert "GATEWAY_CASSANDRA__REPLICATION" in message
+
+
+def test_bad_keyspace_name() -> None:
+    message = _error(env={"GATEWAY_CASSANDRA__KEYSPACE": "Bad-Name"})
+    assert "cassandra.keyspace (from GATEWAY_CASSANDRA__KEYSPACE)" in message
+
+
+# --- secrets -----------------------------------------------------------------------
+
+
+def _secret_file(tmp_path: Path, mode: int) -> Path:
+    path = tmp_path / "mqtt-password"
+    path.write_text(SECRET + "\n")
+    path.chmod(mode)
+    return path
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660])
+def test_password_file_readable_by_others_rejected(tmp_path: Path, mode: int) -> None:
+    secret = _secret_file(tmp_path, mode)
+    path = _write(tmp_path, f'[mqtt]\npassword_file = "{secret}"\n')
+    message = _error(path)
+    assert "mqtt.password_file" in message
+    assert str(secret) in message
+    assert "chmod 600" in message
+    assert SECRET not in message
+
+
+def test_cassandra_password_file_rejected_too(tmp_path: Path) -> None:
+    secret = _secret_file(tmp_path, 0o644)
+    message = _error(env={"GATEWAY_CASSANDRA__PASSWORD_FILE": str(secret)})
+    assert "cassandra.password_file" in message
+    assert "chmod 600" in message
+
+
+def test_password_file_0600_accepted_and_masked(tmp_path: Path) -> None:
+    secret = _secret_file(tmp_path, 0o600)
+    path = _write(
+        tmp_path,
+        f'[mqtt]\nusername = "gw"\npassword_file = "{secret}"\n'
+        f'[cassandra]\npassword_file = "{secret}"\n',
+    )
+    config = load_config(path, {})
+    assert isinstance(config.mqtt.password, SecretStr)
+    assert config.mqtt.password.get_secret_value() == SECRET  # trailing newline stripped
+    assert config.cassandra.password is not None
+    assert config.cassandra.password.get_secret_value() == SECRET
+    for text in (repr(config), str(config), repr(config.mqtt), str(config.model_dump())):
+        assert SECRET not in text
+    assert "**********" in repr(config.mqtt.password)
+
+
+def test_inline_password_is_masked() -> None:
+    config = load_config(None, {"GATEWAY_MQTT__PASSWORD": SECRET})
+    assert SECRET not in repr(config)
+    assert SECRET not in str(config)
+
+
+def test_password_and_password_file_are_exclusive(tmp_path: Path) -> None:
+    secret = _secret_file(tmp_path, 0o600)
+    message = _error(
+        env={"GATEWAY_MQTT__PASSWORD": "x", "GATEWAY_MQTT__PASSWORD_FILE": str(secret)}
+    )
+    assert "set mqtt.password or mqtt.password_file, not both" in message
+
+
+def test_missing_password_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    message = _error(env={"GATEWAY_MQTT__PASSWORD_FILE": str(missing)})
+    assert "mqtt.password_file" in message
+    assert "cannot read" in message
+
+
+def test_unreadable_password_file_is_a_config_error(tmp_path: Path) -> None:
+    directory = tmp_path / "secret-dir"
+    directory.mkdir(mode=0o700)
+    directory.chmod(0o700)
+    outcome: Exception | None = None
+    try:
+        load_config(None, {"GATEWAY_MQTT__PASSWORD_FILE": str(directory)})
+    except (ConfigError, OSError) as exc:
+        outcome = exc
+    assert isinstance(outcome, ConfigError), f"got {outcome!r}"
+    assert "mqtt.password_file" in str(outcome)
+
+
+# --- tenants -----------------------------------------------------------------------
+
+
+def test_tenant_falls_back_to_default_then_builtin(tmp_path: Path) -> None:
+    builtin = load_config(None, {})
+    assert builtin.tenant("anyone") == TenantConfig()
+    assert builtin.tenant("anyone").state_buckets == 1
+    assert builtin.tenant("anyone").telemetry_bucket == 3600.0
+    assert builtin.tenant("anyone").ttl == 30 * 86400.0
+
+    path = _write(
+        tmp_path,
+        '[tenants.default]\nstate_buckets = 2\nttl = "7d"\n'
+        '[tenants.acme]\nstate_buckets = 8\ntelemetry_bucket = "15m"\n',
+    )
+    config = load_config(path, {})
+    acme = config.tenant("acme")
+    assert (acme.state_buckets, acme.telemetry_bucket) == (8, 900.0)
+    # A tenant's own section does not inherit from [tenants.default].
+    assert acme.ttl == 30 * 86400.0
+    other = config.tenant("other")
+    assert (other.state_buckets, other.ttl) == (2, 7 * 86400.0)
+
+    only_acme = Config(tenants={"acme": TenantConfig(state_buckets=4)})
+    assert only_acme.tenant("acme").state_buckets == 4
+    assert only_acme.tenant("other") == TenantConfig()
+
+
+# --- CLI ---------------------------------------------------------------------------
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", *args],
+        env=env or _clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=ROOT,
+    )
+
+
+def test_cli_exits_2_naming_the_key(tmp_path: Path) -> None:
+    path = _write(tmp_path, "[mqtt]\nprot = 1884\n", name="bad.toml")
+    result = _cli("--config", str(path), "check")
+    assert result.returncode == 2, result.stderr
+    assert f"mqtt.prot (from {path}): unknown key" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_exits_2_for_bad_env_value() -> None:
+    result = _cli("check", env=_clean_env() | {"GATEWAY_MQTT__PORT": "99999"})
+    assert result.returncode == 2, result.stderr
+    assert "mqtt.port (from GATEWAY_MQTT__PORT)" in result.stderr

@@ -1,0 +1,184 @@
+"""Topic templates -> subscriptions, and topics -> (tenant, device_id). No services needed."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.config import LimitsConfig, TopicTemplate
+from gateway.errors import DecodeError
+from gateway.topics import TopicMatcher
+
+LIMITS = LimitsConfig()
+MAX_LEVEL = LIMITS.max_topic_level_length
+
+
+def _matcher(*templates: TopicTemplate, limits: LimitsConfig = LIMITS) -> TopicMatcher:
+    return TopicMatcher(list(templates) or [TopicTemplate()], limits)
+
+
+def _reject(matcher: TopicMatcher, topic: str) -> DecodeError:
+    with pytest.raises(DecodeError) as info:
+        matcher.match(topic)
+    assert info.value.reason == "topic"
+    assert info.value.detail
+    assert str(info.value) == f"topic: {info.value.detail}"
+    return info.value
+
+
+SITE = TopicTemplate(template="site/{device_id}/events", tenant="site-a")
+
+
+def test_default_template_subscription() -> None:
+    assert _matcher().subscriptions == ["tenants/+/devices/+/events"]
+
+
+def test_default_template_match() -> None:
+    matcher = _matcher()
+    assert matcher.match("tenants/acme/devices/dev-001/events") == ("acme", "dev-001")
+    assert matcher.match("tenants/Ünïcode-ten/devices/dév 1/events") == ("Ünïcode-ten", "dév 1")
+
+
+def test_fixed_tenant_template() -> None:
+    matcher = _matcher(SITE)
+    assert matcher.subscriptions == ["site/+/events"]
+    assert matcher.match("site/pump-7/events") == ("site-a", "pump-7")
+    _reject(matcher, "tenants/acme/devices/pump-7/events")
+
+
+def test_several_templates_subscriptions_and_matching() -> None:
+    matcher = _matcher(TopicTemplate(), SITE, TopicTemplate(template="{_}/x/{tenant}/{device_id}"))
+    assert matcher.subscriptions == ["tenants/+/devices/+/events", "site/+/events", "+/x/+/+"]
+    assert matcher.match("tenants/acme/devices/d1/events") == ("acme", "d1")
+    assert matcher.match("site/d2/events") == ("site-a", "d2")
+    assert matcher.match("anything/x/beta/d3") == ("beta", "d3")
+
+
+def test_first_matching_template_wins() -> None:
+    catch_all = TopicTemplate(template="{_}/{device_id}/events", tenant="first")
+    specific = TopicTemplate(template="site/{device_id}/events", tenant="second")
+    assert _matcher(catch_all, specific).match("site/d1/events") == ("first", "d1")
+    assert _matcher(specific, catch_all).match("site/d1/events") == ("second", "d1")
+    assert _matcher(specific, catch_all).match("other/d1/events") == ("first", "d1")
+
+
+def test_duplicate_subscriptions_are_merged() -> None:
+    one = TopicTemplate(template="a/{device_id}", tenant="x")
+    two = TopicTemplate(template="a/{device_id}", tenant="y")
+    three = TopicTemplate(template="{_}/{device_id}", tenant="z")
+    assert _matcher(one, two, three).subscriptions == ["a/+", "+/+"]
+
+
+def test_ignored_level() -> None:
+    matcher = _matcher(TopicTemplate(template="{_}/{tenant}/{_}/{device_id}"))
+    assert matcher.subscriptions == ["+/+/+/+"]
+    assert matcher.match("region-1/acme/line-2/d9") == ("acme", "d9")
+    # An ignored level is not checked: empty, long or odd values are fine there.
+    assert matcher.match("/acme/" + "x" * (MAX_LEVEL + 50) + "/d9") == ("acme", "d9")
+
+
+@pytest.mark.parametrize(
+    "topic",
+    [
+        "other/acme/devices/d1/events",
+        "tenants/acme/device/d1/events",
+        "tenants/acme/devices/d1/event",
+        "Tenants/acme/devices/d1/events",
+    ],
+)
+def test_no_template_matches(topic: str) -> None:
+    error = _reject(_matcher(), topic)
+    assert repr(topic) in error.detail
+    assert "matches no configured template" in error.detail
+
+
+@pytest.mark.parametrize(
+    "topic",
+    [
+        "tenants/acme/devices/d1",
+        "tenants/acme/devices/d1/events/extra",
+        "tenants/acme/devices/d1/events/",
+        "/tenants/acme/devices/d1/events",
+        "",
+        "tenants",
+    ],
+)
+def test_wrong_number_of_levels(topic: str) -> None:
+    assert "matches no configured template" in _reject(_matcher(), topic).detail
+
+
+def test_empty_device_level() -> None:
+    error = _reject(_matcher(), "tenants/a/devices//events")
+    assert "empty device_id level" in error.detail
+    assert "'tenants/a/devices//events'" in error.detail
+
+
+def test_empty_tenant_level() -> None:
+    assert "empty tenant level" in _reject(_matcher(), "tenants//devices/d1/events").detail
+
+
+def test_oversized_levels() -> None:
+    matcher = _matcher()
+    ok = "d" * MAX_LEVEL
+    assert matcher.match(f"tenants/acme/devices/{ok}/events") == ("acme", ok)
+    assert matcher.match(f"tenants/{ok}/devices/d1/events") == (ok, "d1")
+
+    long = "d" * (MAX_LEVEL + 1)
+    error = _reject(matcher, f"tenants/acme/devices/{long}/events")
+    assert "device_id level" in error.detail
+    assert f"{MAX_LEVEL + 1} characters" in error.detail
+    assert f"limit of {MAX_LEVEL}" in error.detail
+    assert "limits.max_topic_level_length" in error.detail
+    assert long not in error.detail  # the detail stays short
+
+    error = _reject(matcher, f"tenants/{long}/devices/d1/events")
+    assert "tenant level" in error.detail
+    assert "limits.max_topic_level_length" in error.detail
+
+
+def test_level_limit_counts_characters_and_is_configurable() -> None:
+    matcher = _matcher(limits=LimitsConfig(max_topic_level_length=4))
+    assert matcher.match("tenants/ab/devices/éééé/events") == ("ab", "éééé")
+    assert "limit of 4" in _reject(matcher, "tenants/ab/devices/abcde/events").detail
+
+
+@pytest.mark.parametrize(
+    "char", ["\x00", "\x01", "\n", "\t", "\x1b", "\x1f", "\x7f", "\x85", "\x9f"]
+)
+def test_control_characters_in_device_id(char: str) -> None:
+    error = _reject(_matcher(), f"tenants/acme/devices/dev{char}1/events")
+    assert "device_id level" in error.detail
+    assert "control characters" in error.detail
+
+
+def test_control_characters_in_tenant() -> None:
+    error = _reject(_matcher(), "tenants/ac\x00me/devices/d1/events")
+    assert "tenant level" in error.detail
+    assert "control characters" in error.detail
+
+
+@pytest.mark.parametrize("char", [" ", "\xa0", "é", "\u2028", "😀", "~"])
+def test_printable_and_unicode_characters_allowed(char: str) -> None:
+    topic = f"tenants/acme/devices/dev{char}1/events"
+    assert _matcher().match(topic) == ("acme", f"dev{char}1")
+
+
+def test_tenant_of_best_effort() -> None:
+    matcher = _matcher(TopicTemplate(), SITE)
+    assert matcher.tenant_of("tenants/acme/devices/d1/events") == "acme"
+    # The device level is bad, but the tenant is still known.
+    assert matcher.tenant_of("tenants/acme/devices//events") == "acme"
+    assert matcher.tenant_of("tenants/acme/devices/d\x00/events") == "acme"
+    # Fixed-tenant template with the right shape.
+    assert matcher.tenant_of("site//events") == "site-a"
+    # A bad tenant level is not reported.
+    assert matcher.tenant_of("tenants//devices/d1/events") == ""
+    assert matcher.tenant_of("tenants/a\x07b/devices/d1/events") == ""
+    assert matcher.tenant_of("tenants/" + "t" * (MAX_LEVEL + 1) + "/devices/d1/events") == ""
+    # Nothing of the right shape.
+    assert matcher.tenant_of("a/b") == ""
+    assert matcher.tenant_of("") == ""
+
+
+def test_tenant_of_without_fixed_tenant_template() -> None:
+    assert _matcher().tenant_of("x/acme/y/d1/z") == "acme"
+    assert _matcher().tenant_of("site/d1/events") == ""
