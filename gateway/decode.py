@@ -21,10 +21,9 @@ Validation is pydantic in strict mode (no coercion: ``"21"`` is not a number,
 from __future__ import annotations
 
 import hashlib
-import math
 import re
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
 import msgpack
@@ -59,6 +58,8 @@ REASONS = (
 _RFC3339 = re.compile(
     r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d{1,9})?([Zz]|[+-]\d{2}:\d{2})?$"
 )
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_ONE_MS = timedelta(milliseconds=1)
 JSON_TYPES = frozenset({"application/json", "text/json"})
 MSGPACK_TYPES = frozenset(
     {"application/msgpack", "application/x-msgpack", "application/vnd.msgpack"}
@@ -242,7 +243,8 @@ class Decoder:
             ) from None
         if parsed.tzinfo is None:
             raise DecodeError("invalid_ts", f"ts {ts!r} has no UTC offset (RFC 3339 needs one)")
-        return math.floor(parsed.timestamp() * 1000)
+        # Exact integer arithmetic: float timestamps can land 1 ms short.
+        return (parsed - _EPOCH) // _ONE_MS
 
 
 def _kind(payload: bytes, content_type: str | None) -> str:
