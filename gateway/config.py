@@ -211,6 +211,8 @@ class PipelineConfig(_Model):
     # The writer takes up to this many messages at a time and groups their rows
     # by partition.
     batch_max_events: int = Field(default=500, ge=1, le=100_000)
+    # While writes are in flight, wait this long for a fuller chunk; 0 disables.
+    linger: Annotated[float, BeforeValidator(parse_duration), Field(ge=0, le=1)] = 0.005
     # Rows per unlogged batch (only rows of one partition are batched).
     batch_max_rows: int = Field(default=32, ge=1, le=1000)
     status_interval: Duration = 5.0
@@ -224,6 +226,9 @@ class PipelineConfig(_Model):
     # How many (device, time bucket) raw-telemetry partitions are remembered as
     # already indexed; past it the oldest are forgotten and indexed again.
     partition_cache_size: int = Field(default=100_000, ge=100, le=10_000_000)
+    # Devices whose newest state this process remembers (LRU); a forgotten
+    # device costs one read when an old event for it arrives (see state.py).
+    device_cache_size: int = Field(default=100_000, ge=100, le=10_000_000)
     # Bad messages are logged at most this many per second (all are counted).
     reject_log_per_s: float = Field(default=5.0, ge=0)
     # On SIGTERM: stop reading, write and acknowledge what was read, within this.
@@ -276,6 +281,16 @@ class Config(_Model):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     # [tenants.default] applies to every tenant without a section of its own.
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _queue_holds_receive_maximum(self) -> Config:
+        if self.pipeline.queue_size < self.mqtt.receive_maximum:
+            raise ValueError(
+                f"pipeline.queue_size ({self.pipeline.queue_size}) must be at least "
+                f"mqtt.receive_maximum ({self.mqtt.receive_maximum}): the broker may send "
+                "that many messages before the gateway acknowledges any"
+            )
+        return self
 
     def tenant(self, name: str) -> TenantConfig:
         found = self.tenants.get(name) or self.tenants.get("default")

@@ -101,7 +101,7 @@ def build_cluster(config: CassandraConfig, ssl_context: ssl.SSLContext | None = 
         control_connection_timeout=config.connect_timeout,
         # One connection per host carries thousands of concurrent requests
         # (protocol v4+); more would only cost memory on a small edge host.
-        protocol_version=5,
+        protocol_version=4,
     )
 
 

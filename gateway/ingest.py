@@ -11,10 +11,11 @@
     → Ack.done() once every write of the message is acknowledged by Cassandra
 
 Promises: every message the broker hands over ends up written (event or
-rejection) before it is acknowledged; nothing is dropped. When Cassandra is
-slow the queue fills, the receiver waits on it, and the broker stops sending
-after ``mqtt.receive_maximum`` unacknowledged messages. On stop the receiver
-stops reading, what was read is written and acknowledged (within
+rejection) before it is acknowledged; nothing is dropped. Memory is bounded
+twice: the broker sends at most ``mqtt.receive_maximum`` unacknowledged
+messages, and when the queue (``pipeline.queue_size``) is full the receiver
+stops reading the socket until it is half empty. On stop the receiver stops
+reading, what was read is written and acknowledged (within
 ``shutdown_deadline``), and one summary line is logged.
 """
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,6 +53,10 @@ class _Item:
 _STOP = object()
 
 
+def _nothing() -> None:
+    pass
+
+
 class Pipeline:
     """Everything between a delivery and its acknowledgement."""
 
@@ -65,7 +70,12 @@ class Pipeline:
         self._telemetry = Telemetry(db, config)
         self._rejects = Rejects(db, config, stats)
         self._queue: asyncio.Queue[_Item | object] = asyncio.Queue(config.pipeline.queue_size)
+        self._overflow: deque[_Item | object] = deque()
+        self._low_water = config.pipeline.queue_size // 2
+        self._pause: Callable[[], None] = _nothing
+        self._resume: Callable[[], None] = _nothing
         self._batch = config.pipeline.batch_max_events
+        self._linger = config.pipeline.linger
 
     @property
     def subscriptions(self) -> list[str]:
@@ -104,19 +114,38 @@ class Pipeline:
             self.stats.no_ts += 1
         return _Item(delivery, event, None)
 
-    async def accept(self, delivery: Delivery) -> None:
-        """Receiver's handler: classify and enqueue (waits while the queue is full)."""
+    def set_flow(self, pause: Callable[[], None], resume: Callable[[], None]) -> None:
+        """How to stop and restart reading from the broker."""
+        self._pause, self._resume = pause, resume
+
+    def accept(self, delivery: Delivery) -> None:
+        """Receiver's handler: classify and enqueue; never blocks, never drops.
+
+        When the queue fills, reading from the broker pauses (TCP holds the rest
+        back). A message read after that, in the same socket read, is held in
+        arrival order in a small overflow list (counted) until there is room.
+        """
         item = self.classify(delivery)
+        if self._overflow or self._queue.full():
+            self._overflow.append(item)
+            self.stats.overflow += 1
+            self._pause()
+            return
+        self._queue.put_nowait(item)
         if self._queue.full():
-            started = time.monotonic()
-            await self._queue.put(item)
-            self.stats.throttled_s += time.monotonic() - started
-        else:
-            self._queue.put_nowait(item)
+            self._pause()
+
+    def _refill(self) -> None:
+        queue, overflow = self._queue, self._overflow
+        while overflow and not queue.full():
+            queue.put_nowait(overflow.popleft())
+        if not overflow and queue.qsize() <= self._low_water:
+            self._resume()
 
     async def close(self) -> None:
         """No more deliveries: the writer finishes what is queued, then returns."""
-        await self._queue.put(_STOP)
+        self._overflow.append(_STOP)
+        self._refill()
 
     async def write_loop(self) -> None:
         """Take chunks off the queue and write them until close()."""
@@ -127,14 +156,21 @@ class Pipeline:
             stop = first is _STOP
             if not stop:
                 chunk.append(first)  # type: ignore[arg-type]
+                if self._linger and queue.qsize() < self._batch and self.stats.in_flight:
+                    # Cassandra is busy anyway: gather a fuller chunk (more rows
+                    # per partition batch) instead of sending a trickle. When
+                    # idle, the first message goes out at once.
+                    await asyncio.sleep(self._linger)
             while not stop and len(chunk) < self._batch and not queue.empty():
                 item = queue.get_nowait()
                 if item is _STOP:
                     stop = True
                     break
                 chunk.append(item)  # type: ignore[arg-type]
+            self._refill()
             self.stats.queue_depth = queue.qsize()
             if chunk:
+                self.stats.chunks += 1
                 await self._write_chunk(chunk)
             if stop:
                 await self._sink.drain()
@@ -144,6 +180,21 @@ class Pipeline:
         events = [item.event for item in chunk if item.event is not None]
         over, late = await self._state.prepare_chunk(events) if events else ([], {})
         over_ids = {id(e) for e in over}
+        # Latest-table writes are last-write-wins by event time, so of several
+        # events of one device in a chunk only the newest needs them (its
+        # writes shadow the others'). Devices with a state-less event in the
+        # chunk are left alone: that event doesn't move the device between states.
+        newest: dict[tuple[str, str], Event] = {}
+        stateless: set[tuple[str, str]] = set()
+        for e in events:
+            if id(e) in over_ids:
+                continue
+            key = (e.tenant, e.device_id)
+            if e.state is None:
+                stateless.add(key)
+            current = newest.get(key)
+            if current is None or e.write_ts > current.write_ts:
+                newest[key] = e
         writes: list[Write] = []
         for item in chunk:
             pending = Pending(self._done_callback(item))
@@ -162,7 +213,11 @@ class Pipeline:
                 )
                 item.event = event = None
             if event is not None:
-                writes += self._state.writes(event, pending, late.get(id(event)))
+                key = (event.tenant, event.device_id)
+                if newest[key] is event or key in stateless:
+                    writes += self._state.writes(event, pending, late.get(id(event)))
+                else:
+                    self.stats.coalesced += 1
                 writes += self._telemetry.writes(event, pending)
             else:
                 assert item.rejection is not None
@@ -212,6 +267,7 @@ async def run(
             receiver = Receiver(
                 config.mqtt, pipeline.subscriptions, stats, shutdown_deadline=shutdown_deadline
             )
+            pipeline.set_flow(receiver.pause_reading, receiver.resume_reading)
 
             async def receive() -> None:
                 try:

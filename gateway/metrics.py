@@ -22,6 +22,7 @@ class Stats:
     acked: int = 0  # PUBACKs sent to the broker
     acks_dropped: int = 0  # finished after their connection closed: the broker redelivers
     no_ts: int = 0  # events that took the receive time as ts
+    chunks: int = 0  # groups of messages the writer took off the queue at once
     requests: int = 0  # Cassandra requests sent (a batch is one)
     rows: int = 0  # statements in those requests
     retries: int = 0  # Cassandra requests retried after a transient error
@@ -30,8 +31,12 @@ class Stats:
     connects: int = 0  # successful MQTT connections
     disconnects: int = 0
     states_registered: int = 0
+    coalesced: int = 0  # events whose latest-table writes a newer event in the chunk made moot
     late_state_checks: int = 0  # reads done for old events into recently known states
-    throttled_s: float = 0.0  # time the receiver waited on a full queue
+    throttled_s: float = 0.0  # time with mqtt.receive_maximum messages unacknowledged
+    throttle_events: int = 0  # times that limit was reached
+    read_pauses: int = 0  # times the pipeline queue filled and socket reads paused
+    overflow: int = 0  # messages read after a pause took effect (held, never dropped)
     _last: tuple[float, int, int] = (0.0, 0, 0)
 
     def status_line(self) -> str:
@@ -54,6 +59,9 @@ class Stats:
             f"received={self.received} written={self.written} rejected={self.rejected}"
             f"{f' ({reasons})' if reasons else ''} acked={self.acked} "
             f"unacked_redelivered_later={self.acks_dropped} no_ts={self.no_ts} "
-            f"requests={self.requests} retries={self.retries} connects={self.connects} "
+            f"chunks={self.chunks} requests={self.requests} retries={self.retries} "
+            f"connects={self.connects} "
+            f"coalesced={self.coalesced} throttled={self.throttled_s:.1f}s "
+            f"read_pauses={self.read_pauses} overflow={self.overflow} "
             f"uptime={time.monotonic() - self.started:.0f}s"
         )

@@ -14,11 +14,16 @@ Promises:
 
 * MQTT v5, fixed client id, ``clean_start`` false with a session expiry: the
   broker keeps our subscriptions and backlog while we are away.
-* Flow control: the v5 Receive Maximum (``mqtt.receive_maximum``) caps the
-  messages the broker sends before we acknowledge, so memory is bounded by it
-  and a slow Cassandra throttles the broker instead of filling RAM. (aiomqtt's
-  own queue is unbounded on purpose: it never holds more than that cap, and a
-  bounded one would discard messages.)
+* Flow control, in two layers. The v5 Receive Maximum
+  (``mqtt.receive_maximum``) caps the messages the broker sends before we
+  acknowledge, so a slow Cassandra throttles the broker instead of filling
+  RAM. Brokers don't always honour it (Mosquitto 2.0.11 over-sends when it
+  resumes a session with a backlog: 2,422 unacknowledged with a limit of
+  1,000, measured here), so the pipeline can also pause reading the socket
+  (``pause_reading``/``resume_reading``): TCP then holds the broker back.
+* Messages are taken straight from paho's ``on_message`` callback; aiomqtt's
+  own queue, which discards messages when full, is bypassed, and so is its
+  socket reader, replaced by one that can be paused.
 * Each delivery carries an :class:`Ack`; PUBACKs go out in receive order
   (MQTT requires it), each once the message and all messages before it are done.
 * Connection lost: reconnect with exponential backoff and full jitter, and
@@ -33,10 +38,11 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiomqtt
+from paho.mqtt.client import MQTTMessage
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
@@ -64,13 +70,21 @@ class Ack:
 
 
 class AckTracker:
-    """Receive-ordered acknowledgements for one connection."""
+    """Receive-ordered acknowledgements for one connection.
 
-    def __init__(self, paho: object, stats: Stats) -> None:
+    Also measures backpressure: while ``limit`` (the receive maximum) messages
+    are unacknowledged the broker should send nothing more, and that time is
+    added to ``Stats.throttled_s``.
+    """
+
+    def __init__(self, paho: object, stats: Stats, limit: int) -> None:
         self._paho = paho
         self._stats = stats
+        self._limit = limit
         self._queue: deque[Ack] = deque()
         self._open = True
+        self.taking = True
+        self._throttled_since: float | None = None
         self._empty = asyncio.Event()
         self._empty.set()
 
@@ -78,6 +92,9 @@ class AckTracker:
         ack = Ack(self, mid, qos)
         self._queue.append(ack)
         self._empty.clear()
+        if len(self._queue) >= self._limit and self._throttled_since is None:
+            self._throttled_since = time.monotonic()
+            self._stats.throttle_events += 1
         return ack
 
     def flush(self) -> None:
@@ -89,6 +106,9 @@ class AckTracker:
             elif ack.qos > 0:
                 self._paho.ack(ack.mid, ack.qos)  # type: ignore[attr-defined]
                 self._stats.acked += 1
+        if self._throttled_since is not None and len(queue) < self._limit:
+            self._stats.throttled_s += time.monotonic() - self._throttled_since
+            self._throttled_since = None
         if not queue:
             self._empty.set()
 
@@ -114,7 +134,9 @@ class Delivery:
     ack: Ack
 
 
-Handler = Callable[[Delivery], Awaitable[None]]
+# Called on the event loop for every message, in receive order. It must not
+# block: it classifies the message and hands it to the pipeline queue.
+Handler = Callable[[Delivery], None]
 
 
 class Receiver:
@@ -132,14 +154,17 @@ class Receiver:
         self._subscriptions = subscriptions
         self._stats = stats
         self._shutdown_deadline = shutdown_deadline
+        self._loop = asyncio.get_running_loop()
+        self._client: aiomqtt.Client | None = None
+        self._paused = False
         self.connected = asyncio.Event()
 
-    def _client(self) -> aiomqtt.Client:
+    def _make_client(self) -> aiomqtt.Client:
         cfg = self._config
         props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
         props.SessionExpiryInterval = int(cfg.session_expiry)
         props.ReceiveMaximum = cfg.receive_maximum
-        client = aiomqtt.Client(
+        return aiomqtt.Client(
             cfg.host,
             cfg.port,
             identifier=cfg.client_id,
@@ -152,17 +177,65 @@ class Receiver:
             timeout=10,
             logger=logging.getLogger(f"{__name__}.paho"),
         )
-        # See the module docstring: acknowledge only once the writes are durable.
-        client._client.manual_ack_set(True)
-        return client
+
+    # -- socket reading, pausable ------------------------------------------
+
+    def pause_reading(self) -> None:
+        """Stop reading the broker's socket (the pipeline queue is full)."""
+        client = self._client
+        if self._paused or client is None:
+            return
+        sock = client._client.socket()
+        if sock is not None:
+            self._loop.remove_reader(sock.fileno())
+            self._paused = True
+            self._stats.read_pauses += 1
+
+    def resume_reading(self) -> None:
+        if not self._paused:
+            return
+        self._paused = False
+        client = self._client
+        if client is not None:
+            self._add_reader(client)
+
+    def _add_reader(self, client: aiomqtt.Client) -> None:
+        paho = client._client
+        sock = paho.socket()
+        if sock is None:
+            return
+
+        def read() -> None:
+            # Same as aiomqtt's reader: a failed read means the connection broke.
+            try:
+                paho.loop_read()
+            except Exception as exc:
+                disconnected = client._disconnected
+                if not disconnected.done():
+                    disconnected.set_exception(exc)
+
+        self._loop.add_reader(sock.fileno(), read)
+
+    # -- the session --------------------------------------------------------
 
     async def run(self, handler: Handler, stop: asyncio.Event) -> None:
         attempt = 0
         while not stop.is_set():
-            client = self._client()
-            tracker = AckTracker(client._client, self._stats)
+            client = self._make_client()
+            paho = client._client
+            tracker = AckTracker(paho, self._stats, self._config.receive_maximum)
+            # Acknowledge only once the writes are durable (module docstring).
+            paho.manual_ack_set(True)
+            paho.on_message = self._on_message(tracker, handler)
             try:
                 async with client:
+                    self._client = client
+                    self._paused = False
+                    # Replace aiomqtt's socket reader with ours, which can pause.
+                    sock = paho.socket()
+                    if sock is not None:
+                        self._loop.remove_reader(sock.fileno())
+                        self._add_reader(client)
                     self._stats.connects += 1
                     attempt = 0
                     for topic in self._subscriptions:
@@ -175,8 +248,10 @@ class Receiver:
                         ", ".join(self._subscriptions),
                     )
                     self.connected.set()
-                    await self._pump(client, tracker, handler, stop)
-                    # Stopping: let what we hold be written and acknowledged.
+                    await _until_stopped_or_disconnected(client, stop)
+                    # Stopping: take no more messages; let what we hold be
+                    # written and acknowledged before disconnecting.
+                    tracker.taking = False
                     try:
                         async with asyncio.timeout(self._shutdown_deadline):
                             await tracker.wait_empty()
@@ -205,45 +280,51 @@ class Receiver:
                 except TimeoutError:
                     pass
             finally:
+                self._client = None
                 self.connected.clear()
                 tracker.close()
 
-    async def _pump(
-        self,
-        client: aiomqtt.Client,
-        tracker: AckTracker,
-        handler: Handler,
-        stop: asyncio.Event,
-    ) -> None:
-        messages = client.messages
-        while not stop.is_set():
-            if len(messages) == 0:
-                # Idle: wait for a message or for the stop signal, whichever is first.
-                # A message is never cancelled half-way through the handler.
-                next_message = asyncio.ensure_future(anext(messages))
-                stop_wait = asyncio.ensure_future(stop.wait())
-                done, _ = await asyncio.wait(
-                    (next_message, stop_wait), return_when=asyncio.FIRST_COMPLETED
-                )
-                stop_wait.cancel()
-                if next_message not in done:
-                    next_message.cancel()
-                    return
-                message = next_message.result()
-            else:
-                message = await anext(messages)
+    def _on_message(
+        self, tracker: AckTracker, handler: Handler
+    ) -> Callable[[object, object, MQTTMessage], None]:
+        stats = self._stats
+
+        def on_message(_client: object, _userdata: object, message: MQTTMessage) -> None:
+            if not tracker.taking:
+                # Stopping: leave it unacknowledged; the broker redelivers it.
+                return
             props = message.properties
-            content_type = getattr(props, "ContentType", None) if props else None
-            payload = message.payload
-            if not isinstance(payload, bytes | bytearray):
-                payload = str(payload).encode()
-            self._stats.received += 1
-            await handler(
+            content_type = getattr(props, "ContentType", None) if props is not None else None
+            stats.received += 1
+            handler(
                 Delivery(
-                    topic=message.topic.value,
-                    payload=bytes(payload),
+                    # Brokers only pass valid UTF-8 topics; never raise here regardless.
+                    topic=message._topic.decode("utf-8", "replace"),
+                    payload=bytes(message.payload),
                     content_type=content_type,
                     received_ms=int(time.time() * 1000),
                     ack=tracker.track(message.mid, message.qos),
                 )
             )
+
+        return on_message
+
+
+async def _until_stopped_or_disconnected(client: aiomqtt.Client, stop: asyncio.Event) -> None:
+    """Return when ``stop`` is set; raise MqttError when the connection drops."""
+
+    async def disconnected() -> None:
+        # Nothing reaches aiomqtt's queue (we took over on_message), so this
+        # only ends by raising MqttError when the connection is lost.
+        async for _ in client.messages:
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((watch, stopped), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        watch.cancel()
+    if watch.done() and not watch.cancelled() and (exc := watch.exception()) is not None:
+        raise exc

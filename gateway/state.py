@@ -21,9 +21,11 @@ Promises and bounds:
 * The one case the deletes cannot cover: an *old* event into state S arriving
   after a *newer* event of the same device was processed before S was known.
   For events older than S's registration (plus the allowed clock skew) the
-  writer reads the device's newest state write and, if it is newer and in
-  another state, also deletes D from S at that newer timestamp. Only backfill
-  and the first minutes of a new state pay this read.
+  writer looks up the device's newest state-bearing write and, if it is newer
+  and in another state, also deletes D from S at that newer timestamp. The
+  lookup is an in-memory LRU of each device's newest write seen by this
+  process (``pipeline.device_cache_size`` devices); only a device not seen
+  since start-up costs one read of latest_events_by_device.
 * Other gateway instances may register states; known states are re-read every
   ``pipeline.states_refresh`` seconds. Between two refreshes an instance can
   miss a brand-new state in its deletes (documented in the README).
@@ -77,6 +79,8 @@ class LatestState:
         self._refresh = config.pipeline.states_refresh
         self._skew_ms = int(config.limits.max_future_skew * 1000)
         self._tenants: OrderedDict[str, _TenantStates] = OrderedDict()
+        self._newest: OrderedDict[tuple[str, str], tuple[int, str]] = OrderedDict()
+        self._newest_max = config.pipeline.device_cache_size
         self._lock = asyncio.Lock()
         self._insert_state = db.prepare(
             "INSERT INTO {keyspace}.latest_events_by_state "
@@ -108,7 +112,8 @@ class LatestState:
         """Make every state of these events known. Returns the events over the
         state budget, and for late events the extra delete timestamps (by id(event))."""
         over: list[Event] = []
-        risky: list[tuple[Event, _TenantStates]] = []
+        extra: dict[int, int] = {}
+        unknown: list[Event] = []
         for event in events:
             if event.state is None:
                 continue
@@ -118,20 +123,40 @@ class LatestState:
             ):
                 over.append(event)
                 continue
+            key = (event.tenant, event.device_id)
+            newest = self._newest.get(key)
             if event.ts_ms < known.states[event.state] + self._skew_ms:
-                risky.append((event, known))
-        extra: dict[int, int] = {}
-        if risky:
-            self._stats.late_state_checks += len(risky)
+                # Possibly older than an event processed before this state was
+                # known (module docstring). What this process has seen answers
+                # it; a device not seen since start-up needs one read.
+                if newest is None:
+                    unknown.append(event)
+                elif newest[0] > event.write_ts and newest[1] != event.state:
+                    extra[id(event)] = newest[0]
+            self._remember(key, event.write_ts, event.state, newest)
+        if unknown:
+            self._stats.late_state_checks += len(unknown)
             rows = await asyncio.gather(
-                *(self._sink.execute(self._newest_state, (e.tenant, e.device_id)) for e, _ in risky)
+                *(self._sink.execute(self._newest_state, (e.tenant, e.device_id)) for e in unknown)
             )
-            for (event, _), found in zip(risky, rows, strict=True):
+            for event, found in zip(unknown, rows, strict=True):
                 if found and found[0].wt is not None:
                     newest_state, newest_ts = found[0].state, found[0].wt
                     if newest_ts > event.write_ts and newest_state != event.state:
                         extra[id(event)] = newest_ts
+                    key = (event.tenant, event.device_id)
+                    self._remember(key, newest_ts, newest_state, self._newest.get(key))
         return over, extra
+
+    def _remember(
+        self, key: tuple[str, str], write_ts: int, state: str, current: tuple[int, str] | None
+    ) -> None:
+        """Newest state-bearing write per device seen by this process (bounded LRU)."""
+        if current is None or write_ts > current[0]:
+            self._newest[key] = (write_ts, state)
+        self._newest.move_to_end(key)
+        if len(self._newest) > self._newest_max:
+            self._newest.popitem(last=False)
 
     def writes(self, event: Event, pending: Pending, late_delete_ts: int | None) -> list[Write]:
         tenant, device = event.tenant, event.device_id

@@ -1,0 +1,139 @@
+"""Sustained gateway throughput: drain a backlog held by the broker.
+
+1. Start `gateway run` once so its persistent session exists, then stop it.
+2. Publish N events from a simulated fleet while the gateway is away
+   (the broker queues them for the session).
+3. Start the gateway again and time how long it takes to write all N.
+
+This measures the gateway alone (no publisher competing for the 2 cores).
+Usage: .venv/bin/python bench/drain.py --devices 1000 --count 30000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+
+import aiomqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from gateway.simulate import FleetSpec, publish
+
+STATUS = re.compile(r"written=(\d+)")
+
+
+def gateway(env: dict[str, str], log: str) -> subprocess.Popen[bytes]:
+    # Output to a file, never a pipe nobody drains (a full pipe blocks the gateway).
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "gateway", "run"], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+
+
+def follow(proc: subprocess.Popen[bytes], log: str) -> Iterator[str]:
+    with open(log) as lines:
+        while True:
+            line = lines.readline()
+            if line:
+                yield line
+            elif proc.poll() is not None:
+                raise SystemExit(f"gateway exited:\n{open(log).read()[-2000:]}")
+            else:
+                time.sleep(0.05)
+
+
+def wait_line(proc: subprocess.Popen[bytes], log: str, pattern: str) -> None:
+    for line in follow(proc, log):
+        if pattern in line:
+            return
+
+
+async def clear_session(client_id: str) -> None:
+    props = Properties(PacketTypes.CONNECT)
+    props.SessionExpiryInterval = 0
+    async with aiomqtt.Client(
+        "127.0.0.1",
+        1883,
+        identifier=client_id,
+        clean_start=True,
+        protocol=aiomqtt.ProtocolVersion.V5,
+        properties=props,
+    ):
+        pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--devices", type=int, default=1000)
+    parser.add_argument("--count", type=int, default=30000)
+    parser.add_argument("--format", default="json")
+    parser.add_argument("--noisy", type=float, default=0.0)
+    args = parser.parse_args()
+    client_id = f"bench-{uuid.uuid4().hex[:8]}"
+    tenant = f"bench{uuid.uuid4().hex[:6]}"
+    env = dict(
+        os.environ,
+        GATEWAY_MQTT__CLIENT_ID=client_id,
+        GATEWAY_PIPELINE__STATUS_INTERVAL="1",
+        GATEWAY_MQTT__SESSION_EXPIRY="600",
+    )
+    log = f"/tmp/{client_id}.log"
+    proc = gateway(env, log)
+    wait_line(proc, log, "subscribed to")
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+    spec = FleetSpec(
+        devices=args.devices, rate=1e9, fmt=args.format, noisy=args.noisy, tenant=tenant
+    )
+    t0 = time.monotonic()
+    stats = asyncio.run(publish(spec, count=args.count, status_every=3600))
+    print(f"published {stats.sent} in {time.monotonic() - t0:.1f} s while the gateway was away")
+    proc = gateway(env, log)
+    start = time.monotonic()
+    cpu0 = None
+    written = 0
+    for line in follow(proc, log):
+        if cpu0 is None and "subscribed to" in line:
+            start = time.monotonic()
+            cpu0 = _cpu(proc.pid)
+        if (m := STATUS.search(line)) and "status:" in line:
+            written = int(m.group(1))
+            if written >= args.count:
+                break
+    elapsed = time.monotonic() - start
+    cpu = _cpu(proc.pid) - (cpu0 or 0.0)
+    rss = _rss_mb(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+    asyncio.run(clear_session(client_id))
+    # Status lines come every second, so the rate is a slight underestimate.
+    print(
+        f"drained {written} events in {elapsed:.1f} s: {written / elapsed:.0f} events/s, "
+        f"gateway CPU {cpu / written * 1e6:.0f} us/event, RSS {rss:.0f} MB "
+        f"(devices={args.devices}, format={args.format})"
+    )
+
+
+def _cpu(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_mb(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+if __name__ == "__main__":
+    main()
