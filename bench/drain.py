@@ -21,6 +21,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import aiomqtt
 from paho.mqtt.packettypes import PacketTypes
@@ -46,7 +47,7 @@ def follow(proc: subprocess.Popen[bytes], log: str) -> Iterator[str]:
             if line:
                 yield line
             elif proc.poll() is not None:
-                raise SystemExit(f"gateway exited:\n{open(log).read()[-2000:]}")
+                raise SystemExit(f"gateway exited:\n{Path(log).read_text()[-2000:]}")
             else:
                 time.sleep(0.05)
 
@@ -124,12 +125,12 @@ def main() -> None:
 
 
 def _cpu(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _rss_mb(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status"):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return 0.0
