@@ -42,37 +42,55 @@ def _setup_logging(level: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    # --config and --log-level work before or after the command
+    # (`gateway --config f.toml run` and `gateway run --config f.toml`).
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--config",
+        type=Path,
+        default=argparse.SUPPRESS,
+        help="TOML config file (or GATEWAY_CONFIG)",
+    )
+    common.add_argument(
+        "--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING (default INFO)"
+    )
     parser = argparse.ArgumentParser(
         prog="gateway",
         description="MQTT edge-to-cloud gateway: device events from Mosquitto into Cassandra.",
+        parents=[common],
     )
-    parser.add_argument("--config", type=Path, help="TOML config file (or GATEWAY_CONFIG)")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    sub.add_parser("run", help="run the gateway until SIGTERM/SIGINT")
+    sub.add_parser("run", parents=[common], help="run the gateway until SIGTERM/SIGINT")
 
-    sch = sub.add_parser("schema", help="manage the Cassandra schema")
+    sch = sub.add_parser("schema", parents=[common], help="manage the Cassandra schema")
     sch_sub = sch.add_subparsers(dest="schema_command", required=True, metavar="ACTION")
-    sch_sub.add_parser("apply", help="create the keyspace and tables (idempotent)")
-    sch_sub.add_parser("print", help="print the CQL that apply would run")
+    sch_sub.add_parser(
+        "apply",
+        parents=[common],
+        help="create the keyspace and tables (idempotent)",
+    )
+    sch_sub.add_parser("print", parents=[common], help="print the CQL that apply would run")
 
     sub.add_parser(
         "check",
+        parents=[common],
         help="exit non-zero if the broker or Cassandra is unreachable or the schema is missing",
     )
 
-    dev = sub.add_parser("devices", help="devices currently in a state")
+    dev = sub.add_parser("devices", parents=[common], help="devices currently in a state")
     dev.add_argument("--tenant", required=True)
     dev.add_argument("--state", required=True)
     dev.add_argument("--json", action="store_true", help="print a JSON array")
 
-    one = sub.add_parser("device", help="a device's latest event")
+    one = sub.add_parser("device", parents=[common], help="a device's latest event")
     one.add_argument("--tenant", required=True)
     one.add_argument("device_id")
     one.add_argument("--json", action="store_true")
 
-    his = sub.add_parser("history", help="a device's raw events in a time range, newest first")
+    his = sub.add_parser(
+        "history", parents=[common], help="a device's raw events in a time range, newest first"
+    )
     his.add_argument("--tenant", required=True)
     his.add_argument("device_id")
     his.add_argument("--since", help="RFC 3339 time or a duration ago like 2h (default 24h)")
@@ -80,12 +98,14 @@ def _parser() -> argparse.ArgumentParser:
     his.add_argument("--limit", type=int, default=1000)
     his.add_argument("--json", action="store_true")
 
-    rej = sub.add_parser("rejected", help="recently rejected messages and why")
+    rej = sub.add_parser("rejected", parents=[common], help="recently rejected messages and why")
     rej.add_argument("--tenant", default="", help="tenant ('' for topics that named none)")
     rej.add_argument("--hours", type=int, default=1, help="how many hours back (default 1)")
     rej.add_argument("--json", action="store_true")
 
-    sim = sub.add_parser("simulate", help="publish events from a simulated device fleet")
+    sim = sub.add_parser(
+        "simulate", parents=[common], help="publish events from a simulated device fleet"
+    )
     sim.add_argument("--devices", type=int, default=100)
     sim.add_argument("--rate", type=float, default=50.0, help="messages per second, fleet-wide")
     sim.add_argument("--format", choices=("json", "msgpack"), default="json")
@@ -279,9 +299,9 @@ async def _simulate(config: Config, args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    _setup_logging(args.log_level)
+    _setup_logging(getattr(args, "log_level", "INFO"))
     try:
-        config = load_config(args.config)
+        config = load_config(getattr(args, "config", None))
     except ConfigError as exc:
         print(f"gateway: {exc}", file=sys.stderr)
         return 2
