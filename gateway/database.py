@@ -18,7 +18,12 @@ from typing import Any
 
 from cassandra.auth import PlainTextAuthProvider
 from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile, Session
-from cassandra.policies import DCAwareRoundRobinPolicy, RoundRobinPolicy, TokenAwarePolicy
+from cassandra.policies import (
+    DCAwareRoundRobinPolicy,
+    ExponentialReconnectionPolicy,
+    RoundRobinPolicy,
+    TokenAwarePolicy,
+)
 from cassandra.query import PreparedStatement, Statement
 
 from cassandra import ConsistencyLevel
@@ -98,6 +103,9 @@ def build_cluster(config: CassandraConfig, ssl_context: ssl.SSLContext | None = 
         auth_provider=auth,
         ssl_context=ssl_context,
         connect_timeout=config.connect_timeout,
+        # The driver's default waits up to 10 minutes between reconnection
+        # attempts; an edge link that comes back should be used within seconds.
+        reconnection_policy=ExponentialReconnectionPolicy(base_delay=0.5, max_delay=10.0),
         control_connection_timeout=config.connect_timeout,
         # One connection per host carries thousands of concurrent requests
         # (protocol v4+); more would only cost memory on a small edge host.

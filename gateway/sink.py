@@ -110,6 +110,9 @@ class Sink:
         self._idle = asyncio.Event()
         self._idle.set()
         self._failing_since: float | None = None
+        # Set (and replaced) when writes succeed again after failures: requests
+        # sleeping in backoff retry at once instead of finishing their sleep.
+        self._recovered = asyncio.Event()
 
     async def __aenter__(self) -> Sink:
         await self._tasks.__aenter__()
@@ -184,7 +187,12 @@ class Sink:
                 attempt += 1
                 self._stats.retries += 1
                 delay = min(BACKOFF_MAX, BACKOFF_MIN * 2**attempt)
-                await asyncio.sleep(delay * (0.5 + random.random() / 2))
+                recovered = self._recovered
+                try:
+                    async with asyncio.timeout(delay * (0.5 + random.random() / 2)):
+                        await recovered.wait()
+                except TimeoutError:
+                    pass
                 continue
             except Exception as exc:
                 raise SinkError(f"Cassandra refused a write: {_short(exc)}") from None
@@ -194,6 +202,8 @@ class Sink:
                     time.monotonic() - self._failing_since,
                 )
                 self._failing_since = None
+                self._recovered.set()
+                self._recovered = asyncio.Event()
             return result
 
 
