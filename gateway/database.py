@@ -45,7 +45,7 @@ class Database:
         self._loop = asyncio.get_running_loop()
 
     def prepare(self, cql: str) -> PreparedStatement:
-        # Preparing blocks, but only at start-up, before any message flows.
+        # Blocks on the network: call it from an executor thread (start-up only).
         return self.session.prepare(cql.replace("{keyspace}", self.keyspace))
 
     def execute(

@@ -263,7 +263,11 @@ async def run(
                 f"(missing: {', '.join(missing)}): run `gateway schema apply`"
             )
         async with Sink(db, config, stats) as sink:
-            pipeline = Pipeline(config, db, sink, stats)
+            # Building the stages prepares their statements, which blocks on
+            # the network: do it off the event loop.
+            pipeline = await asyncio.get_running_loop().run_in_executor(
+                None, Pipeline, config, db, sink, stats
+            )
             receiver = Receiver(
                 config.mqtt, pipeline.subscriptions, stats, shutdown_deadline=shutdown_deadline
             )

@@ -1,0 +1,126 @@
+"""Cassandra going away mid-stream, through a TCP proxy we can cut.
+
+The proxy forwards to the real Cassandra; cutting it closes every connection
+and refuses new ones, which is what the driver sees when the link to a remote
+cluster drops. (Stopping the shared local node would take every other test
+down with it.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import orjson
+
+from gateway.database import Database
+
+from .conftest import CQL_PORT, make_config, publish, running_gateway
+from .test_ingest import device_row, telemetry_keys, topic
+
+
+class CuttableProxy:
+    def __init__(self) -> None:
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self.port = 0
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def cut(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+        for writer in list(self._writers):
+            writer.transport.abort()
+        self._writers.clear()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", CQL_PORT)
+        except OSError:
+            writer.close()
+            return
+        self._writers |= {writer, up_writer}
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError, asyncio.CancelledError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.transport.abort()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+
+@contextlib.asynccontextmanager
+async def proxy() -> AsyncIterator[CuttableProxy]:
+    p = CuttableProxy()
+    await p.start()
+    try:
+        yield p
+    finally:
+        with contextlib.suppress(Exception):
+            await p.cut()
+
+
+async def test_outage_mid_stream_is_retried_and_nothing_lost(db: Database, tenant: str) -> None:
+    now = int(time.time() * 1000)
+    messages = [
+        (
+            topic(tenant, f"d{i % 10}"),
+            orjson.dumps({"ts": now - 10_000 + i, "state": "on", "value": i}),
+        )
+        for i in range(400)
+    ]
+    async with proxy() as p:
+        config = make_config(GATEWAY_CASSANDRA__PORT=str(p.port))
+        async with running_gateway(config) as gw:
+            await publish(messages[:200])
+            await gw.wait_handled(200)
+            await p.cut()
+            publisher = asyncio.create_task(publish(messages[200:]))
+            await gw.wait_for(lambda s: s.retries > 0, deadline=60)
+            await asyncio.sleep(2)
+            await p.start()  # same port: the link is back
+            await publisher
+            await gw.wait_handled(400, deadline=90)
+            assert gw.stats.retries > 0
+    for i in range(10):
+        assert len(await telemetry_keys(db, tenant, f"d{i}")) == 40
+    assert (await device_row(db, tenant, "d9")).value_num == 399
+
+
+async def test_giving_up_stops_the_gateway_and_the_broker_keeps_the_rest(
+    db: Database, tenant: str
+) -> None:
+    now = int(time.time() * 1000)
+    messages = [
+        (topic(tenant, "g"), orjson.dumps({"ts": now - 1000 + i, "value": i})) for i in range(50)
+    ]
+    client_id = f"giveup-{tenant}"
+    async with proxy() as p:
+        config = make_config(
+            GATEWAY_CASSANDRA__PORT=str(p.port),
+            GATEWAY_CASSANDRA__GIVE_UP_AFTER="3",
+            GATEWAY_MQTT__CLIENT_ID=client_id,
+        )
+        gave_up: BaseException | None = None
+        try:
+            async with running_gateway(config) as gw:
+                await p.cut()
+                await publish(messages)
+                async with asyncio.timeout(60):
+                    await gw.task
+        except BaseExceptionGroup as group:
+            gave_up = group
+        assert gave_up is not None, "the gateway should stop after give_up_after"
+        assert "give_up_after" in repr(gave_up.exceptions)
+    # The same session, Cassandra reachable again: everything arrives.
+    async with running_gateway(make_config(GATEWAY_MQTT__CLIENT_ID=client_id)) as gw:
+        await gw.wait_for(lambda s: s.written >= 50, deadline=60)
+    assert len(await telemetry_keys(db, tenant, "g")) == 50
