@@ -85,6 +85,7 @@ def main() -> None:
         os.environ,
         GATEWAY_MQTT__CLIENT_ID=client_id,
         GATEWAY_PIPELINE__STATUS_INTERVAL="1",
+        GATEWAY_API__PORT="0",
         GATEWAY_MQTT__SESSION_EXPIRY="600",
     )
     log = f"/tmp/{client_id}.log"

@@ -273,12 +273,20 @@ class TenantConfig(_Model):
         return value
 
 
+class ApiConfig(_Model):
+    # /metrics (Prometheus) and /healthz, on a local port.
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = Field(default=9108, ge=0, le=65535)  # 0: any free port
+
+
 class Config(_Model):
     mqtt: MqttConfig = Field(default_factory=MqttConfig)
     cassandra: CassandraConfig = Field(default_factory=CassandraConfig)
     topics: list[TopicTemplate] = Field(default_factory=lambda: [TopicTemplate()], min_length=1)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    api: ApiConfig = Field(default_factory=ApiConfig)
     # [tenants.default] applies to every tenant without a section of its own.
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
 

@@ -22,11 +22,14 @@ reading, what was read is written and acknowledged (within
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .api import GatewayMetrics, gateway_metrics, serve
 from .config import Config
 from .database import Database, connect
 from .decode import Decoder, Event
@@ -60,9 +63,17 @@ def _nothing() -> None:
 class Pipeline:
     """Everything between a delivery and its acknowledgement."""
 
-    def __init__(self, config: Config, db: Database, sink: Sink, stats: Stats) -> None:
+    def __init__(
+        self,
+        config: Config,
+        db: Database,
+        sink: Sink,
+        stats: Stats,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
         self.config = config
         self.stats = stats
+        self._latency = metrics.write_latency if metrics is not None else None
         self._sink = sink
         self._matcher = TopicMatcher(config.topics, config.limits)
         self._decoder = Decoder(config.limits)
@@ -226,10 +237,15 @@ class Pipeline:
 
     def _done_callback(self, item: _Item) -> Callable[[], None]:
         stats = self.stats
+        latency = self._latency
 
         def done() -> None:
-            if item.event is not None:
+            event = item.event
+            if event is not None:
                 stats.written += 1
+                if latency is not None and event.sent_at_ms is not None:
+                    # Publisher's clock to ours: meaningful when they agree (NTP).
+                    latency.observe(max(0.0, time.time() - event.sent_at_ms / 1000))
             item.delivery.ack.done()
 
         return done
@@ -262,11 +278,12 @@ async def run(
                 f"schema incomplete in keyspace {config.cassandra.keyspace!r} "
                 f"(missing: {', '.join(missing)}): run `gateway schema apply`"
             )
-        async with Sink(db, config, stats) as sink:
+        metrics = gateway_metrics(stats)
+        async with Sink(db, config, stats, metrics) as sink:
             # Building the stages prepares their statements, which blocks on
             # the network: do it off the event loop.
             pipeline = await asyncio.get_running_loop().run_in_executor(
-                None, Pipeline, config, db, sink, stats
+                None, Pipeline, config, db, sink, stats, metrics
             )
             receiver = Receiver(
                 config.mqtt, pipeline.subscriptions, stats, shutdown_deadline=shutdown_deadline
@@ -288,7 +305,22 @@ async def run(
                 if ready is not None and receiver.connected.is_set():
                     ready.set()
 
-            async with asyncio.TaskGroup() as tasks:
+            def health() -> tuple[bool, dict[str, object]]:
+                failing = sink.failing_for
+                details: dict[str, object] = {
+                    "mqtt": "connected" if receiver.connected.is_set() else "disconnected",
+                    "cassandra": "ok" if failing is None else f"writes failing for {failing:.0f} s",
+                    "queue_depth": pipeline.queue_depth,
+                    "in_flight": stats.in_flight,
+                }
+                return receiver.connected.is_set() and failing is None, details
+
+            api = (
+                serve(config.api.host, config.api.port, metrics.render, health)
+                if config.api.enabled
+                else contextlib.nullcontext()
+            )
+            async with api, asyncio.TaskGroup() as tasks:
                 tasks.create_task(receive())
                 tasks.create_task(pipeline.write_loop())
                 tasks.create_task(_status(pipeline, config.pipeline.status_interval, stop))

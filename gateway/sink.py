@@ -46,6 +46,7 @@ from cassandra import (
     WriteTimeout,
 )
 
+from .api import GatewayMetrics
 from .config import Config
 from .database import Database
 from .errors import SinkError
@@ -100,8 +101,11 @@ class Write:
 class Sink:
     """Owns the in-flight requests; ``async with`` waits for them on exit."""
 
-    def __init__(self, db: Database, config: Config, stats: Stats) -> None:
+    def __init__(
+        self, db: Database, config: Config, stats: Stats, metrics: GatewayMetrics | None = None
+    ) -> None:
         self._db = db
+        self._batch_rows = metrics.batch_rows if metrics is not None else None
         self._max_rows = config.pipeline.batch_max_rows
         self._give_up_after = config.cassandra.give_up_after
         self._slots = asyncio.BoundedSemaphore(config.cassandra.max_in_flight)
@@ -136,6 +140,12 @@ class Sink:
             for start in range(0, len(group), self._max_rows):
                 await self._send(group[start : start + self._max_rows])
 
+    @property
+    def failing_for(self) -> float | None:
+        """Seconds writes have been failing, or None when they succeed."""
+        since = self._failing_since
+        return None if since is None else time.monotonic() - since
+
     async def drain(self) -> None:
         """Wait until no request is in flight (a barrier for rare schema-like work)."""
         await self._idle.wait()
@@ -155,6 +165,8 @@ class Sink:
                 for row in rows:
                     batch.add(row.statement)
                 statement = batch
+            if self._batch_rows is not None:
+                self._batch_rows.observe(len(rows))
             await self.execute(statement, rows=len(rows))
             for row in rows:
                 row.pending.finish_one()

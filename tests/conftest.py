@@ -70,6 +70,8 @@ def base_env(**extra: str) -> dict[str, str]:
         "GATEWAY_MQTT__PORT": str(MQTT_PORT),
         "GATEWAY_MQTT__SESSION_EXPIRY": "600",
         "GATEWAY_PIPELINE__STATUS_INTERVAL": "1",
+        # Several test gateways may run at once: metrics on any free port.
+        "GATEWAY_API__PORT": "0",
     }
     return env | extra
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -382,3 +385,49 @@ async def test_sigkill_mid_stream_loses_nothing(
     gw.signal(signal.SIGTERM)
     assert gw.wait() == 0
     assert "stopped: received=" in gw.output()
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+async def test_metrics_and_health_endpoints(
+    tenant: str, gateway_process: Callable[..., GatewayProcess]
+) -> None:
+    gw = gateway_process()
+    gw.start()
+    found = re.search(r"metrics on (http://[0-9.]+:\d+)/metrics", gw.output())
+    assert found, gw.output()
+    base = found.group(1)
+    status, body = await asyncio.to_thread(_get, f"{base}/healthz")
+    assert status == 200
+    assert orjson.loads(body)["checks"]["mqtt"] == "connected"
+    now = time.time() * 1000
+    await publish(
+        [
+            (topic(tenant, f"m{i}"), orjson.dumps({"ts": int(now), "state": "on", "sent_at": now}))
+            for i in range(30)
+        ]
+        + [(topic(tenant, "bad"), b"{oops")]
+    )
+    async with asyncio.timeout(30):
+        while True:
+            status, body = await asyncio.to_thread(_get, f"{base}/metrics")
+            assert status == 200
+            written = re.search(r"^gateway_events_written_total (\S+)$", body, re.M)
+            if written and float(written.group(1)) >= 30:
+                break
+            await asyncio.sleep(0.2)
+    assert re.search(r'^gateway_messages_rejected_total\{reason="invalid_json"\} 1', body, re.M)
+    latency = re.search(r"^gateway_write_latency_seconds_count (\S+)$", body, re.M)
+    assert latency
+    assert float(latency.group(1)) >= 30
+    gw.signal(signal.SIGTERM)
+    assert gw.wait() == 0
