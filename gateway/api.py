@@ -53,6 +53,7 @@ from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
+from .errors import ConfigError
 from .metrics import Stats
 
 log = logging.getLogger(__name__)
@@ -779,7 +780,13 @@ async def serve(
     closed and connections still being served are cancelled and closed.
     """
     state = _Server(render_metrics, health, read_timeout, max_connections, max_header_bytes)
-    server = await asyncio.start_server(state.handle, host, port, limit=max_header_bytes)
+    try:
+        server = await asyncio.start_server(state.handle, host, port, limit=max_header_bytes)
+    except OSError as exc:
+        raise ConfigError(
+            f"api: cannot listen on {host}:{port} ({exc.strerror}); set api.port, "
+            "or api.enabled = false"
+        ) from None
     try:
         log.info("metrics on %s", _url(server.sockets[0].getsockname()))
         yield server
