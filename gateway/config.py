@@ -262,15 +262,43 @@ class TenantConfig(_Model):
     state_buckets: int = Field(default=1, ge=1, le=1024)
     # Raw telemetry partition size: one partition per device and time bucket.
     telemetry_bucket: Duration = 3600.0
+    # Adaptive bucket size by device rate (the reference's classes): above
+    # fast_above msg/s a device gets fast_bucket, below slow_below slow_bucket,
+    # otherwise telemetry_bucket. Readers find every size via telemetry_partitions.
+    adaptive_buckets: bool = True
+    fast_bucket: Duration = 900.0
+    slow_bucket: Duration = 21600.0
+    fast_above: float = Field(default=1.0, gt=0)
+    slow_below: float = Field(default=1 / 60, gt=0)
     # Cassandra's TTL is whole seconds, at most 20 years.
     ttl: Annotated[LongDuration, Field(ge=60)] = 30 * 86400.0
 
-    @field_validator("telemetry_bucket")
+    @field_validator("telemetry_bucket", "fast_bucket", "slow_bucket")
     @classmethod
     def _whole_seconds(cls, value: float) -> float:
         if value < 60 or value > MAX_BUCKET_SECONDS or value != int(value):
-            raise ValueError("telemetry_bucket must be a whole number of seconds between 1m and 7d")
+            raise ValueError("a bucket must be a whole number of seconds between 1m and 7d")
         return value
+
+    @model_validator(mode="after")
+    def _classes(self) -> TenantConfig:
+        if self.slow_below >= self.fast_above:
+            raise ValueError("slow_below must be lower than fast_above")
+        return self
+
+
+class HotPartitionConfig(_Model):
+    # Writes per partition are counted over each window; a partition above the
+    # threshold is logged once per window and counted.
+    window: Duration = 10.0
+    threshold: int = Field(default=1000, ge=1)
+    # A device whose raw-telemetry partition stays hot is split over up to
+    # this many sub-partitions (shards), doubling per hot window, halving per
+    # cool one. Readers find the shards through telemetry_partitions.
+    max_shards: int = Field(default=16, ge=1, le=256)
+    # Partitions counted per window; writes to partitions beyond it are not
+    # tracked (counted as untracked).
+    max_tracked: int = Field(default=100_000, ge=100, le=10_000_000)
 
 
 class ApiConfig(_Model):
@@ -287,6 +315,7 @@ class Config(_Model):
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
+    hot_partitions: HotPartitionConfig = Field(default_factory=HotPartitionConfig)
     # [tenants.default] applies to every tenant without a section of its own.
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
 

@@ -79,6 +79,8 @@ class Pipeline:
         self._decoder = Decoder(config.limits)
         self._state = LatestState(db, sink, config, stats)
         self._telemetry = Telemetry(db, config)
+        sink.hot.on_hot = self._telemetry.mark_hot
+        sink.hot.on_window = self._telemetry.window_ended
         self._rejects = Rejects(db, config, stats)
         self._queue: asyncio.Queue[_Item | object] = asyncio.Queue(config.pipeline.queue_size)
         self._overflow: deque[_Item | object] = deque()

@@ -32,6 +32,8 @@ class Stats:
     disconnects: int = 0
     states_registered: int = 0
     coalesced: int = 0  # events whose latest-table writes a newer event in the chunk made moot
+    hot_partitions: int = 0  # partitions over the hot threshold, once per window
+    untracked_writes: int = 0  # writes to partitions beyond hot_partitions.max_tracked
     late_state_checks: int = 0  # reads done for old events into recently known states
     throttled_s: float = 0.0  # time with mqtt.receive_maximum messages unacknowledged
     throttle_events: int = 0  # times that limit was reached

@@ -125,10 +125,19 @@ async def history(
             for p in wanted
         )
     )
-    # Each partition is already newest first; merge them.
+    # Each partition is already newest first; merge them. A redelivered event
+    # can sit in two partitions (its device changed bucket size or shard count
+    # in between): keep one copy per (ts, event_id).
     merged = heapq.merge(*parts, key=lambda r: _ms(r.ts), reverse=True)
     out = []
+    last_ts: datetime | None = None
+    seen: set[int] = set()
     for r in merged:
+        if r.ts != last_ts:
+            last_ts, seen = r.ts, set()
+        if r.event_id in seen:
+            continue
+        seen.add(r.event_id)
         out.append(
             HistoryRow(
                 r.ts,

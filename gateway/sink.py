@@ -98,6 +98,63 @@ class Write:
     pending: Pending
 
 
+class HotPartitions:
+    """Writes per partition over a window, in bounded memory.
+
+    A partition over ``threshold`` writes in a window is logged once for that
+    window, counted, and reported to ``on_hot``; at the end of each window
+    ``on_window`` gets the set of partitions that were hot in it. At most
+    ``max_tracked`` partitions are counted per window; writes to others are
+    counted in ``Stats.untracked_writes`` only.
+    """
+
+    def __init__(
+        self,
+        window: float,
+        threshold: int,
+        max_tracked: int,
+        stats: Stats,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
+        self._window = window
+        self._threshold = threshold
+        self._max = max_tracked
+        self._stats = stats
+        self._metric = metrics.hot_partitions if metrics is not None else None
+        self._counts: dict[Hashable, int] = {}
+        self._hot: set[Hashable] = set()
+        self._started = time.monotonic()
+        self.on_hot: Callable[[Hashable], None] = lambda key: None
+        self.on_window: Callable[[set[Hashable]], None] = lambda hot: None
+
+    def count(self, key: Hashable) -> None:
+        now = time.monotonic()
+        if now - self._started >= self._window:
+            hot, self._hot = self._hot, set()
+            self._counts.clear()
+            self._started = now
+            self.on_window(hot)
+        counts = self._counts
+        current = counts.get(key)
+        if current is None:
+            if len(counts) >= self._max:
+                self._stats.untracked_writes += 1
+                return
+            current = 0
+        current += 1
+        counts[key] = current
+        if current == self._threshold + 1:
+            self._hot.add(key)
+            self._stats.hot_partitions += 1
+            table = str(key[0]) if isinstance(key, tuple) else "?"
+            if self._metric is not None:
+                self._metric.inc(table=table)
+            log.warning(
+                "hot partition %s: over %d writes in %.0f s", key, self._threshold, self._window
+            )
+            self.on_hot(key)
+
+
 class Sink:
     """Owns the in-flight requests; ``async with`` waits for them on exit."""
 
@@ -106,6 +163,8 @@ class Sink:
     ) -> None:
         self._db = db
         self._batch_rows = metrics.batch_rows if metrics is not None else None
+        hot = config.hot_partitions
+        self.hot = HotPartitions(hot.window, hot.threshold, hot.max_tracked, stats, metrics)
         self._max_rows = config.pipeline.batch_max_rows
         self._give_up_after = config.cassandra.give_up_after
         self._slots = asyncio.BoundedSemaphore(config.cassandra.max_in_flight)
@@ -133,8 +192,10 @@ class Sink:
     async def submit(self, writes: list[Write]) -> None:
         """Group by partition and send; returns once every request is sent."""
         groups: dict[Hashable, list[Write]] = {}
+        count = self.hot.count
         for write in writes:
             write.pending.add()
+            count(write.partition)
             groups.setdefault(write.partition, []).append(write)
         for group in groups.values():
             for start in range(0, len(group), self._max_rows):

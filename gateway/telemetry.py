@@ -2,17 +2,30 @@
 (schema/003_telemetry.cql), and each new partition into ``telemetry_partitions``
 so readers find every bucket of a time range without scanning.
 
-Promises: partitions are (tenant, device, bucket_start, shard) with the
-tenant's bucket size (default 1 h), so a partition stays bounded whatever the
-device's rate. Rows carry the tenant's TTL. The raw row's key includes the
-event's content hash, so a redelivered copy overwrites itself. The memory of
-already-indexed partitions is an LRU of ``pipeline.partition_cache_size``
-entries; forgetting one only costs one idempotent index write.
+Promises: partitions are (tenant, device, bucket_start, shard), so a
+partition stays bounded whatever the device's rate:
+
+* the bucket size follows the device's rate class (tenant config, the
+  reference's classes): 15 min above 1 msg/s, 6 h below 1 msg/min, 1 h between;
+* a device whose partition stays hot (``sink.HotPartitions``) is split over K
+  shards, K doubling per hot window up to ``hot_partitions.max_shards`` and
+  halving per cool one; a row's shard is its event_id modulo K.
+
+Every (bucket, shard) partition is recorded in ``telemetry_partitions``, so
+readers find all of them. Rows carry the tenant's TTL. The raw row's key
+includes the event's content hash, so a redelivered copy overwrites itself
+(if the device changed rate class or K in between, the copy lands in another
+partition and readers drop it: they de-duplicate by (ts, event_id)).
+The memory of already-indexed partitions is an LRU of
+``pipeline.partition_cache_size`` entries (forgetting one costs one idempotent
+index write); the shard counts are an LRU of the same size.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
+from collections.abc import Hashable
 
 from cassandra.query import UNSET_VALUE
 
@@ -20,6 +33,8 @@ from .config import Config
 from .database import Database
 from .decode import Event
 from .sink import Pending, Write
+
+log = logging.getLogger(__name__)
 
 
 def bucket_start_ms(ts_ms: int, bucket_seconds: int) -> int:
@@ -30,6 +45,8 @@ def bucket_start_ms(ts_ms: int, bucket_seconds: int) -> int:
 class Telemetry:
     def __init__(self, db: Database, config: Config) -> None:
         self._config = config
+        self._shards: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._max_shards = config.hot_partitions.max_shards
         self._indexed: OrderedDict[tuple[str, str, int, int], None] = OrderedDict()
         self._cache_size = config.pipeline.partition_cache_size
         self._insert_row = db.prepare(
@@ -43,12 +60,45 @@ class Telemetry:
             "USING TTL ?"
         )
 
-    def writes(self, event: Event, pending: Pending) -> list[Write]:
+    def bucket_seconds(self, tenant: str, rate: float | None) -> int:
+        cfg = self._config.tenant(tenant)
+        if not cfg.adaptive_buckets or rate is None:
+            return int(cfg.telemetry_bucket)
+        if rate > cfg.fast_above:
+            return int(cfg.fast_bucket)
+        if rate < cfg.slow_below:
+            return int(cfg.slow_bucket)
+        return int(cfg.telemetry_bucket)
+
+    def mark_hot(self, partition: Hashable) -> None:
+        """Sink callback: a partition went over the hot threshold."""
+        if isinstance(partition, tuple) and partition[0] == "telemetry":
+            device = (partition[1], partition[2])
+            shards = min(self._max_shards, self._shards.get(device, 1) * 2)
+            if shards > 1:
+                self._shards[device] = shards
+                self._shards.move_to_end(device)
+                if len(self._shards) > self._cache_size:
+                    self._shards.popitem(last=False)
+                log.info("device %s/%s: raw telemetry split over %d shards", *device, shards)
+
+    def window_ended(self, hot: set[Hashable]) -> None:
+        """Sink callback: devices that were not hot in the last window cool down."""
+        hot_devices = {(p[1], p[2]) for p in hot if isinstance(p, tuple) and p[0] == "telemetry"}
+        for device in [d for d in self._shards if d not in hot_devices]:
+            shards = self._shards[device] // 2
+            if shards > 1:
+                self._shards[device] = shards
+            else:
+                del self._shards[device]
+
+    def writes(self, event: Event, pending: Pending, rate: float | None = None) -> list[Write]:
         tenant_cfg = self._config.tenant(event.tenant)
-        bucket_seconds = int(tenant_cfg.telemetry_bucket)
+        bucket_seconds = self.bucket_seconds(event.tenant, rate)
         ttl = int(tenant_cfg.ttl)
         start = bucket_start_ms(event.ts_ms, bucket_seconds)
-        shard = 0
+        shards = self._shards.get((event.tenant, event.device_id), 1)
+        shard = event.event_id % shards
         key = (event.tenant, event.device_id, start, shard)
         # Unset, not null, for absent fields: a null would write a tombstone.
         out = [
