@@ -48,6 +48,7 @@ import math
 import re
 import sys
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
@@ -260,6 +261,12 @@ class Gauge(_Family):
     def set(self, value: float, **labels: str) -> None:
         key, _, _ = self._key(labels)
         self._values[key] = value
+
+    def clear(self) -> None:
+        """Forget every labelled series (for gauges rebuilt at each render)."""
+        if self.labelnames:
+            self._values.clear()
+            self._label_text.clear()
 
     def set_function(self, fn: Callable[[], float]) -> None:
         """Read the value from ``fn()`` at render time (gauges without labels only)."""
@@ -529,6 +536,7 @@ class GatewayMetrics:
     hot_partitions: Counter  # labels: table
     quota_rejections: Counter  # labels: tenant
     sampled_out: Counter  # labels: tenant
+    noisy_rate: Gauge  # labels: tenant, device_id, rate (observed|kept); rebuilt per render
 
     def render(self) -> str:
         return self.registry.render()
@@ -585,6 +593,11 @@ def gateway_metrics(stats: Stats, *, max_series: int = DEFAULT_MAX_SERIES) -> Ga
             "Events not written because of sampling, by tenant.",
             ("tenant",),
         ),
+        noisy_rate=registry.gauge(
+            "gateway_noisy_device_rate",
+            "Messages per second of each noisy device: observed, and kept after sampling.",
+            ("tenant", "device_id", "rate"),
+        ),
     )
 
 
@@ -629,8 +642,10 @@ class _Server:
         read_timeout: float,
         max_connections: int,
         max_header_bytes: int,
+        routes: Mapping[str, Callable[[Mapping[str, str]], object]],
     ) -> None:
         self.render_metrics = render_metrics
+        self.routes = dict(routes)
         self.health = health
         self.read_timeout = read_timeout
         self.max_header_bytes = max_header_bytes
@@ -683,14 +698,20 @@ class _Server:
         if len(parts) != 3 or not parts[2].startswith("HTTP/1.") or not parts[0].isalpha():
             return _text(400, "bad request\n")
         method, target, _ = parts
-        path = target.partition("?")[0]
-        if path not in _PATHS:
+        path, _, query = target.partition("?")
+        if path not in _PATHS and path not in self.routes:
             return _text(404, "not found\n")
         if method != "GET":
             return _text(405, "method not allowed\n", ("Allow", "GET"))
         try:
             if path == "/metrics":
                 return _Response(200, self.render_metrics().encode(), METRICS_CONTENT_TYPE)
+            if path in self.routes:
+                params = dict(urllib.parse.parse_qsl(query))
+                result = self.routes[path](params)
+                return _Response(
+                    200, json.dumps(result, default=str, sort_keys=True).encode(), JSON_CONTENT_TYPE
+                )
             ok, checks = self.health()
             body = {"status": "ok" if ok else "degraded", "checks": checks}
             return _Response(
@@ -773,13 +794,16 @@ async def serve(
     read_timeout: float = READ_TIMEOUT,
     max_connections: int = MAX_CONNECTIONS,
     max_header_bytes: int = MAX_HEADER_BYTES,
+    routes: Mapping[str, Callable[[Mapping[str, str]], object]] | None = None,
 ) -> AsyncIterator[asyncio.Server]:
     """Serve /metrics and /healthz on ``host:port`` (0: any free port) while inside.
 
     The bound address is in ``server.sockets``. On exit the listening socket is
     closed and connections still being served are cancelled and closed.
     """
-    state = _Server(render_metrics, health, read_timeout, max_connections, max_header_bytes)
+    state = _Server(
+        render_metrics, health, read_timeout, max_connections, max_header_bytes, routes or {}
+    )
     try:
         server = await asyncio.start_server(state.handle, host, port, limit=max_header_bytes)
     except OSError as exc:

@@ -13,6 +13,8 @@ import logging
 import signal
 import sys
 import time
+import urllib.parse
+import urllib.request
 from collections.abc import Coroutine, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -102,6 +104,12 @@ def _parser() -> argparse.ArgumentParser:
     rej.add_argument("--tenant", default="", help="tenant ('' for topics that named none)")
     rej.add_argument("--hours", type=int, default=1, help="how many hours back (default 1)")
     rej.add_argument("--json", action="store_true")
+
+    noi = sub.add_parser(
+        "noisy", parents=[common], help="noisy devices of a tenant, from the running gateway"
+    )
+    noi.add_argument("--tenant", required=True)
+    noi.add_argument("--json", action="store_true")
 
     sim = sub.add_parser(
         "simulate", parents=[common], help="publish events from a simulated device fleet"
@@ -265,6 +273,31 @@ async def _rejected(config: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def _noisy(config: Config, args: argparse.Namespace) -> int:
+    # Sampling state lives in the running gateway: ask its API.
+    query = urllib.parse.urlencode({"tenant": args.tenant})
+    url = f"http://{config.api.host}:{config.api.port}/noisy?{query}"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            devices = orjson.loads(response.read())
+    except (OSError, ValueError) as exc:
+        raise GatewayError(
+            f"cannot reach the running gateway at {url} ({exc}); is `gateway run` up with "
+            "api.enabled, and do api.host/api.port match?"
+        ) from None
+    if args.json:
+        _print_json(devices)
+        return 0
+    for d in devices:
+        since = datetime.fromtimestamp(d["since"], UTC).isoformat(timespec="seconds")
+        print(
+            f"{d['device_id']}\tobserved={d['observed_rate']:.1f}/s\tkept={d['kept_rate']:.2f}/s"
+            f"\tsince={since}\tsampled_out={d['sampled_out']}"
+        )
+    print(f"({len(devices)} noisy devices for tenant {args.tenant!r})", file=sys.stderr)
+    return 0
+
+
 async def _simulate(config: Config, args: argparse.Namespace) -> int:
     try:
         spec = FleetSpec(
@@ -314,6 +347,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rejected": lambda: _rejected(config, args),
         "simulate": lambda: _simulate(config, args),
     }
+    if args.command == "noisy":
+        try:
+            return _noisy(config, args)
+        except GatewayError as exc:
+            print(f"gateway: {exc}", file=sys.stderr)
+            return 1
     if args.command == "schema":
         if args.schema_command == "print":
             for name, stmt in schema.statements(config.cassandra):

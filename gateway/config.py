@@ -34,6 +34,7 @@ from pydantic import (
 )
 
 from .errors import ConfigError
+from .sampling import SamplingConfig
 
 ENV_PREFIX = "GATEWAY_"
 ENV_CONFIG_PATH = "GATEWAY_CONFIG"
@@ -316,6 +317,7 @@ class Config(_Model):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
     hot_partitions: HotPartitionConfig = Field(default_factory=HotPartitionConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     # [tenants.default] applies to every tenant without a section of its own.
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
 

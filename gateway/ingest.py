@@ -26,7 +26,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .api import GatewayMetrics, gateway_metrics, serve
@@ -37,6 +37,7 @@ from .errors import DecodeError, SchemaError
 from .metrics import Stats
 from .receive import Delivery, Receiver
 from .rejects import Rejection, Rejects
+from .sampling import Sampler, Verdict
 from .schema import missing_tables
 from .sink import Pending, Sink, Write
 from .state import LatestState
@@ -46,14 +47,20 @@ from .topics import TopicMatcher
 log = logging.getLogger(__name__)
 
 
+_KEEP_ALL = Verdict(keep_raw=True, update_latest=True, reason="normal")
+
+
 @dataclass(slots=True)
 class _Item:
     delivery: Delivery
     event: Event | None
     rejection: Rejection | None
+    verdict: Verdict = _KEEP_ALL
 
 
 _STOP = object()
+# Back-fill (old events) bypasses sampling: everything is written.
+_BACKFILL = Verdict(keep_raw=True, update_latest=True, reason="backfill")
 
 
 def _nothing() -> None:
@@ -82,6 +89,9 @@ class Pipeline:
         sink.hot.on_hot = self._telemetry.mark_hot
         sink.hot.on_window = self._telemetry.window_ended
         self._rejects = Rejects(db, config, stats)
+        self.sampler = Sampler(config.sampling)
+        self._backfill_ms = int(config.sampling.backfill_after * 1000)
+        self._metrics = metrics
         self._queue: asyncio.Queue[_Item | object] = asyncio.Queue(config.pipeline.queue_size)
         self._overflow: deque[_Item | object] = deque()
         self._low_water = config.pipeline.queue_size // 2
@@ -125,7 +135,28 @@ class Pipeline:
             )
         if event.ts_from_receive:
             self.stats.no_ts += 1
-        return _Item(delivery, event, None)
+        if delivery.received_ms - event.ts_ms > self._backfill_ms:
+            return _Item(delivery, event, None, _BACKFILL)
+        verdict = self.sampler.decide(tenant, device, delivery.topic, event.state, event.metrics)
+        if verdict.reject_reason is not None:
+            if self._metrics is not None:
+                self._metrics.quota_rejections.inc(tenant=tenant)
+            self.stats.quota_rejected += 1
+            return _Item(
+                delivery,
+                None,
+                Rejection(
+                    tenant,
+                    device,
+                    delivery.topic,
+                    verdict.reject_reason,
+                    f"new device {device!r} is over tenant {tenant!r}'s device quota "
+                    "(sampling.tenants.<tenant>.max_devices_per_tenant)",
+                    delivery.payload,
+                    delivery.received_ms,
+                ),
+            )
+        return _Item(delivery, event, None, verdict)
 
     def set_flow(self, pause: Callable[[], None], resume: Callable[[], None]) -> None:
         """How to stop and restart reading from the broker."""
@@ -199,8 +230,9 @@ class Pipeline:
         # chunk are left alone: that event doesn't move the device between states.
         newest: dict[tuple[str, str], Event] = {}
         stateless: set[tuple[str, str]] = set()
-        for e in events:
-            if id(e) in over_ids:
+        for item in chunk:
+            e = item.event
+            if e is None or id(e) in over_ids or not item.verdict.update_latest:
                 continue
             key = (e.tenant, e.device_id)
             if e.state is None:
@@ -227,11 +259,29 @@ class Pipeline:
                 item.event = event = None
             if event is not None:
                 key = (event.tenant, event.device_id)
-                if newest[key] is event or key in stateless:
-                    writes += self._state.writes(event, pending, late.get(id(event)))
+                verdict = item.verdict
+                if verdict.update_latest and (newest[key] is event or key in stateless):
+                    mine = self._state.writes(event, pending, late.get(id(event)))
                 else:
+                    mine = []
                     self.stats.coalesced += 1
-                writes += self._telemetry.writes(event, pending)
+                if verdict.keep_raw:
+                    sampler, device = self.sampler, event.device_id
+                    # Back-fill bypasses the sampler: no rate, the tenant's default bucket.
+                    rate = (
+                        sampler.rate(event.tenant, device)
+                        if sampler.tracks(event.tenant, device)
+                        else None
+                    )
+                    mine += self._telemetry.writes(event, pending, rate)
+                else:
+                    self.stats.sampled_out += 1
+                    if self._metrics is not None:
+                        self._metrics.sampled_out.inc(tenant=event.tenant)
+                if not mine:
+                    # Decided and accounted for: nothing to write, acknowledge.
+                    pending.on_done()
+                writes += mine
             else:
                 assert item.rejection is not None
                 writes += self._rejects.writes(item.rejection, pending)
@@ -317,8 +367,39 @@ async def run(
                 }
                 return receiver.connected.is_set() and failing is None, details
 
+            def noisy(params: Mapping[str, str]) -> list[dict[str, object]]:
+                tenant = params.get("tenant", "")
+                wall_offset = time.time() - time.monotonic()
+                return [
+                    {
+                        "device_id": d.device_id,
+                        "observed_rate": round(d.observed_rate, 3),
+                        "kept_rate": round(d.kept_rate, 3),
+                        "since": d.since + wall_offset,
+                        "sampled_out": d.sampled_out,
+                    }
+                    for d in pipeline.sampler.noisy(tenant)
+                ]
+
+            def mirror_noisy() -> None:
+                gauge = metrics.noisy_rate
+                gauge.clear()
+                for tenant in pipeline.sampler.tenant_counters():
+                    for d in pipeline.sampler.noisy(tenant):
+                        gauge.set(
+                            d.observed_rate, tenant=tenant, device_id=d.device_id, rate="observed"
+                        )
+                        gauge.set(d.kept_rate, tenant=tenant, device_id=d.device_id, rate="kept")
+
+            metrics.registry.on_render(mirror_noisy)
             api = (
-                serve(config.api.host, config.api.port, metrics.render, health)
+                serve(
+                    config.api.host,
+                    config.api.port,
+                    metrics.render,
+                    health,
+                    routes={"/noisy": noisy},
+                )
                 if config.api.enabled
                 else contextlib.nullcontext()
             )

@@ -31,6 +31,8 @@ class Stats:
     connects: int = 0  # successful MQTT connections
     disconnects: int = 0
     states_registered: int = 0
+    sampled_out: int = 0  # events whose raw row sampling left out (acknowledged, counted)
+    quota_rejected: int = 0  # messages of new devices over a tenant's device quota
     coalesced: int = 0  # events whose latest-table writes a newer event in the chunk made moot
     hot_partitions: int = 0  # partitions over the hot threshold, once per window
     untracked_writes: int = 0  # writes to partitions beyond hot_partitions.max_tracked
@@ -51,7 +53,8 @@ class Stats:
         return (
             f"in={self.received} ({(self.received - rx0) / span:.0f}/s) "
             f"written={self.written} ({(self.written - wr0) / span:.0f}/s) "
-            f"rejected={self.rejected} queue={self.queue_depth} in_flight={self.in_flight} "
+            f"rejected={self.rejected} sampled_out={self.sampled_out} "
+            f"queue={self.queue_depth} in_flight={self.in_flight} "
             f"retries={self.retries} acked={self.acked}"
         )
 
@@ -63,6 +66,7 @@ class Stats:
             f"unacked_redelivered_later={self.acks_dropped} no_ts={self.no_ts} "
             f"chunks={self.chunks} requests={self.requests} retries={self.retries} "
             f"connects={self.connects} "
+            f"sampled_out={self.sampled_out} quota_rejected={self.quota_rejected} "
             f"coalesced={self.coalesced} throttled={self.throttled_s:.1f}s "
             f"read_pauses={self.read_pauses} overflow={self.overflow} "
             f"uptime={time.monotonic() - self.started:.0f}s"

@@ -78,7 +78,8 @@ async def test_outage_mid_stream_is_retried_and_nothing_lost(db: Database, tenan
         for i in range(400)
     ]
     async with proxy() as p:
-        config = make_config(GATEWAY_CASSANDRA__PORT=str(p.port))
+        # Ten devices at 40 events each in a second would be sampled as noisy.
+        config = make_config(GATEWAY_CASSANDRA__PORT=str(p.port), GATEWAY_SAMPLING__ENABLED="false")
         async with running_gateway(config) as gw:
             await publish(messages[:200])
             await gw.wait_handled(200)
@@ -108,6 +109,7 @@ async def test_giving_up_stops_the_gateway_and_the_broker_keeps_the_rest(
             GATEWAY_CASSANDRA__PORT=str(p.port),
             GATEWAY_CASSANDRA__GIVE_UP_AFTER="3",
             GATEWAY_MQTT__CLIENT_ID=client_id,
+            GATEWAY_SAMPLING__ENABLED="false",
         )
         gave_up: BaseException | None = None
         try:
@@ -121,6 +123,7 @@ async def test_giving_up_stops_the_gateway_and_the_broker_keeps_the_rest(
         assert gave_up is not None, "the gateway should stop after give_up_after"
         assert "give_up_after" in repr(gave_up.exceptions)
     # The same session, Cassandra reachable again: everything arrives.
-    async with running_gateway(make_config(GATEWAY_MQTT__CLIENT_ID=client_id)) as gw:
+    config = make_config(GATEWAY_MQTT__CLIENT_ID=client_id, GATEWAY_SAMPLING__ENABLED="false")
+    async with running_gateway(config) as gw:
         await gw.wait_for(lambda s: s.written >= 50, deadline=60)
     assert len(await telemetry_keys(db, tenant, "g")) == 50

@@ -1,0 +1,671 @@
+"""Adaptive sampling and tenant quotas: which events are written in full.
+
+For every decoded event :meth:`Sampler.decide` returns a :class:`Verdict`:
+whether to write its raw-telemetry row (``keep_raw``), whether to update the
+device's latest-event tables (``update_latest``), and why (``reason``). It is
+pure logic: no I/O, and time comes from an injected clock.
+
+How it decides:
+
+* Each device's message rate is estimated continuously with an exponentially
+  decayed counter (``half_life``). A device whose estimate goes above
+  ``noisy_above`` (per tenant, or per topic pattern) becomes *noisy*; its raw
+  telemetry is then thinned to ``target_rate``: an event is kept when it is the
+  first one in a new slot of ``1/target_rate`` seconds counted from the moment
+  the device became noisy. Kept events are therefore spread evenly over time,
+  at most ``target_rate`` per second, and never bunched at the start of a second.
+* A noisy device returns to full resolution only after its estimate has stayed
+  under ``quiet_below`` for ``quiet_for`` seconds (hysteresis).
+* A tenant with ``max_rate`` has a token bucket (``max_rate``, ``burst``); when
+  it is empty the tenant's ordinary events are dropped (reason ``tenant_rate``).
+  With ``max_devices_per_tenant``, events of devices beyond the quota are
+  rejected (``reject_reason="quota"``); devices already admitted keep working.
+* Latest-table updates of noisy devices, and of events dropped by the tenant
+  rate, are coalesced to one per ``latest_interval`` seconds per device;
+  always-kept events (below) update them at once.
+
+Promises:
+
+* Never sampled out (neither by device sampling nor by the tenant rate): the
+  first event of a device the sampler does not know, an event whose state
+  differs from the last state the sampler saw for the device, the first event
+  after a device becomes noisy or quiet again, and an event that an
+  ``important`` rule marks (a metric beyond a threshold, or back from beyond
+  it). These always have ``update_latest=True``. Only the device quota can
+  refuse them.
+* With ``enabled = false`` device sampling is off and every event is kept;
+  tenant quotas (rate and device count) still apply.
+* Bounded memory: at most ``max_devices`` devices are tracked (LRU; evictions
+  are counted). A forgotten device is simply new again, so the only cost of
+  forgetting is one more kept event. Tenants without a section of their own
+  are tracked in an LRU of ``max_tenants``; tenants with a section are always
+  tracked. The per-tenant set of admitted devices exists only for tenants with
+  a device quota and never holds more than the quota.
+* ``decide`` is O(1) amortized (O(number of important rules) per event, and a
+  topic-pattern lookup only when a device first appears or changes topic).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Annotated
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+REASONS = (
+    "normal",  # full resolution: the device is not noisy and its tenant within its rate
+    "state_change",  # the state differs from the previous one (or the device is new)
+    "transition",  # first event after the device became noisy, or quiet again
+    "important",  # an important rule matched
+    "sampled",  # the device is noisy; keep_raw says whether this is one of the kept samples
+    "tenant_rate",  # the tenant is over max_rate: dropped
+    "quota",  # a new device beyond max_devices_per_tenant: rejected
+)
+
+
+def _duration(value: object) -> object:
+    # Imported here rather than at the top: config.py imports this module for
+    # its [sampling] section, and a module-level import back would be circular.
+    from .config import parse_duration  # noqa: PLC0415
+
+    return parse_duration(value)
+
+
+# Messages per second.
+Rate = Annotated[float, Field(gt=0, le=1_000_000, allow_inf_nan=False)]
+# Seconds; "30s", "1m", "250ms" are accepted as in the rest of the config.
+Seconds = Annotated[float, BeforeValidator(_duration), Field(ge=0, le=86400)]
+Threshold = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class _Model(BaseModel):
+    # As config.py: environment variables can turn a metric name like "42" into a number.
+    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
+
+
+class ImportantRule(_Model):
+    """Events whose ``metric`` is above ``above`` or below ``below`` are never sampled out.
+
+    So is the first event in which the metric is back within bounds, so that
+    the return to normal is recorded too.
+    """
+
+    metric: str = Field(min_length=1, max_length=1024)
+    above: Threshold | None = None
+    below: Threshold | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ImportantRule:
+        if self.above is None and self.below is None:
+            raise ValueError(f"important rule for metric {self.metric!r} needs above or below")
+        if self.above is not None and self.below is not None and self.below >= self.above:
+            raise ValueError(
+                f"important rule for metric {self.metric!r}: below ({self.below}) must be "
+                f"less than above ({self.above}), or every value would be important"
+            )
+        return self
+
+
+def _filter_levels(topic_filter: str) -> tuple[str, ...]:
+    levels = tuple(topic_filter.split("/"))
+    for i, level in enumerate(levels):
+        if level == "#" and i != len(levels) - 1:
+            raise ValueError(f"topic_filter {topic_filter!r}: '#' must be the last level")
+        if level not in ("#", "+") and ("#" in level or "+" in level):
+            raise ValueError(
+                f"topic_filter {topic_filter!r}: '+' and '#' must stand alone in a level"
+            )
+    return levels
+
+
+class Override(_Model):
+    """Sampling settings for devices whose topic matches an MQTT filter (first match wins)."""
+
+    topic_filter: str = Field(min_length=1, max_length=1024)
+    noisy_above: Rate | None = None
+    target_rate: Rate | None = None
+
+    @field_validator("topic_filter")
+    @classmethod
+    def _valid_filter(cls, value: str) -> str:
+        _filter_levels(value)
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> Override:
+        if self.noisy_above is None and self.target_rate is None:
+            raise ValueError(
+                f"override for {self.topic_filter!r} sets neither noisy_above nor target_rate"
+            )
+        return self
+
+
+class TenantSampling(_Model):
+    """One tenant's settings; unset fields take the global [sampling] value.
+
+    ``max_rate``/``burst`` and ``max_devices_per_tenant`` are off unless set.
+    """
+
+    noisy_above: Rate | None = None
+    target_rate: Rate | None = None
+    max_rate: Rate | None = None
+    # Tokens the bucket holds; defaults to one second of max_rate (at least 1).
+    burst: Annotated[float, Field(ge=1, le=1_000_000_000, allow_inf_nan=False)] | None = None
+    max_devices_per_tenant: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
+
+
+class SamplingConfig(_Model):
+    """The [sampling] section. Rates are messages per second, durations seconds."""
+
+    enabled: bool = True
+    # Half-life of the rate estimate: how fast it follows a change of rate.
+    half_life: Annotated[Seconds, Field(gt=0, le=3600)] = 5.0
+    noisy_above: Rate = 5.0
+    target_rate: Rate = 1.0
+    quiet_below: Rate = 2.0
+    quiet_for: Seconds = 30.0
+    latest_interval: Seconds = 1.0
+    # Events whose timestamp is this much older than their arrival are
+    # back-fill (a device catching up, or the broker replaying a backlog after
+    # an outage): they bypass sampling entirely and are all kept, so a burst of
+    # old events never makes a device look noisy. The ingest stage applies it.
+    backfill_after: Seconds = 30.0
+    max_devices: int = Field(default=100_000, ge=1, le=10_000_000)
+    # Tenants without a section of their own that are tracked at once (LRU).
+    max_tenants: int = Field(default=10_000, ge=1, le=10_000_000)
+    important: list[ImportantRule] = Field(default_factory=list, max_length=256)
+    overrides: list[Override] = Field(default_factory=list, max_length=1024)
+    # [sampling.tenants.default] applies to every tenant without a section of its own.
+    tenants: dict[str, TenantSampling] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check(self) -> SamplingConfig:
+        q = self.quiet_below
+        if q >= self.noisy_above:
+            raise ValueError(
+                f"quiet_below ({q}) must be below noisy_above ({self.noisy_above}): "
+                "the gap between them is the hysteresis"
+            )
+        # A single message moves the estimate by ln2/half_life; centred, half of
+        # that. If that alone reached quiet_below, a device could never go quiet.
+        step = math.log(2) / self.half_life / 2
+        if step >= q:
+            raise ValueError(
+                f"half_life ({self.half_life} s) is too short for quiet_below ({q}): one "
+                f"message alone would count as {step:.3g} msg/s; use a half_life of at "
+                f"least {math.log(2) / (2 * q):.3g} s"
+            )
+        for name, section in self.tenants.items():
+            if section.noisy_above is not None and section.noisy_above <= q:
+                raise ValueError(
+                    f"tenants.{name}.noisy_above ({section.noisy_above}) must be above "
+                    f"quiet_below ({q})"
+                )
+            if section.burst is not None and section.max_rate is None:
+                raise ValueError(f"tenants.{name}.burst is set but max_rate is not")
+        for i, override in enumerate(self.overrides):
+            if override.noisy_above is not None and override.noisy_above <= q:
+                raise ValueError(
+                    f"overrides[{i}].noisy_above ({override.noisy_above}) must be above "
+                    f"quiet_below ({q})"
+                )
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What to write for one event. ``reason`` is one of REASONS."""
+
+    keep_raw: bool
+    update_latest: bool
+    reason: str
+    reject_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NoisyDevice:
+    tenant: str
+    device_id: str
+    observed_rate: float  # msg/s, the estimate now
+    kept_rate: float  # msg/s of kept raw events, same estimator
+    since: float  # clock time it became noisy
+    sampled_out: int  # events not kept since it became noisy
+
+
+# Verdicts are immutable and few: build each once instead of once per event.
+_NORMAL = Verdict(True, True, "normal")
+_STATE_CHANGE = Verdict(True, True, "state_change")
+_TRANSITION = Verdict(True, True, "transition")
+_IMPORTANT = Verdict(True, True, "important")
+_QUOTA = Verdict(False, False, "quota", "quota")
+# Indexed by keep_raw * 2 + update_latest.
+_SAMPLED = (
+    Verdict(False, False, "sampled"),
+    Verdict(False, True, "sampled"),
+    Verdict(True, False, "sampled"),
+    Verdict(True, True, "sampled"),
+)
+# Indexed by update_latest.
+_TENANT_RATE = (Verdict(False, False, "tenant_rate"), Verdict(False, True, "tenant_rate"))
+
+
+@dataclass(frozen=True, slots=True)
+class _TenantParams:
+    noisy_above: float
+    target_rate: float
+    max_rate: float | None
+    burst: float
+    max_devices: int | None
+
+
+class _Tenant:
+    __slots__ = (
+        "burst",
+        "kept",
+        "known",
+        "max_devices",
+        "max_rate",
+        "noisy",
+        "params",
+        "quota_rejected",
+        "refilled",
+        "sampled_out",
+        "tenant_rate_sampled",
+        "tokens",
+    )
+
+    def __init__(self, params: _TenantParams, now: float) -> None:
+        self.params = params
+        self.max_rate = params.max_rate
+        self.burst = params.burst
+        self.tokens = params.burst
+        self.refilled = now
+        self.max_devices = params.max_devices
+        # Admitted devices, only with a device quota (and never more than it).
+        self.known: set[str] | None = set() if params.max_devices is not None else None
+        # This tenant's noisy devices, so noisy() needn't scan every device.
+        self.noisy: dict[str, _Device] = {}
+        self.kept = 0
+        self.sampled_out = 0
+        self.quota_rejected = 0
+        self.tenant_rate_sampled = 0
+
+
+class _Device:
+    __slots__ = (
+        "acc",
+        "beyond",
+        "kept_acc",
+        "last",
+        "latest_at",
+        "noisy",
+        "noisy_above",
+        "quiet_since",
+        "sampled_out",
+        "since",
+        "slot",
+        "state",
+        "target",
+        "topic",
+    )
+
+    def __init__(self, topic: str, noisy_above: float, target: float, now: float) -> None:
+        self.topic = topic
+        self.noisy_above = noisy_above
+        self.target = target
+        # Decayed event counter scaled to msg/s: acc(t) = λ Σ exp(-λ (t - t_i)).
+        # Its time average is exactly the rate; it only decays between events.
+        self.acc = 0.0
+        self.kept_acc = 0.0
+        self.last = now
+        self.latest_at = -math.inf
+        self.state: str | None = None
+        self.noisy = False
+        self.since = 0.0
+        self.quiet_since: float | None = None
+        self.slot = 0
+        self.sampled_out = 0
+        self.beyond = 0  # bit i: rule i's metric was beyond its threshold last time
+
+
+def topic_matches(levels: tuple[str, ...], topic: str) -> bool:
+    """MQTT filter matching: ``+`` is one level, a final ``#`` the rest (or nothing)."""
+    parts = topic.split("/")
+    # Wildcards at the first level don't match $SYS-style topics (MQTT 4.7.2).
+    if topic.startswith("$") and levels and levels[0] in ("+", "#"):
+        return False
+    for i, level in enumerate(levels):
+        if level == "#":
+            return True
+        if i >= len(parts) or (level != "+" and level != parts[i]):
+            return False
+    return len(levels) == len(parts)
+
+
+class Sampler:
+    """Decides, per event, what is written. Not thread-safe; one per pipeline."""
+
+    def __init__(self, config: SamplingConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self._config = config
+        self._clock = clock
+        self._enabled = config.enabled
+        self._lam = math.log(2) / config.half_life
+        self._half_lam = self._lam / 2
+        self._quiet_below = config.quiet_below
+        self._quiet_for = config.quiet_for
+        self._latest_interval = config.latest_interval
+        self._max_devices = config.max_devices
+        self._max_tenants = config.max_tenants
+        self._rules = tuple(
+            (
+                rule.metric,
+                math.inf if rule.above is None else rule.above,
+                -math.inf if rule.below is None else rule.below,
+                1 << i,
+            )
+            for i, rule in enumerate(config.important)
+        )
+        self._overrides = tuple(
+            (_filter_levels(o.topic_filter), o.noisy_above, o.target_rate) for o in config.overrides
+        )
+        sections = {
+            name: self._params(section)
+            for name, section in config.tenants.items()
+            if name != "default"
+        }
+        default = config.tenants.get("default")
+        self._default_params = self._params(default or TenantSampling())
+        now = clock()
+        # Tenants with a section of their own are few and configured: never evicted.
+        self._pinned = {name: _Tenant(params, now) for name, params in sections.items()}
+        self._tenants: OrderedDict[str, _Tenant] = OrderedDict()
+        self._devices: OrderedDict[tuple[str, str], _Device] = OrderedDict()
+        self.evicted_devices = 0
+        self.evicted_tenants = 0
+
+    def _params(self, section: TenantSampling) -> _TenantParams:
+        c = self._config
+        max_rate = section.max_rate
+        burst = section.burst
+        if burst is None:
+            burst = max(1.0, max_rate) if max_rate is not None else 1.0
+        return _TenantParams(
+            noisy_above=section.noisy_above if section.noisy_above is not None else c.noisy_above,
+            target_rate=section.target_rate if section.target_rate is not None else c.target_rate,
+            max_rate=max_rate,
+            burst=burst,
+            max_devices=section.max_devices_per_tenant,
+        )
+
+    @property
+    def tracked_devices(self) -> int:
+        return len(self._devices)
+
+    def _tenant(self, name: str, now: float) -> _Tenant:
+        ten = self._pinned.get(name)
+        if ten is not None:
+            return ten
+        tenants = self._tenants
+        ten = tenants.get(name)
+        if ten is not None:
+            tenants.move_to_end(name)
+            return ten
+        ten = tenants[name] = _Tenant(self._default_params, now)
+        if len(tenants) > self._max_tenants:
+            # Only when more than max_tenants unconfigured tenants are active.
+            # Its counters and admitted-device set go with it: if it comes back,
+            # its device quota starts afresh.
+            tenants.popitem(last=False)
+            self.evicted_tenants += 1
+        return ten
+
+    def _resolve(self, dev: _Device, params: _TenantParams, topic: str) -> None:
+        noisy_above, target = params.noisy_above, params.target_rate
+        for levels, o_noisy, o_target in self._overrides:
+            if topic_matches(levels, topic):
+                if o_noisy is not None:
+                    noisy_above = o_noisy
+                if o_target is not None:
+                    target = o_target
+                break
+        dev.topic, dev.noisy_above, dev.target = topic, noisy_above, target
+
+    def decide(
+        self,
+        tenant: str,
+        device_id: str,
+        topic: str,
+        state: str | None,
+        metrics: Mapping[str, float],
+    ) -> Verdict:
+        """The verdict for one event of ``device_id``, published on ``topic``."""
+        now = self._clock()
+        ten = self._tenant(tenant, now)
+        devices = self._devices
+        key = (tenant, device_id)
+        dev = devices.get(key)
+        if dev is None:
+            known = ten.known
+            if known is not None and device_id not in known:
+                assert ten.max_devices is not None
+                if len(known) >= ten.max_devices:
+                    # Rejected before anything is stored: a flood of new ids
+                    # costs neither memory nor other devices' state.
+                    ten.quota_rejected += 1
+                    return _QUOTA
+                known.add(device_id)
+            dev = _Device(topic, 0.0, 0.0, now)
+            self._resolve(dev, ten.params, topic)
+            devices[key] = dev
+            if len(devices) > self._max_devices:
+                self._evict()
+            changed = True
+            dt = 0.0
+        else:
+            devices.move_to_end(key)
+            if topic != dev.topic:
+                self._resolve(dev, ten.params, topic)
+            changed = state is not None and state != dev.state
+            # An injected clock may step back: treat that as simultaneous.
+            dt = max(now - dev.last, 0.0)
+
+        lam = self._lam
+        prev_acc = dev.acc
+        decay = math.exp(-lam * dt)
+        before = prev_acc * decay
+        dev.acc = before + lam
+        # The estimate at an event instant: midway through the jump the event
+        # causes, so a steady rate r reads as r, not r + λ/2.
+        est = before + self._half_lam
+        last = dev.last
+        dev.last = now
+        if state is not None:
+            dev.state = state
+
+        transition = False
+        if self._enabled:
+            if dev.noisy:
+                q = self._quiet_below
+                if est < q:
+                    quiet_since = dev.quiet_since
+                    if quiet_since is None:
+                        # Between events the estimate only decays, so the moment
+                        # it fell under quiet_below is known exactly: a device
+                        # that simply went silent has been quiet since then.
+                        quiet_since = last
+                        if prev_acc > q:
+                            quiet_since = min(now, last + math.log(prev_acc / q) / lam)
+                        dev.quiet_since = quiet_since
+                    if now - quiet_since >= self._quiet_for:
+                        dev.noisy = False
+                        dev.quiet_since = None
+                        transition = True
+                        ten.noisy.pop(device_id, None)
+                else:
+                    dev.quiet_since = None
+                if dev.noisy:
+                    # Re-registered each time: the tenant's entry may have been
+                    # evicted and recreated since the device became noisy.
+                    ten.noisy[device_id] = dev
+            elif est > dev.noisy_above:
+                dev.noisy = True
+                dev.since = now
+                dev.slot = 0
+                dev.sampled_out = 0
+                dev.quiet_since = None
+                transition = True
+                ten.noisy[device_id] = dev
+
+        important = False
+        rules = self._rules
+        if rules:
+            old = dev.beyond
+            new = 0
+            for metric, above, below, bit in rules:
+                value = metrics.get(metric)
+                if value is None:
+                    new |= old & bit  # not reported: nothing crossed
+                elif value > above or value < below:
+                    new |= bit
+                    important = True
+                elif old & bit:
+                    important = True  # back within bounds: the crossing is kept too
+            dev.beyond = new
+
+        if transition:
+            verdict = _TRANSITION
+        elif changed:
+            verdict = _STATE_CHANGE
+        elif important:
+            verdict = _IMPORTANT
+        else:
+            verdict = self._ordinary(ten, dev, now)
+            keep = verdict.keep_raw
+            if verdict.update_latest:
+                dev.latest_at = now
+            if keep:
+                ten.kept += 1
+                dev.kept_acc = dev.kept_acc * decay + lam
+            else:
+                ten.sampled_out += 1
+                dev.kept_acc *= decay
+                if dev.noisy:
+                    dev.sampled_out += 1
+            return verdict
+
+        # Always kept. It still takes a token when one is left, so that ordinary
+        # telemetry yields to it under the tenant's rate.
+        if ten.max_rate is not None:
+            self._take_token(ten, now)
+        dev.latest_at = now
+        ten.kept += 1
+        dev.kept_acc = dev.kept_acc * decay + lam
+        return verdict
+
+    def _take_token(self, ten: _Tenant, now: float) -> bool:
+        """Refill, then take a token if there is one; False if the bucket is empty."""
+        assert ten.max_rate is not None
+        tokens = ten.tokens + (now - ten.refilled) * ten.max_rate
+        ten.refilled = now
+        tokens = min(tokens, ten.burst)
+        if tokens >= 1.0:
+            ten.tokens = tokens - 1.0
+            return True
+        ten.tokens = tokens
+        return False
+
+    def _ordinary(self, ten: _Tenant, dev: _Device, now: float) -> Verdict:
+        # An event with no reason of its own to be kept.
+        if dev.noisy:
+            # Keep the first event of each 1/target slot since the device became
+            # noisy: evenly spread, at most target per second, whatever the rate.
+            slot = int((now - dev.since) * dev.target)
+            keep = slot > dev.slot
+            if keep:
+                dev.slot = slot
+            if keep and ten.max_rate is not None and not self._take_token(ten, now):
+                ten.tenant_rate_sampled += 1
+                return _TENANT_RATE[self._latest_due(dev, now)]
+            return _SAMPLED[keep * 2 + self._latest_due(dev, now)]
+        if ten.max_rate is not None and not self._take_token(ten, now):
+            ten.tenant_rate_sampled += 1
+            return _TENANT_RATE[self._latest_due(dev, now)]
+        return _NORMAL
+
+    def _latest_due(self, dev: _Device, now: float) -> bool:
+        return now - dev.latest_at >= self._latest_interval
+
+    def _evict(self) -> None:
+        (tenant, device_id), dev = self._devices.popitem(last=False)
+        self.evicted_devices += 1
+        if dev.noisy:
+            ten = self._pinned.get(tenant) or self._tenants.get(tenant)
+            if ten is not None:
+                ten.noisy.pop(device_id, None)
+
+    def _still_noisy(self, dev: _Device, now: float) -> bool:
+        # A noisy device that went silent is not re-evaluated until its next
+        # event; report what that event would find.
+        q = self._quiet_below
+        acc = dev.acc * math.exp(-self._lam * max(0.0, now - dev.last))
+        if acc >= q:
+            return True
+        quiet_since = dev.quiet_since
+        if quiet_since is None:
+            quiet_since = dev.last
+            if dev.acc > q:
+                quiet_since += math.log(dev.acc / q) / self._lam
+        return now - quiet_since < self._quiet_for
+
+    def tracks(self, tenant: str, device_id: str) -> bool:
+        return (tenant, device_id) in self._devices
+
+    def rate(self, tenant: str, device_id: str) -> float:
+        """The device's estimated message rate now (0.0 if not tracked)."""
+        dev = self._devices.get((tenant, device_id))
+        if dev is None:
+            return 0.0
+        return dev.acc * math.exp(-self._lam * max(0.0, self._clock() - dev.last))
+
+    def noisy(self, tenant: str) -> list[NoisyDevice]:
+        """The tenant's noisy devices, noisiest first."""
+        ten = self._pinned.get(tenant) or self._tenants.get(tenant)
+        if ten is None:
+            return []
+        now = self._clock()
+        lam = self._lam
+        found = []
+        for device_id, dev in ten.noisy.items():
+            if not self._still_noisy(dev, now):
+                continue
+            decay = math.exp(-lam * max(0.0, now - dev.last))
+            found.append(
+                NoisyDevice(
+                    tenant=tenant,
+                    device_id=device_id,
+                    observed_rate=dev.acc * decay,
+                    kept_rate=dev.kept_acc * decay,
+                    since=dev.since,
+                    sampled_out=dev.sampled_out,
+                )
+            )
+        found.sort(key=lambda d: d.observed_rate, reverse=True)
+        return found
+
+    def tenant_counters(self) -> dict[str, dict[str, int]]:
+        """Per tracked tenant. Every decided event is counted exactly once:
+        decided = kept + sampled_out + quota_rejected; tenant_rate_sampled is
+        the part of sampled_out dropped by the tenant's rate."""
+        out: dict[str, dict[str, int]] = {}
+        for name, ten in (*self._pinned.items(), *self._tenants.items()):
+            out[name] = {
+                "kept": ten.kept,
+                "sampled_out": ten.sampled_out,
+                "quota_rejected": ten.quota_rejected,
+                "tenant_rate_sampled": ten.tenant_rate_sampled,
+            }
+        return out

@@ -1,0 +1,175 @@
+"""Noisy devices, tenant quotas and hot partitions, end to end on the real services."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from typing import Any
+
+import orjson
+
+from gateway.database import Database
+from gateway.simulate import FleetSpec, noisy_device_ids, publish
+
+from .conftest import base_env, make_config, run_cli, running_gateway
+from .conftest import publish as mqtt_publish
+from .test_ingest import as_ms, device_row, state_rows, telemetry_keys, topic
+
+
+async def raw_rows(db: Database, tenant: str, device: str) -> dict[int, Any]:
+    """ts (ms) -> row, across every bucket and shard of the device."""
+    parts = await db.execute(
+        f"SELECT bucket_start, shard FROM {db.keyspace}.telemetry_partitions "
+        "WHERE tenant = %s AND device_id = %s",
+        (tenant, device),
+    )
+    out: dict[int, Any] = {}
+    for p in parts:
+        for r in await db.execute(
+            f"SELECT ts, state FROM {db.keyspace}.telemetry WHERE tenant = %s AND device_id = %s "
+            "AND bucket_start = %s AND shard = %s",
+            (tenant, device, p.bucket_start, p.shard),
+        ):
+            out[as_ms(r.ts)] = r
+    return out
+
+
+async def test_noisy_devices_are_sampled_and_every_state_change_is_kept(
+    db: Database, tenant: str
+) -> None:
+    spec = FleetSpec(devices=40, rate=200, noisy=0.05, tenant=tenant, seed=11)
+    sent: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    config = make_config(
+        GATEWAY_SAMPLING__NOISY_ABOVE="5",
+        GATEWAY_SAMPLING__TARGET_RATE="1",
+        GATEWAY_SAMPLING__QUIET_BELOW="2",
+    )
+    duration = 20.0
+    async with running_gateway(config) as gw:
+        # One publisher in order: "the device's previous state" is well defined.
+        stats = await publish(
+            spec,
+            duration=duration,
+            concurrency=1,
+            on_sent=lambda t, e: sent[t.split("/")[3]].append(e),
+        )
+        await gw.wait_handled(stats.sent, deadline=120)
+        assert gw.stats.sampled_out > 0
+    noisy = set(noisy_device_ids(spec))
+    assert len(noisy) == 2
+    for device, events in sent.items():
+        events.sort(key=lambda e: e["ts"])
+        rows = await raw_rows(db, tenant, device)
+        changes = [
+            e
+            for prev, e in zip([None, *events], events, strict=False)
+            if prev is None or prev["state"] != e["state"]
+        ]
+        # Every state change is in the raw table, noisy device or not.
+        assert {e["ts"] for e in changes} <= set(rows), device
+        # And the latest tables end in the device's last state.
+        last = events[-1]
+        assert (await device_row(db, tenant, device)).state == last["state"]
+        assert device in await state_rows(db, tenant, last["state"])
+        if device in noisy:
+            # ~72 msg/s for 20 s sampled to about 1 msg/s, plus what is always
+            # kept (state changes) and the first second, before the rate
+            # estimate crosses noisy_above.
+            rate = len(events) / duration
+            assert len(events) > 1000
+            assert len(rows) <= duration * 1.5 + len(changes) + rate, (len(rows), len(changes))
+            assert len(rows) < len(events) / 5
+        else:
+            # Quiet devices are untouched: every event is stored.
+            assert set(rows) == {e["ts"] for e in events}, device
+
+
+async def test_noisy_command_lists_noisy_devices(tenant: str) -> None:
+    config = make_config(GATEWAY_API__PORT="19108", GATEWAY_SAMPLING__NOISY_ABOVE="5")
+    now = int(time.time() * 1000)
+    async with running_gateway(config) as gw:
+        await _publish_json(
+            [
+                (topic(tenant, "chatty"), {"ts": now + i, "state": "on", "value": i})
+                for i in range(300)
+            ]
+        )
+        await gw.wait_handled(300)
+        # In a thread: the gateway answering it runs on this test's event loop.
+        result = await asyncio.to_thread(
+            run_cli, "noisy", "--tenant", tenant, "--json", env=base_env(GATEWAY_API__PORT="19108")
+        )
+    assert result.returncode == 0, result.stderr
+    listed = orjson.loads(result.stdout)
+    assert [d["device_id"] for d in listed] == ["chatty"]
+    assert listed[0]["observed_rate"] > 5
+    assert listed[0]["sampled_out"] > 0
+
+
+async def test_tenant_over_quota_next_to_a_quiet_tenant(db: Database, tenant: str) -> None:
+    flood, quiet = f"{tenant}f", f"{tenant}q"
+    config = make_config(
+        **{
+            f"GATEWAY_SAMPLING__TENANTS__{flood.upper()}__MAX_RATE": "50",
+            f"GATEWAY_SAMPLING__TENANTS__{flood.upper()}__MAX_DEVICES_PER_TENANT": "5",
+        }
+    )
+    now = int(time.time() * 1000)
+    messages: list[tuple[str, dict[str, Any]]] = []
+    for i in range(3000):
+        messages.append((topic(flood, f"f{i % 10}"), {"ts": now + i, "state": "on", "value": i}))
+        if i % 60 == 0:
+            messages.append((topic(quiet, f"q{i // 60}"), {"ts": now + i, "state": "on"}))
+    async with running_gateway(config) as gw:
+        await _publish_json(messages)
+        await gw.wait_handled(len(messages), deadline=120)
+        assert gw.stats.quota_rejected > 0
+    # Every event of the quiet tenant is written, none sampled.
+    for i in range(50):
+        assert len(await telemetry_keys(db, quiet, f"q{i}")) == 1
+    # Devices 5..9 of the flooding tenant were over its device quota.
+    hour = now - now % 3_600_000
+    rejected = await db.execute(
+        f"SELECT device_id, reason FROM {db.keyspace}.rejected_messages "
+        "WHERE tenant = %s AND hour_start = %s",
+        (flood, hour),
+    )
+    assert {r.reason for r in rejected} == {"quota"}
+    assert len({r.device_id for r in rejected}) == 5
+    # The admitted devices were sampled to about the tenant's max rate.
+    kept = sum([len(await telemetry_keys(db, flood, f"f{i}")) for i in range(10)])
+    assert 0 < kept < 1500
+
+
+async def test_hot_device_is_sharded_and_history_reads_every_shard(
+    db: Database, tenant: str
+) -> None:
+    config = make_config(
+        GATEWAY_SAMPLING__ENABLED="false",
+        GATEWAY_HOT_PARTITIONS__THRESHOLD="50",
+        GATEWAY_HOT_PARTITIONS__WINDOW="1",
+    )
+    now = int(time.time() * 1000) - 5_000
+    events = [(topic(tenant, "hot"), {"ts": now + i, "value": i}) for i in range(1500)]
+    async with running_gateway(config) as gw:
+        await _publish_json(events)
+        await gw.wait_handled(len(events), deadline=120)
+        assert gw.stats.hot_partitions > 0
+    shards = await db.execute(
+        f"SELECT shard FROM {db.keyspace}.telemetry_partitions "
+        "WHERE tenant = %s AND device_id = %s",
+        (tenant, "hot"),
+    )
+    assert max(r.shard for r in shards) > 0, "the hot device should have been split"
+    result = run_cli(
+        "history", "--tenant", tenant, "hot", "--since", "1h", "--limit", "5000", "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    values = [row["value"] for row in orjson.loads(result.stdout)]
+    assert sorted(values) == [float(i) for i in range(1500)]
+    assert values == sorted(values, reverse=True)  # newest first across shards
+
+
+async def _publish_json(messages: list[tuple[str, dict[str, Any]]]) -> None:
+    await mqtt_publish([(t, orjson.dumps(e)) for t, e in messages])
