@@ -29,7 +29,8 @@ from paho.mqtt.properties import Properties
 
 from gateway.simulate import FleetSpec, publish
 
-STATUS = re.compile(r"written=(\d+)")
+# Handled = written + sampled out (a noisy device's sampled events are decided too).
+STATUS = re.compile(r"written=(\d+).*sampled_out=(\d+)")
 
 
 def gateway(env: dict[str, str], log: str) -> subprocess.Popen[bytes]:
@@ -108,7 +109,7 @@ def main() -> None:
             start = time.monotonic()
             cpu0 = _cpu(proc.pid)
         if (m := STATUS.search(line)) and "status:" in line:
-            written = int(m.group(1))
+            written = int(m.group(1)) + int(m.group(2))
             if written >= args.count:
                 break
     elapsed = time.monotonic() - start

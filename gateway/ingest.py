@@ -293,7 +293,7 @@ class Pipeline:
 
         def done() -> None:
             event = item.event
-            if event is not None:
+            if event is not None and item.verdict.keep_raw:
                 stats.written += 1
                 if latency is not None and event.sent_at_ms is not None:
                     # Publisher's clock to ours: meaningful when they agree (NTP).

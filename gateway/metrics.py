@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 class Stats:
     started: float = field(default_factory=time.monotonic)
     received: int = 0  # messages the broker handed us
-    written: int = 0  # events whose every Cassandra write was acknowledged
+    written: int = 0  # events stored (raw row and latest tables), every write acknowledged
     rejected: int = 0  # messages recorded in rejected_messages
     rejected_by_reason: Counter[str] = field(default_factory=Counter)
     acked: int = 0  # PUBACKs sent to the broker

@@ -130,9 +130,10 @@ class RunningGateway:
                 await asyncio.sleep(0.05)
 
     async def wait_handled(self, count: int, deadline: float = 60) -> None:
-        """Until `count` messages were written or rejected, and acknowledged."""
+        """Until `count` messages were written, rejected or sampled out, and acknowledged."""
         await self.wait_for(
-            lambda s: s.written + s.rejected >= count and s.acked >= count, deadline
+            lambda s: s.written + s.rejected + s.sampled_out >= count and s.acked >= count,
+            deadline,
         )
 
 
