@@ -266,14 +266,7 @@ class Pipeline:
                     mine = []
                     self.stats.coalesced += 1
                 if verdict.keep_raw:
-                    sampler, device = self.sampler, event.device_id
-                    # Back-fill bypasses the sampler: no rate, the tenant's default bucket.
-                    rate = (
-                        sampler.rate(event.tenant, device)
-                        if sampler.tracks(event.tenant, device)
-                        else None
-                    )
-                    mine += self._telemetry.writes(event, pending, rate)
+                    mine += self._telemetry.writes(event, pending)
                 else:
                     self.stats.sampled_out += 1
                     if self._metrics is not None:

@@ -111,7 +111,17 @@ async def history(
         "WHERE tenant = %s AND device_id = %s AND bucket_start <= %s AND bucket_start > %s",
         (tenant, device_id, until_ms, since_ms - MAX_BUCKET_SECONDS * 1000),
     )
-    wanted = [p for p in partitions if _ms(p.bucket_start) + p.bucket_seconds * 1000 > since_ms]
+    # A partition may be listed once per bucket size it was written with: the
+    # longest decides whether it overlaps the range.
+    longest: dict[tuple[datetime, int], int] = {}
+    for p in partitions:
+        key = (p.bucket_start, p.shard)
+        longest[key] = max(longest.get(key, 0), p.bucket_seconds)
+    wanted = [
+        (start, shard)
+        for (start, shard), seconds in longest.items()
+        if _ms(start) + seconds * 1000 > since_ms
+    ]
     query = (
         f"SELECT ts, event_id, state, value, value_num, metrics, tags FROM {db.keyspace}.telemetry "
         "WHERE tenant = %s AND device_id = %s AND bucket_start = %s AND shard = %s "
@@ -119,10 +129,8 @@ async def history(
     )
     parts = await asyncio.gather(
         *(
-            db.execute(
-                query, (tenant, device_id, p.bucket_start, p.shard, since_ms, until_ms, limit)
-            )
-            for p in wanted
+            db.execute(query, (tenant, device_id, start, shard, since_ms, until_ms, limit))
+            for start, shard in wanted
         )
     )
     # Each partition is already newest first; merge them. A redelivered event

@@ -621,9 +621,6 @@ class Sampler:
                 quiet_since += math.log(dev.acc / q) / self._lam
         return now - quiet_since < self._quiet_for
 
-    def tracks(self, tenant: str, device_id: str) -> bool:
-        return (tenant, device_id) in self._devices
-
     def rate(self, tenant: str, device_id: str) -> float:
         """The device's estimated message rate now (0.0 if not tracked)."""
         dev = self._devices.get((tenant, device_id))

@@ -6,7 +6,10 @@ Promises: partitions are (tenant, device, bucket_start, shard), so a
 partition stays bounded whatever the device's rate:
 
 * the bucket size follows the device's rate class (tenant config, the
-  reference's classes): 15 min above 1 msg/s, 6 h below 1 msg/min, 1 h between;
+  reference's classes): 15 min above 1 msg/s, 6 h below 1 msg/min, 1 h between.
+  The rate is measured in event time (smoothed gap between a device's events,
+  an LRU like the others), so a slow device reads as slow and back-fill keeps
+  its real rate;
 * a device whose partition stays hot (``sink.HotPartitions``) is split over K
   shards, K doubling per hot window up to ``hot_partitions.max_shards`` and
   halving per cool one; a row's shard is its event_id modulo K.
@@ -37,6 +40,10 @@ from .sink import Pending, Write
 log = logging.getLogger(__name__)
 
 
+# Weight of the newest gap in the smoothed gap: about the last 10 events count.
+GAP_ALPHA = 0.2
+
+
 def bucket_start_ms(ts_ms: int, bucket_seconds: int) -> int:
     size = bucket_seconds * 1000
     return ts_ms - ts_ms % size
@@ -46,8 +53,10 @@ class Telemetry:
     def __init__(self, db: Database, config: Config) -> None:
         self._config = config
         self._shards: OrderedDict[tuple[str, str], int] = OrderedDict()
+        # Per device: (last event time, smoothed gap between events), both ms.
+        self._gaps: OrderedDict[tuple[str, str], tuple[int, float | None]] = OrderedDict()
         self._max_shards = config.hot_partitions.max_shards
-        self._indexed: OrderedDict[tuple[str, str, int, int], None] = OrderedDict()
+        self._indexed: OrderedDict[tuple[str, str, int, int, int], None] = OrderedDict()
         self._cache_size = config.pipeline.partition_cache_size
         self._insert_row = db.prepare(
             "INSERT INTO {keyspace}.telemetry "
@@ -59,6 +68,26 @@ class Telemetry:
             "(tenant, device_id, bucket_start, shard, bucket_seconds) VALUES (?, ?, ?, ?, ?) "
             "USING TTL ?"
         )
+
+    def _rate(self, event: Event) -> float | None:
+        """The device's rate by event time: an EWMA of the gap between its
+        events (so back-fill arriving in a burst keeps its real rate, and a
+        device sending once an hour reads as slow). None until two events."""
+        key = (event.tenant, event.device_id)
+        known = self._gaps.get(key)
+        if known is None:
+            self._gaps[key] = (event.ts_ms, None)
+            if len(self._gaps) > self._cache_size:
+                self._gaps.popitem(last=False)
+            return None
+        self._gaps.move_to_end(key)
+        last_ts, gap = known
+        step = event.ts_ms - last_ts
+        if step <= 0:  # out of order or duplicate: no new information
+            return None if gap is None else 1000.0 / max(gap, 1.0)
+        gap = step if gap is None else gap + GAP_ALPHA * (step - gap)
+        self._gaps[key] = (event.ts_ms, gap)
+        return 1000.0 / max(gap, 1.0)
 
     def bucket_seconds(self, tenant: str, rate: float | None) -> int:
         cfg = self._config.tenant(tenant)
@@ -92,9 +121,9 @@ class Telemetry:
             else:
                 del self._shards[device]
 
-    def writes(self, event: Event, pending: Pending, rate: float | None = None) -> list[Write]:
+    def writes(self, event: Event, pending: Pending) -> list[Write]:
         tenant_cfg = self._config.tenant(event.tenant)
-        bucket_seconds = self.bucket_seconds(event.tenant, rate)
+        bucket_seconds = self.bucket_seconds(event.tenant, self._rate(event))
         ttl = int(tenant_cfg.ttl)
         start = bucket_start_ms(event.ts_ms, bucket_seconds)
         shards = self._shards.get((event.tenant, event.device_id), 1)
@@ -124,8 +153,9 @@ class Telemetry:
                 pending,
             )
         ]
-        if key in self._indexed:
-            self._indexed.move_to_end(key)
+        indexed = (*key, bucket_seconds)
+        if indexed in self._indexed:
+            self._indexed.move_to_end(indexed)
         else:
             # The index entry outlives the data it points to by one bucket.
             out.append(
@@ -144,7 +174,7 @@ class Telemetry:
                     pending,
                 )
             )
-            self._indexed[key] = None
+            self._indexed[indexed] = None
             if len(self._indexed) > self._cache_size:
                 self._indexed.popitem(last=False)
         return out

@@ -173,3 +173,45 @@ async def test_hot_device_is_sharded_and_history_reads_every_shard(
 
 async def _publish_json(messages: list[tuple[str, dict[str, Any]]]) -> None:
     await mqtt_publish([(t, orjson.dumps(e)) for t, e in messages])
+
+
+async def test_bucket_size_follows_the_device_rate_and_history_finds_everything(
+    db: Database, tenant: str
+) -> None:
+    base = 1_620_000_000_000  # May 2021: back-fill, never sampled
+    fast = [(topic(tenant, "fast"), {"ts": base + i * 100, "value": i}) for i in range(200)]
+    slow = [(topic(tenant, "slow"), {"ts": base + i * 300_000, "value": i}) for i in range(40)]
+    async with running_gateway() as gw:
+        await _publish_json(fast + slow)
+        await gw.wait_handled(len(fast) + len(slow))
+    sizes = {}
+    for device in ("fast", "slow"):
+        parts = await db.execute(
+            f"SELECT bucket_seconds FROM {db.keyspace}.telemetry_partitions "
+            "WHERE tenant = %s AND device_id = %s",
+            (tenant, device),
+        )
+        sizes[device] = {p.bucket_seconds for p in parts}
+    # The first events of each device, before a rate is known, use the default 1 h.
+    assert 900 in sizes["fast"]
+    assert sizes["fast"] <= {900, 3600}
+    assert 21600 in sizes["slow"]
+    assert sizes["slow"] <= {21600, 3600}
+    for device, events in (("fast", fast), ("slow", slow)):
+        result = await asyncio.to_thread(
+            run_cli,
+            "history",
+            "--tenant",
+            tenant,
+            device,
+            "--since",
+            "2021-05-01T00:00:00Z",
+            "--until",
+            "2021-05-05T00:00:00Z",
+            "--limit",
+            "1000",
+            "--json",
+        )
+        assert result.returncode == 0, result.stderr
+        got = [row["value"] for row in orjson.loads(result.stdout)]
+        assert got == [float(i) for i in reversed(range(len(events)))], device
