@@ -61,3 +61,9 @@ lint: venv
 
 clean: down
 	rm -rf $(STATE_DIR)
+
+# End-to-end benchmark (~10 min): gateway vs broker/Cassandra ceilings, a naive
+# bridge and Node-RED. Results in bench/results/. BENCH_ARGS="--help" for options.
+bench: up
+	@$(VPY) -c "import matplotlib" 2>/dev/null || $(VPY) -m pip install -q -e '.[bench]'
+	$(VPY) bench/run.py $(BENCH_ARGS)
