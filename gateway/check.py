@@ -21,7 +21,7 @@ from .schema import missing_tables
 
 async def _broker(config: Config) -> tuple[bool, str]:
     cfg = config.mqtt
-    where = f"mqtt://{cfg.host}:{cfg.port}"
+    where = f"{'mqtts' if cfg.tls.enabled else 'mqtt'}://{cfg.host}:{cfg.port}"
     try:
         async with aiomqtt.Client(
             cfg.host,
@@ -29,6 +29,7 @@ async def _broker(config: Config) -> tuple[bool, str]:
             identifier=f"{cfg.client_id}-check-{os.getpid()}",
             username=cfg.username,
             password=cfg.password.get_secret_value() if cfg.password else None,
+            tls_context=cfg.tls.context(),
             timeout=5,
         ):
             return True, f"broker: ok ({where})"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import ssl
 import stat
 import tomllib
 from collections.abc import Mapping
@@ -99,6 +100,40 @@ def _read_secret_file(path: Path, key: str) -> SecretStr:
         raise ValueError(f"{key}: cannot read {path}: {exc}") from None
 
 
+class TlsConfig(_Model):
+    """TLS for a connection. Off unless enabled; hostname verification on by default."""
+
+    enabled: bool = False
+    # CA bundle that signed the server's certificate (default: the system's).
+    ca_file: Path | None = None
+    # Client certificate and key, for servers that require one.
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    verify_hostname: bool = True
+
+    @model_validator(mode="after")
+    def _files(self) -> TlsConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("set both cert_file and key_file, or neither")
+        for name in ("ca_file", "cert_file", "key_file"):
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                raise ValueError(f"{name}: {path} is not a readable file")
+        return self
+
+    def context(self) -> ssl.SSLContext | None:
+        """An SSLContext, or None when TLS is off. Built at connect time."""
+        if not self.enabled:
+            return None
+        ctx = ssl.create_default_context(
+            cafile=str(self.ca_file) if self.ca_file is not None else None
+        )
+        ctx.check_hostname = self.verify_hostname
+        if self.cert_file is not None and self.key_file is not None:
+            ctx.load_cert_chain(str(self.cert_file), str(self.key_file))
+        return ctx
+
+
 class MqttConfig(_Model):
     host: str = "127.0.0.1"
     port: Port = 1883
@@ -118,6 +153,7 @@ class MqttConfig(_Model):
     username: str | None = None
     password: SecretStr | None = None
     password_file: Path | None = None
+    tls: TlsConfig = Field(default_factory=TlsConfig)
 
     @model_validator(mode="after")
     def _password_from_file(self) -> MqttConfig:
@@ -189,6 +225,7 @@ class CassandraConfig(_Model):
     username: str | None = None
     password: SecretStr | None = None
     password_file: Path | None = None
+    tls: TlsConfig = Field(default_factory=TlsConfig)
 
     @model_validator(mode="after")
     def _check(self) -> CassandraConfig:

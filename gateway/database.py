@@ -117,7 +117,7 @@ def build_cluster(config: CassandraConfig, ssl_context: ssl.SSLContext | None = 
 async def connect(config: CassandraConfig, *, keyspace: bool = True) -> AsyncIterator[Database]:
     """Connect (in an executor) and always shut the cluster down on exit."""
     loop = asyncio.get_running_loop()
-    cluster = build_cluster(config)
+    cluster = build_cluster(config, config.tls.context())
     try:
         session = await loop.run_in_executor(None, cluster.connect)
     except Exception as exc:

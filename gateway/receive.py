@@ -174,6 +174,7 @@ class Receiver:
             keepalive=cfg.keepalive,
             username=cfg.username,
             password=cfg.password.get_secret_value() if cfg.password else None,
+            tls_context=cfg.tls.context(),
             timeout=10,
             logger=logging.getLogger(f"{__name__}.paho"),
         )

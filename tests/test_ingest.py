@@ -431,3 +431,23 @@ async def test_metrics_and_health_endpoints(
     assert float(latency.group(1)) >= 30
     gw.signal(signal.SIGTERM)
     assert gw.wait() == 0
+
+
+async def test_flood_of_bad_messages_does_not_hold_up_good_ones(
+    db: Database, tenant: str
+) -> None:
+    now = int(time.time() * 1000)
+    garbage = [(topic(tenant, "broken"), b"\xff" * (i % 50 + 1)) for i in range(2000)]
+    good = [
+        (topic(tenant, f"ok{i}"), orjson.dumps({"ts": now + i, "state": "on"})) for i in range(40)
+    ]
+    # Good messages are spread through the flood.
+    messages = list(garbage)
+    for i, message in enumerate(good):
+        messages.insert(i * 50, message)
+    async with running_gateway() as gw:
+        await publish(messages)
+        await gw.wait_handled(len(messages), deadline=120)
+        assert gw.stats.rejected == len(garbage)
+    for i in range(40):
+        assert len(await telemetry_keys(db, tenant, f"ok{i}")) == 1
