@@ -1,0 +1,455 @@
+"""Shared pieces of the benchmark harness (bench/run.py) and its systems under test.
+
+* Processes under test run as subprocesses with their output in a log file
+  (never a pipe nobody drains); :class:`Proc` follows the log for a ready line
+  and a progress counter, and reads CPU time and peak RSS from /proc.
+* MQTT: every system gets its own persistent session (client id), created by
+  the harness before a backlog is published and cleared afterwards
+  (clean start, session expiry 0). The benchmark uses its own topic tree
+  (``gwbench/...``), so gateways run by anyone else on the same broker don't
+  receive its load.
+* Cassandra: everything goes to the ``gateway_bench`` keyspace, one tenant per
+  system and run, so stored rows can be counted exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiomqtt
+from cassandra.cluster import Cluster, Session
+from cassandra.concurrent import execute_concurrent_with_args
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from rows import KEYSPACE, SESSION_EXPIRY, STATES, SUBSCRIPTION
+
+from gateway.config import CassandraConfig
+from gateway.database import build_cluster
+from gateway.simulate import FleetSpec, PublishStats, publish
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+MQTT_HOST = "127.0.0.1"
+MQTT_PORT = 1883
+TOPIC_TEMPLATE = "gwbench/{tenant}/devices/{device_id}/events"
+
+
+# -- processes ----------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads) from /proc/<pid>/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _status_kb(pid: int, key: str) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key):
+            return float(line.split()[1])
+    return 0.0
+
+
+def peak_rss_mb(pid: int) -> float:
+    """VmHWM: the process's peak resident set size."""
+    return _status_kb(pid, "VmHWM:") / 1024
+
+
+def rss_mb(pid: int) -> float:
+    return _status_kb(pid, "VmRSS:") / 1024
+
+
+class ProcError(RuntimeError):
+    pass
+
+
+@dataclass
+class Proc:
+    """A process under test, followed through its log file."""
+
+    name: str
+    cmd: Sequence[str]
+    env: dict[str, str]
+    log: Path
+    ready: Sequence[re.Pattern[str]]  # all of them, in any order; ready at the last
+    progress: re.Pattern[str] | None = None
+    cwd: Path = ROOT
+    popen: subprocess.Popen[bytes] | None = None
+    count: int = 0
+    ready_at: float | None = None
+    ready_cpu: float = 0.0
+    _offset: int = 0
+    _partial: str = ""
+    _ready_seen: bool = False
+    _pending: list[re.Pattern[str]] = field(default_factory=list)
+    last_progress_line: str = ""
+
+    def start(self) -> Proc:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "w") as out:
+            self.popen = subprocess.Popen(
+                list(self.cmd),
+                env=self.env,
+                cwd=self.cwd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self._offset, self._partial, self._ready_seen = 0, "", False
+        self._pending = list(self.ready)
+        self.count, self.ready_at = 0, None
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def _tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def poll(self) -> None:
+        """Read new log lines: note the ready line and the latest progress count."""
+        with open(self.log, errors="replace") as f:
+            f.seek(self._offset)
+            chunk = f.read()
+            self._offset = f.tell()
+        if not chunk:
+            return
+        text = self._partial + chunk
+        *complete, self._partial = text.split("\n")
+        for line in complete:
+            if not self._ready_seen:
+                self._pending = [p for p in self._pending if not p.search(line)]
+                if not self._pending:
+                    self._ready_seen = True
+                    self.ready_at = time.monotonic()
+                    self.ready_cpu = cpu_seconds(self.pid) if self.alive() else 0.0
+            if self.progress is not None and (m := self.progress.search(line)):
+                count = int(m.group(1))
+                if count >= self.count:
+                    self.count = count
+                    self.last_progress_line = line
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            self.poll()
+            if self._ready_seen:
+                return
+            if not self.alive():
+                raise ProcError(f"{self.name} exited before it was ready:\n{self._tail()}")
+            if time.monotonic() > deadline:
+                raise ProcError(f"{self.name} not ready after {timeout:.0f} s:\n{self._tail()}")
+            time.sleep(0.02)
+
+    def wait_count(
+        self,
+        target: int,
+        timeout: float,
+        tick: Callable[[], None] | None = None,
+        stall: float = 60.0,
+    ) -> bool:
+        """Wait until the progress counter reaches ``target``; False on timeout/stall."""
+        deadline = time.monotonic() + timeout
+        last_change, last = time.monotonic(), self.count
+        next_tick = time.monotonic() + 5.0
+        while True:
+            self.poll()
+            now = time.monotonic()
+            if self.count >= target:
+                return True
+            if self.count != last:
+                last_change, last = now, self.count
+            if not self.alive():
+                raise ProcError(f"{self.name} exited:\n{self._tail()}")
+            if now > deadline or now - last_change > stall:
+                return False
+            if tick is not None and now >= next_tick:
+                tick()
+                next_tick = now + 5.0
+            time.sleep(0.02)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``timeout``; returns the exit code."""
+        if self.popen is None:
+            return None
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        return self.popen.returncode
+
+
+# -- MQTT -----------------------------------------------------------------------
+
+
+async def _connect(client_id: str, *, clean: bool, expiry: int) -> aiomqtt.Client:
+    props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+    props.SessionExpiryInterval = expiry
+    return aiomqtt.Client(
+        MQTT_HOST,
+        MQTT_PORT,
+        identifier=client_id,
+        clean_start=clean,
+        protocol=aiomqtt.ProtocolVersion.V5,
+        properties=props,
+    )
+
+
+async def _create_session(client_id: str) -> None:
+    async with await _connect(client_id, clean=True, expiry=SESSION_EXPIRY) as client:
+        await client.subscribe(SUBSCRIPTION, qos=1)
+
+
+async def _clear_session(client_id: str) -> None:
+    async with await _connect(client_id, clean=True, expiry=0):
+        pass
+
+
+def create_session(client_id: str) -> None:
+    """A fresh persistent session subscribed to the bench tree (the broker queues for it)."""
+    asyncio.run(_create_session(client_id))
+
+
+def clear_session(client_id: str) -> None:
+    """Drop a persistent session and whatever the broker still queues for it."""
+    asyncio.run(_clear_session(client_id))
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    device_id: str
+    ts: int
+    state: str
+    sent_at: float | None  # epoch ms, publisher's clock just before the PUBLISH
+
+
+def fleet_spec(tenant: str, devices: int, rate: float = 1e9, seed: int = 1) -> FleetSpec:
+    return FleetSpec(
+        devices=devices, rate=rate, tenant=tenant, topic_template=TOPIC_TEMPLATE, seed=seed
+    )
+
+
+def publish_recorded(
+    spec: FleetSpec, *, count: int | None = None, duration: float | None = None
+) -> tuple[PublishStats, list[Sent]]:
+    """Publish with gateway.simulate.publish and record every acknowledged message."""
+    sent: list[Sent] = []
+
+    def on_sent(topic: str, event: dict[str, Any]) -> None:
+        sent.append(Sent(topic.split("/")[3], event["ts"], event["state"], event["sent_at"]))
+
+    stats = asyncio.run(
+        publish(spec, count=count, duration=duration, on_sent=on_sent, status_every=3600)
+    )
+    return stats, sent
+
+
+# -- Cassandra ------------------------------------------------------------------
+
+
+def cassandra_config() -> CassandraConfig:
+    return CassandraConfig(keyspace=KEYSPACE)
+
+
+def connect_cluster() -> tuple[Cluster, Session]:
+    """Same driver settings as the gateway (gateway.database.build_cluster)."""
+    cluster = build_cluster(cassandra_config())
+    return cluster, cluster.connect(KEYSPACE)
+
+
+@dataclass
+class Check:
+    """Stored rows of one tenant compared with what was published."""
+
+    published: int
+    stored: int
+    matched: int
+    devices: int
+    latest_ok: int | None = None
+    state_ok: int | None = None
+    write_us: list[int] = field(default_factory=list)
+    latency_ms: list[float] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.stored == self.published == self.matched
+            and self.latest_ok in (None, self.devices)
+            and self.state_ok in (None, self.devices)
+        )
+
+    def span_rate(self) -> float | None:
+        """Rows/s between the first and the last write (WRITETIME of telemetry rows)."""
+        if len(self.write_us) < 2:
+            return None
+        span = (max(self.write_us) - min(self.write_us)) / 1e6
+        return (len(self.write_us) - 1) / span if span > 0 else None
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "published": self.published,
+            "stored_telemetry_rows": self.stored,
+            "matched": self.matched,
+            "ok": self.ok,
+        }
+        if self.latest_ok is not None:
+            out["devices"] = self.devices
+            out["latest_by_device_ok"] = self.latest_ok
+            out["latest_by_state_ok"] = self.state_ok
+        return out
+
+    def text(self) -> str:
+        if self.ok:
+            extra = " (latest tables match)" if self.latest_ok is not None else ""
+            return f"{self.stored}/{self.published} ok{extra}"
+        parts = [f"{self.stored}/{self.published} stored, {self.matched} matched"]
+        if self.latest_ok is not None:
+            parts.append(f"latest {self.latest_ok}/{self.devices}, by-state {self.state_ok}")
+        return "MISMATCH: " + ", ".join(parts)
+
+
+class BenchDb:
+    """The harness's own Cassandra session, for setup and for checking results."""
+
+    def __init__(self) -> None:
+        self.cluster, self.session = connect_cluster()
+        s = self.session
+        self._partitions = s.prepare(
+            f"SELECT bucket_start, shard FROM {KEYSPACE}.telemetry_partitions "
+            "WHERE tenant = ? AND device_id = ?"
+        )
+        self._rows = s.prepare(
+            f"SELECT toUnixTimestamp(ts) AS ts_ms, WRITETIME(received_at) AS wt "
+            f"FROM {KEYSPACE}.telemetry "
+            "WHERE tenant = ? AND device_id = ? AND bucket_start = ? AND shard = ?"
+        )
+        self._latest = s.prepare(
+            f"SELECT state, toUnixTimestamp(ts) AS ts_ms FROM {KEYSPACE}.latest_events_by_device "
+            "WHERE tenant = ? AND device_id = ?"
+        )
+        self._by_state = s.prepare(
+            f"SELECT device_id FROM {KEYSPACE}.latest_events_by_state "
+            "WHERE tenant = ? AND state = ? AND bucket = ?"
+        )
+        self._count = s.prepare(
+            f"SELECT COUNT(*) AS n FROM {KEYSPACE}.telemetry "
+            "WHERE tenant = ? AND device_id = ? AND bucket_start = ? AND shard = ?"
+        )
+        self._register = s.prepare(
+            f"INSERT INTO {KEYSPACE}.tenant_states (tenant, state, registered_at) VALUES (?, ?, ?)"
+        )
+
+    def close(self) -> None:
+        self.cluster.shutdown()
+
+    def concurrent(
+        self, statement: Any, params: Iterable[Sequence[Any]], concurrency: int = 64
+    ) -> list[list[Any]]:
+        results = execute_concurrent_with_args(
+            self.session, statement, list(params), concurrency=concurrency
+        )
+        out = []
+        for ok, result in results:
+            if not ok:
+                raise result
+            out.append(list(result))
+        return out
+
+    def truncate(self) -> None:
+        tables = self.session.execute(
+            "SELECT table_name FROM system_schema.tables WHERE keyspace_name = %s", (KEYSPACE,)
+        )
+        for row in tables:
+            self.session.execute(f"TRUNCATE {KEYSPACE}.{row.table_name}", timeout=120)
+
+    def register_states(self, tenants: Iterable[str]) -> None:
+        """Record the tenants' states as known for a day: a steady state, so the
+        gateway's first-seen-state check (gateway/state.py) doesn't apply."""
+        since = int((time.time() - 86400) * 1000)
+        self.concurrent(self._register, [(t, s, since) for t in tenants for s in STATES])
+
+    def check(self, tenant: str, sent: Sequence[Sent], *, latest: bool = True) -> Check:
+        """Read back the tenant's telemetry (via telemetry_partitions) and latest tables."""
+        newest: dict[str, Sent] = {}
+        by_key: dict[tuple[str, int], Sent] = {}
+        for s in sent:
+            by_key[(s.device_id, s.ts)] = s
+            cur = newest.get(s.device_id)
+            if cur is None or s.ts > cur.ts:
+                newest[s.device_id] = s
+        devices = sorted(newest)
+        parts = self.concurrent(self._partitions, [(tenant, d) for d in devices], 128)
+        keys = [
+            (tenant, d, p.bucket_start, p.shard)
+            for d, ps in zip(devices, parts, strict=True)
+            for p in ps
+        ]
+        rows = self.concurrent(self._rows, keys, 128)
+        result = Check(published=len(sent), stored=0, matched=0, devices=len(devices))
+        for (_, device, _, _), part in zip(keys, rows, strict=True):
+            for r in part:
+                result.stored += 1
+                hit = by_key.get((device, r.ts_ms))
+                if hit is None:
+                    continue
+                result.matched += 1
+                result.write_us.append(r.wt)
+                if hit.sent_at is not None:
+                    result.latency_ms.append(r.wt / 1000 - hit.sent_at)
+        if latest:
+            found = self.concurrent(self._latest, [(tenant, d) for d in devices], 128)
+            result.latest_ok = sum(
+                1
+                for d, rs in zip(devices, found, strict=True)
+                if rs and rs[0].state == newest[d].state and rs[0].ts_ms == newest[d].ts
+            )
+            members: dict[str, list[str]] = {}
+            for state in STATES:
+                for row in self.concurrent(self._by_state, [(tenant, state, 0)])[0]:
+                    members.setdefault(row.device_id, []).append(state)
+            result.state_ok = sum(1 for d in devices if members.get(d) == [newest[d].state])
+        return result
+
+    def count(self, tenant: str, devices: Iterable[str]) -> int:
+        """Raw telemetry rows of a tenant's devices (telemetry_partitions → telemetry)."""
+        devs = list(devices)
+        parts = self.concurrent(self._partitions, [(tenant, d) for d in devs], 128)
+        keys = [
+            (tenant, d, p.bucket_start, p.shard)
+            for d, ps in zip(devs, parts, strict=True)
+            for p in ps
+        ]
+        counts = self.concurrent(self._count, keys, 128)
+        return sum(r[0].n for r in counts)
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p99": None, "max": None, "n": 0}
+    ordered = sorted(values)
+
+    def q(p: float) -> float:
+        return ordered[min(len(ordered) - 1, max(0, round(p * (len(ordered) - 1))))]
+
+    return {"p50": q(0.5), "p99": q(0.99), "max": ordered[-1], "n": len(ordered)}

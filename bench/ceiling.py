@@ -1,0 +1,142 @@
+"""Cassandra ceiling: write already-decoded events as fast as the driver allows.
+
+The same fleet as the other systems (gateway.simulate.Fleet) is generated and
+decoded by the gateway's own Decoder before the clock starts; then the rows the
+gateway writes for each event (bench/rows.py: same prepared statements, same
+USING TIMESTAMP) go out through the same Python driver with the gateway's
+driver settings (gateway.database.build_cluster), ``concurrency`` statements in
+flight, each completion sending the next (cassandra.concurrent, which is
+execute_async plus callbacks). One run per concurrency level, each into its own
+tenant; no MQTT, no batching.
+
+Writes a JSON report (per level: events, statements, seconds, CPU seconds of
+this process, failures, and the events written so the harness can check them).
+Usage (from bench/run.py):
+    python bench/ceiling.py --prefix T --devices 1000 --count 20000 --levels 32,64 --out F
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from cassandra.concurrent import execute_concurrent
+from cassandra.query import PreparedStatement
+from rows import KEYSPACE, Statements
+
+from gateway.config import CassandraConfig, LimitsConfig
+from gateway.database import build_cluster
+from gateway.decode import Decoder, Event
+from gateway.simulate import Fleet, FleetSpec
+
+TOPIC_TEMPLATE = "gwbench/{tenant}/devices/{device_id}/events"
+
+
+def cpu_seconds() -> float:
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def peak_rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def decoded_events(tenant: str, devices: int, count: int) -> list[Event]:
+    fleet = Fleet(
+        FleetSpec(devices=devices, rate=1e9, tenant=tenant, topic_template=TOPIC_TEMPLATE)
+    )
+    decoder = Decoder(LimitsConfig())
+    events = []
+    for _ in range(count):
+        now = time.time() * 1000
+        topic, payload, _event = fleet.next_message(int(now), sent_at=now)
+        device = topic.split("/")[3]
+        events.append(decoder.decode(tenant, device, payload, fleet.content_type, int(now)))
+    return events
+
+
+def statements_of(
+    statements: Statements, events: list[Event]
+) -> Iterator[tuple[PreparedStatement, tuple[Any, ...]]]:
+    for e in events:
+        yield from statements.rows(
+            e.tenant,
+            e.device_id,
+            e.ts_ms,
+            e.state,
+            e.value_text,
+            e.value_num,
+            e.metrics,
+            e.tags,
+            e.received_ms,
+            e.event_id,
+            e.write_ts,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prefix", required=True)
+    parser.add_argument("--devices", type=int, default=1000)
+    parser.add_argument("--count", type=int, default=20000)
+    parser.add_argument("--levels", default="32,64,128,256")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+
+    cluster = build_cluster(CassandraConfig(keyspace=KEYSPACE))
+    session = cluster.connect(KEYSPACE)
+    report: dict[str, Any] = {"levels": []}
+    try:
+        for level in (int(x) for x in args.levels.split(",")):
+            tenant = f"{args.prefix}c{level}"
+            events = decoded_events(tenant, args.devices, args.count)
+            statements = Statements(session)
+            sent = 0
+            failures: list[str] = []
+            cpu0, t0 = cpu_seconds(), time.monotonic()
+            results = execute_concurrent(
+                session,
+                statements_of(statements, events),
+                concurrency=level,
+                raise_on_first_error=False,
+                results_generator=True,
+            )
+            for ok, result in results:
+                sent += 1
+                if not ok:
+                    failures.append(repr(result))
+            elapsed, cpu = time.monotonic() - t0, cpu_seconds() - cpu0
+            print(
+                f"level {level}: {len(events)} events, {sent} statements in {elapsed:.2f} s "
+                f"({len(events) / elapsed:.0f} events/s), {len(failures)} failed",
+                flush=True,
+            )
+            report["levels"].append(
+                {
+                    "concurrency": level,
+                    "tenant": tenant,
+                    "events": len(events),
+                    "statements": sent,
+                    "seconds": elapsed,
+                    "cpu_s": cpu,
+                    "failures": len(failures),
+                    "first_failures": failures[:3],
+                    "sent": [[e.device_id, e.ts_ms, e.state] for e in events],
+                }
+            )
+    finally:
+        cluster.shutdown()
+    report["peak_rss_mb"] = peak_rss_mb()
+    args.out.write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

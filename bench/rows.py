@@ -1,0 +1,170 @@
+"""The rows the gateway writes for one event, for the bench's own writers
+(bench/ceiling.py and bench/naive_bridge.py). Kept light (no aiomqtt, no
+pydantic) so the naive bridge loads only what such a bridge needs.
+
+Same statements, parameters and write timestamps as gateway/state.py and
+gateway/telemetry.py, without the gateway's batching and coalescing: per event
+
+* INSERT into telemetry (server-stamped, with the tenant's TTL),
+* INSERT into telemetry_partitions the first time a (device, bucket) is seen,
+* INSERT into latest_events_by_device USING TIMESTAMP write_ts,
+* INSERT into latest_events_by_state and DELETE from every other state's
+  partition, USING TIMESTAMP write_ts.
+
+bench/run.py checks at start-up that :func:`event_identity` still agrees with
+the gateway's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import orjson
+from cassandra.cluster import Session
+from cassandra.query import UNSET_VALUE, PreparedStatement
+
+KEYSPACE = "gateway_bench"
+STATES = ("on", "off")
+SUBSCRIPTION = "gwbench/+/devices/+/events"
+# Defaults of [tenants.default]: 1 h telemetry buckets, 30 d TTL, 1 state bucket.
+TELEMETRY_BUCKET_S = 3600
+TTL_S = 30 * 86400
+SESSION_EXPIRY = 600
+
+CQL_INSERT_STATE = (
+    "INSERT INTO {ks}.latest_events_by_state "
+    "(tenant, state, bucket, device_id, ts, value, value_num) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?"
+)
+CQL_DELETE_STATE = (
+    "DELETE FROM {ks}.latest_events_by_state USING TIMESTAMP ? "
+    "WHERE tenant = ? AND state = ? AND bucket = ? AND device_id = ?"
+)
+CQL_INSERT_DEVICE = (
+    "INSERT INTO {ks}.latest_events_by_device "
+    "(tenant, device_id, state, ts, value, value_num, metrics, tags) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?"
+)
+CQL_INSERT_TELEMETRY = (
+    "INSERT INTO {ks}.telemetry "
+    "(tenant, device_id, bucket_start, shard, ts, event_id, state, value, value_num, "
+    "metrics, tags, received_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) USING TTL ?"
+)
+CQL_INSERT_PARTITION = (
+    "INSERT INTO {ks}.telemetry_partitions "
+    "(tenant, device_id, bucket_start, shard, bucket_seconds) VALUES (?, ?, ?, ?, ?) "
+    "USING TTL ?"
+)
+
+
+def cql(template: str) -> str:
+    return template.replace("{ks}", KEYSPACE)
+
+
+def event_identity(
+    tenant: str,
+    device_id: str,
+    ts_ms: int,
+    state: str | None,
+    value: str | float | None,
+    metrics: dict[str, float],
+    tags: dict[str, str],
+) -> tuple[int, int]:
+    """(event_id, write timestamp in µs), as gateway.decode.event_identity."""
+    canonical = orjson.dumps(
+        [tenant, device_id, ts_ms, state, value, metrics, tags], option=orjson.OPT_SORT_KEYS
+    )
+    digest = hashlib.blake2b(canonical, digest_size=8).digest()
+    event_id = int.from_bytes(digest, "big", signed=True)
+    return event_id, ts_ms * 1000 + (event_id % 1000)
+
+
+def _or_unset(value: object) -> object:
+    return UNSET_VALUE if value is None else value
+
+
+class Statements:
+    """The five prepared statements, and the rows of one event."""
+
+    def __init__(self, session: Session) -> None:
+        self.insert_state: PreparedStatement = session.prepare(cql(CQL_INSERT_STATE))
+        self.delete_state: PreparedStatement = session.prepare(cql(CQL_DELETE_STATE))
+        self.insert_device: PreparedStatement = session.prepare(cql(CQL_INSERT_DEVICE))
+        self.insert_telemetry: PreparedStatement = session.prepare(cql(CQL_INSERT_TELEMETRY))
+        self.insert_partition: PreparedStatement = session.prepare(cql(CQL_INSERT_PARTITION))
+        self._indexed: set[tuple[str, str, int]] = set()
+
+    def rows(
+        self,
+        tenant: str,
+        device: str,
+        ts_ms: int,
+        state: str | None,
+        value_text: str | None,
+        value_num: float | None,
+        metrics: dict[str, float],
+        tags: dict[str, str],
+        received_ms: int,
+        event_id: int,
+        write_ts: int,
+    ) -> list[tuple[PreparedStatement, tuple[Any, ...]]]:
+        start = ts_ms - ts_ms % (TELEMETRY_BUCKET_S * 1000)
+        out: list[tuple[PreparedStatement, tuple[Any, ...]]] = [
+            (
+                self.insert_telemetry,
+                (
+                    tenant,
+                    device,
+                    start,
+                    0,
+                    ts_ms,
+                    event_id,
+                    _or_unset(state),
+                    _or_unset(value_text),
+                    _or_unset(value_num),
+                    metrics or UNSET_VALUE,
+                    tags or UNSET_VALUE,
+                    received_ms,
+                    TTL_S,
+                ),
+            )
+        ]
+        key = (tenant, device, start)
+        if key not in self._indexed:
+            self._indexed.add(key)
+            out.append(
+                (
+                    self.insert_partition,
+                    (tenant, device, start, 0, TELEMETRY_BUCKET_S, TTL_S + TELEMETRY_BUCKET_S),
+                )
+            )
+        out.append(
+            (
+                self.insert_device,
+                (
+                    tenant,
+                    device,
+                    state if state is not None else UNSET_VALUE,
+                    ts_ms,
+                    value_text,
+                    value_num,
+                    metrics,
+                    tags,
+                    write_ts,
+                ),
+            )
+        )
+        if state is None:
+            return out
+        bucket = 0  # state_buckets = 1 (the default)
+        out.append(
+            (
+                self.insert_state,
+                (tenant, state, bucket, device, ts_ms, value_text, value_num, write_ts),
+            )
+        )
+        for other in STATES:
+            if other != state:
+                out.append((self.delete_state, (write_ts, tenant, other, bucket, device)))
+        return out
