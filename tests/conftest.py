@@ -39,6 +39,11 @@ CQL_PORT = 9042
 TEST_KEYSPACE = "gateway_test"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # tests/faults/ restarts the shared broker and Cassandra: run those last.
+    items.sort(key=lambda item: "/faults/" in str(item.path))
+
+
 def _reachable(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=2):

@@ -433,9 +433,7 @@ async def test_metrics_and_health_endpoints(
     assert gw.wait() == 0
 
 
-async def test_flood_of_bad_messages_does_not_hold_up_good_ones(
-    db: Database, tenant: str
-) -> None:
+async def test_flood_of_bad_messages_does_not_hold_up_good_ones(db: Database, tenant: str) -> None:
     now = int(time.time() * 1000)
     garbage = [(topic(tenant, "broken"), b"\xff" * (i % 50 + 1)) for i in range(2000)]
     good = [
