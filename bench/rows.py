@@ -11,18 +11,20 @@ gateway/telemetry.py, without the gateway's batching and coalescing: per event
 * INSERT into latest_events_by_state and DELETE from every other state's
   partition, USING TIMESTAMP write_ts.
 
-bench/run.py checks at start-up that :func:`event_identity` still agrees with
-the gateway's.
+Event ids and write timestamps come from gateway/identity.py, the gateway's own
+(a module without pydantic, so the naive bridge stays light).
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
-import orjson
 from cassandra.cluster import Session
 from cassandra.query import UNSET_VALUE, PreparedStatement
+
+from gateway.identity import event_identity
+
+__all__ = ["event_identity"]
 
 KEYSPACE = "gateway_bench"
 STATES = ("on", "off")
@@ -60,24 +62,6 @@ CQL_INSERT_PARTITION = (
 
 def cql(template: str) -> str:
     return template.replace("{ks}", KEYSPACE)
-
-
-def event_identity(
-    tenant: str,
-    device_id: str,
-    ts_ms: int,
-    state: str | None,
-    value: str | float | None,
-    metrics: dict[str, float],
-    tags: dict[str, str],
-) -> tuple[int, int]:
-    """(event_id, write timestamp in µs), as gateway.decode.event_identity."""
-    canonical = orjson.dumps(
-        [tenant, device_id, ts_ms, state, value, metrics, tags], option=orjson.OPT_SORT_KEYS
-    )
-    digest = hashlib.blake2b(canonical, digest_size=8).digest()
-    event_id = int.from_bytes(digest, "big", signed=True)
-    return event_id, ts_ms * 1000 + (event_id % 1000)
 
 
 def _or_unset(value: object) -> object:

@@ -100,6 +100,16 @@ def _read_secret_file(path: Path, key: str) -> SecretStr:
         raise ValueError(f"{key}: cannot read {path}: {exc}") from None
 
 
+def _load_password(section: MqttConfig | CassandraConfig, name: str) -> None:
+    """password_file -> password (a frozen model, so set during validation)."""
+    if section.password_file is None:
+        return
+    if section.password is not None:
+        raise ValueError(f"set {name}.password or {name}.password_file, not both")
+    secret = _read_secret_file(section.password_file, f"{name}.password_file")
+    object.__setattr__(section, "password", secret)
+
+
 class TlsConfig(_Model):
     """TLS for a connection. Off unless enabled; hostname verification on by default."""
 
@@ -157,11 +167,7 @@ class MqttConfig(_Model):
 
     @model_validator(mode="after")
     def _password_from_file(self) -> MqttConfig:
-        if self.password_file is not None:
-            if self.password is not None:
-                raise ValueError("set mqtt.password or mqtt.password_file, not both")
-            secret = _read_secret_file(self.password_file, "mqtt.password_file")
-            object.__setattr__(self, "password", secret)
+        _load_password(self, "mqtt")
         return self
 
 
@@ -233,11 +239,7 @@ class CassandraConfig(_Model):
             raise ValueError(
                 "cassandra.datacenters is required with NetworkTopologyStrategy, e.g. {dc1 = 3}"
             )
-        if self.password_file is not None:
-            if self.password is not None:
-                raise ValueError("set cassandra.password or cassandra.password_file, not both")
-            secret = _read_secret_file(self.password_file, "cassandra.password_file")
-            object.__setattr__(self, "password", secret)
+        _load_password(self, "cassandra")
         return self
 
 

@@ -20,7 +20,6 @@ Validation is pydantic in strict mode (no coercion: ``"21"`` is not a number,
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -40,6 +39,7 @@ from pydantic import (
 
 from .config import LimitsConfig
 from .errors import DecodeError
+from .identity import event_identity
 
 REASONS = (
     "topic",  # the topic matches no template or has a bad level
@@ -83,31 +83,6 @@ class Event:
     sent_at_ms: float | None
     event_id: int
     write_ts: int
-
-
-def event_identity(
-    tenant: str,
-    device_id: str,
-    ts_ms: int,
-    state: str | None,
-    value: str | float | None,
-    metrics: dict[str, float],
-    tags: dict[str, str],
-) -> tuple[int, int]:
-    """(event_id, write timestamp in µs) for an event's content.
-
-    event_id is a signed 64-bit hash of everything the event says, so a
-    redelivered copy maps to the same raw-telemetry row. The write timestamp is
-    the event time in microseconds plus a deterministic tie-break below the
-    millisecond (0..999 from the hash), so two different events of one device in
-    the same millisecond still resolve the same way in every table.
-    """
-    canonical = orjson.dumps(
-        [tenant, device_id, ts_ms, state, value, metrics, tags], option=orjson.OPT_SORT_KEYS
-    )
-    digest = hashlib.blake2b(canonical, digest_size=8).digest()
-    event_id = int.from_bytes(digest, "big", signed=True)
-    return event_id, ts_ms * 1000 + (event_id % 1000)
 
 
 class Decoder:

@@ -67,6 +67,14 @@ def _nothing() -> None:
     pass
 
 
+def _rejection(
+    delivery: Delivery, tenant: str, device: str | None, reason: str, detail: str
+) -> Rejection:
+    return Rejection(
+        tenant, device, delivery.topic, reason, detail, delivery.payload, delivery.received_ms
+    )
+
+
 class Pipeline:
     """Everything between a delivery and its acknowledgement."""
 
@@ -121,17 +129,7 @@ class Pipeline:
             if not tenant:
                 tenant = self._matcher.tenant_of(delivery.topic)
             return _Item(
-                delivery,
-                None,
-                Rejection(
-                    tenant,
-                    device,
-                    delivery.topic,
-                    exc.reason,
-                    exc.detail,
-                    delivery.payload,
-                    delivery.received_ms,
-                ),
+                delivery, None, _rejection(delivery, tenant, device, exc.reason, exc.detail)
             )
         if event.ts_from_receive:
             self.stats.no_ts += 1
@@ -142,19 +140,12 @@ class Pipeline:
             if self._metrics is not None:
                 self._metrics.quota_rejections.inc(tenant=tenant)
             self.stats.quota_rejected += 1
+            detail = (
+                f"new device {device!r} is over tenant {tenant!r}'s device quota "
+                "(sampling.tenants.<tenant>.max_devices_per_tenant)"
+            )
             return _Item(
-                delivery,
-                None,
-                Rejection(
-                    tenant,
-                    device,
-                    delivery.topic,
-                    verdict.reject_reason,
-                    f"new device {device!r} is over tenant {tenant!r}'s device quota "
-                    "(sampling.tenants.<tenant>.max_devices_per_tenant)",
-                    delivery.payload,
-                    delivery.received_ms,
-                ),
+                delivery, None, _rejection(delivery, tenant, device, verdict.reject_reason, detail)
             )
         return _Item(delivery, event, None, verdict)
 
@@ -245,16 +236,13 @@ class Pipeline:
             pending = Pending(self._done_callback(item))
             event = item.event
             if event is not None and id(event) in over_ids:
-                item.rejection = Rejection(
-                    event.tenant,
-                    event.device_id,
-                    item.delivery.topic,
-                    "too_many_states",
+                detail = (
                     f"state {event.state!r} would exceed the tenant's "
                     f"{self.config.pipeline.max_states_per_tenant} states "
-                    "(pipeline.max_states_per_tenant)",
-                    item.delivery.payload,
-                    item.delivery.received_ms,
+                    "(pipeline.max_states_per_tenant)"
+                )
+                item.rejection = _rejection(
+                    item.delivery, event.tenant, event.device_id, "too_many_states", detail
                 )
                 item.event = event = None
             if event is not None:
