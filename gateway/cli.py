@@ -20,8 +20,11 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import aiomqtt
 import orjson
 import uvloop
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from . import check, ingest, queries, schema
 from .config import Config, load_config, parse_duration
@@ -104,6 +107,12 @@ def _parser() -> argparse.ArgumentParser:
     rej.add_argument("--tenant", default="", help="tenant ('' for topics that named none)")
     rej.add_argument("--hours", type=int, default=1, help="how many hours back (default 1)")
     rej.add_argument("--json", action="store_true")
+
+    sub.add_parser(
+        "forget-session",
+        parents=[common],
+        help="end the broker's persistent session of mqtt.client_id (retiring a gateway)",
+    )
 
     noi = sub.add_parser(
         "noisy", parents=[common], help="noisy devices of a tenant, from the running gateway"
@@ -298,6 +307,32 @@ def _noisy(config: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+async def _forget_session(config: Config) -> int:
+    # A session whose client never returns keeps queueing every matching
+    # message (until persistent_client_expiration): end it explicitly.
+    cfg = config.mqtt
+    props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+    props.SessionExpiryInterval = 0
+    try:
+        async with aiomqtt.Client(
+            cfg.host,
+            cfg.port,
+            identifier=cfg.client_id,
+            protocol=aiomqtt.ProtocolVersion.V5,
+            clean_start=True,
+            properties=props,
+            username=cfg.username,
+            password=cfg.password.get_secret_value() if cfg.password else None,
+            tls_context=cfg.tls.context(),
+            timeout=10,
+        ):
+            pass
+    except aiomqtt.MqttError as exc:
+        raise GatewayError(f"cannot reach the broker at {cfg.host}:{cfg.port}: {exc}") from None
+    print(f"session of client id {cfg.client_id!r} ended; its queued messages are dropped")
+    return 0
+
+
 async def _simulate(config: Config, args: argparse.Namespace) -> int:
     try:
         spec = FleetSpec(
@@ -346,6 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "history": lambda: _history(config, args),
         "rejected": lambda: _rejected(config, args),
         "simulate": lambda: _simulate(config, args),
+        "forget-session": lambda: _forget_session(config),
     }
     if args.command == "noisy":
         try:

@@ -20,18 +20,29 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import aiomqtt
 import msgpack
 import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from gateway.database import Database
 from gateway.decode import event_identity
 from gateway.simulate import Fleet, FleetSpec
 from gateway.state import state_bucket
 
-from .conftest import GatewayProcess, make_config, publish, run_cli, running_gateway
+from .conftest import (
+    MQTT_PORT,
+    GatewayProcess,
+    base_env,
+    make_config,
+    publish,
+    run_cli,
+    running_gateway,
+)
 
 D1 = "11111111-aaaa-bbbb-cccc-12345678abcd"
 D2 = "22222222-aaaa-bbbb-cccc-12345678abcd"
@@ -449,3 +460,35 @@ async def test_flood_of_bad_messages_does_not_hold_up_good_ones(db: Database, te
         assert gw.stats.rejected == len(garbage)
     for i in range(40):
         assert len(await telemetry_keys(db, tenant, f"ok{i}")) == 1
+
+
+async def test_forget_session_ends_a_persistent_session(tenant: str) -> None:
+    client_id = f"retire-{tenant}"
+    props = Properties(PacketTypes.CONNECT)
+    props.SessionExpiryInterval = 300
+
+    def client() -> aiomqtt.Client:
+        return aiomqtt.Client(
+            "127.0.0.1",
+            MQTT_PORT,
+            identifier=client_id,
+            protocol=aiomqtt.ProtocolVersion.V5,
+            clean_start=False,
+            properties=props,
+        )
+
+    async with client() as c:
+        await c.subscribe(topic(tenant, "+"), qos=1)
+    await publish([(topic(tenant, "queued"), b"for nobody")])
+    result = await asyncio.to_thread(
+        run_cli, "forget-session", env=base_env(GATEWAY_MQTT__CLIENT_ID=client_id)
+    )
+    assert result.returncode == 0, result.stderr
+    async with client() as c:
+        # The session is gone: no subscription, nothing queued. Subscribe again
+        # and send a marker; it must be the first (and only) message.
+        await c.subscribe(topic(tenant, "+"), qos=1)
+        await publish([(topic(tenant, "marker"), b"now")])
+        async with asyncio.timeout(10):
+            first = await anext(c.messages.__aiter__())
+        assert first.payload == b"now"
