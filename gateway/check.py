@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sqlite3
+import time
 
 import aiomqtt
 
@@ -52,8 +54,28 @@ async def _cassandra(config: Config) -> tuple[bool, str]:
     return True, f"cassandra: ok ({hosts}, keyspace {config.cassandra.keyspace}, schema complete)"
 
 
+def _spool(config: Config) -> tuple[bool, str]:
+    path = config.spool.path
+    if not path.exists():
+        return True, f"spool: empty ({path} not created yet)"
+    try:
+        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+            depth, oldest = db.execute("SELECT count(*), min(received_ms) FROM spool").fetchone()
+    except sqlite3.Error as exc:
+        return False, f"spool: cannot read {path}: {exc}"
+    age = 0.0 if oldest is None else max(0.0, time.time() - oldest / 1000)
+    full = depth >= config.spool.max_records
+    state = "FULL (acknowledgements paused)" if full else "ok"
+    return not full, (
+        f"spool: {state}, {depth} messages waiting, oldest {age:.0f} s "
+        f"({path}; drain rate: gateway_spool_drained_total in /metrics)"
+    )
+
+
 async def run(config: Config) -> int:
     results = [await _broker(config), await _cassandra(config)]
+    if config.spool.enabled:
+        results.append(_spool(config))
     for _, line in results:
         print(line)
     return 0 if all(ok for ok, _ in results) else 1

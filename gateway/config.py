@@ -341,6 +341,16 @@ class HotPartitionConfig(_Model):
     max_tracked: int = Field(default=100_000, ge=100, le=10_000_000)
 
 
+class SpoolConfig(_Model):
+    # Write-ahead spool on local disk (gateway/spool.py): messages are
+    # acknowledged once spooled, so an edge host keeps taking them while
+    # Cassandra is away. Off by default.
+    enabled: bool = False
+    path: Path = Path("gateway-spool.sqlite")
+    max_records: int = Field(default=1_000_000, ge=1, le=1_000_000_000)
+    max_bytes: int = Field(default=1024**3, ge=1024, le=1024**4)
+
+
 class ApiConfig(_Model):
     # /metrics (Prometheus) and /healthz, on a local port.
     enabled: bool = True
@@ -355,6 +365,7 @@ class Config(_Model):
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
+    spool: SpoolConfig = Field(default_factory=SpoolConfig)
     hot_partitions: HotPartitionConfig = Field(default_factory=HotPartitionConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     # [tenants.default] applies to every tenant without a section of its own.

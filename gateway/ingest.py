@@ -40,6 +40,7 @@ from .rejects import Rejection, Rejects
 from .sampling import Sampler, Verdict
 from .schema import missing_tables
 from .sink import Pending, Sink, Write
+from .spool import Spool
 from .state import LatestState
 from .telemetry import Telemetry
 from .topics import TopicMatcher
@@ -65,6 +66,18 @@ _BACKFILL = Verdict(keep_raw=True, update_latest=True, reason="backfill")
 
 def _nothing() -> None:
     pass
+
+
+class _SpoolDone:
+    """A spooled message is done once Cassandra has it: delete it."""
+
+    __slots__ = ("_pipeline", "_seq", "_size")
+
+    def __init__(self, pipeline: Pipeline, seq: int, size: int) -> None:
+        self._pipeline, self._seq, self._size = pipeline, seq, size
+
+    def done(self) -> None:
+        self._pipeline.spooled_done(self._seq, self._size)
 
 
 def _rejection(
@@ -105,6 +118,15 @@ class Pipeline:
         self._low_water = config.pipeline.queue_size // 2
         self._pause: Callable[[], None] = _nothing
         self._resume: Callable[[], None] = _nothing
+        # Spool mode (gateway/spool.py): deliveries go to the spool first.
+        self.spool: Spool | None = None
+        self._inbox: list[Delivery] = []
+        self._inbox_ready = asyncio.Event()
+        self._spooled = asyncio.Event()
+        self._to_delete: list[tuple[int, int]] = []
+        self._delete_ready = asyncio.Event()
+        self._closing = False
+        self._writes_done = asyncio.Event()
         self._batch = config.pipeline.batch_max_events
         self._linger = config.pipeline.linger
 
@@ -160,6 +182,13 @@ class Pipeline:
         back). A message read after that, in the same socket read, is held in
         arrival order in a small overflow list (counted) until there is room.
         """
+        if self.spool is not None:
+            # Spool mode: append first, acknowledge once committed (spool_writer).
+            self._inbox.append(delivery)
+            self._inbox_ready.set()
+            if len(self._inbox) >= self._queue.maxsize:
+                self._pause()
+            return
         item = self.classify(delivery)
         if self._overflow or self._queue.full():
             self._overflow.append(item)
@@ -179,8 +208,95 @@ class Pipeline:
 
     async def close(self) -> None:
         """No more deliveries: the writer finishes what is queued, then returns."""
+        if self.spool is not None:
+            # What is spooled stays spooled; the reader stops and sends _STOP.
+            self._closing = True
+            self._inbox_ready.set()
+            self._spooled.set()
+            return
         self._overflow.append(_STOP)
         self._refill()
+
+    # -- spool mode ----------------------------------------------------------
+
+    async def spool_writer(self) -> None:
+        """Append deliveries in group commits; acknowledge each once committed."""
+        spool = self.spool
+        assert spool is not None
+        while True:
+            await self._inbox_ready.wait()
+            self._inbox_ready.clear()
+            if not self._inbox:
+                if self._closing:
+                    return
+                continue
+            if spool.full:
+                self._pause()  # the broker keeps the rest until there is room
+                self.stats.spool_full_waits += 1
+                await spool.wait_for_room()
+            batch, self._inbox = self._inbox, []
+            await spool.append([(d.received_ms, d.topic, d.content_type, d.payload) for d in batch])
+            for delivery in batch:
+                delivery.ack.done()
+            self._spooled.set()
+            if not spool.full:
+                self._resume()
+            if self._inbox:
+                self._inbox_ready.set()
+
+    async def spool_reader(self) -> None:
+        """Feed spooled messages to the writers in arrival order."""
+        spool = self.spool
+        assert spool is not None
+        queue, last = self._queue, 0
+        while True:
+            # Cleared before reading, so an append during the read is not missed.
+            self._spooled.clear()
+            room = queue.maxsize - queue.qsize()
+            if self._closing:
+                return  # what is spooled stays spooled; run() stops the writers
+            records = await spool.read(last, min(room, self._batch)) if room > 0 else []
+            if not records:
+                if room > 0:
+                    await self._spooled.wait()
+                else:
+                    await asyncio.sleep(0.005)  # the writers are behind; look again soon
+                continue
+            for record in records:
+                ack = _SpoolDone(self, record.seq, len(record.payload))
+                delivery = Delivery(
+                    record.topic, record.payload, record.content_type, record.received_ms, ack
+                )
+                queue.put_nowait(self.classify(delivery))
+            last = records[-1].seq
+
+    @property
+    def idle(self) -> bool:
+        return self._queue.empty() and self.stats.in_flight == 0
+
+    def writes_stopped(self) -> None:
+        self._writes_done.set()
+
+    def spooled_done(self, seq: int, size: int) -> None:
+        self._to_delete.append((seq, size))
+        self._delete_ready.set()
+
+    async def spool_deleter(self) -> None:
+        """Delete what Cassandra has, in batches."""
+        spool = self.spool
+        assert spool is not None
+        while True:
+            waiter = asyncio.ensure_future(self._delete_ready.wait())
+            done = asyncio.ensure_future(self._writes_done.wait())
+            await asyncio.wait((waiter, done), return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            done.cancel()
+            self._delete_ready.clear()
+            batch, self._to_delete = self._to_delete, []
+            if batch:
+                await spool.delete([s for s, _ in batch], sum(n for _, n in batch))
+            if self._writes_done.is_set() and not self._to_delete:
+                return
 
     async def write_loop(self) -> None:
         """Take chunks off the queue and write them until close()."""
@@ -209,6 +325,7 @@ class Pipeline:
                 await self._write_chunk(chunk)
             if stop:
                 await self._sink.drain()
+                self._writes_done.set()
                 return
 
     async def _write_chunk(self, chunk: list[_Item]) -> None:
@@ -284,6 +401,24 @@ class Pipeline:
         return done
 
 
+async def _stop_spooled_writes(
+    pipeline: Pipeline, sink: Sink, writers: list[asyncio.Task[None]], deadline: float
+) -> None:
+    """Spool mode, stopping: finish the writes under way if they complete within
+    the deadline, else drop them; their messages are still in the spool and are
+    read again at the next start (the writes are idempotent)."""
+    try:
+        async with asyncio.timeout(deadline):
+            while not pipeline.idle:  # noqa: ASYNC110 - idle is derived; polled only at stop
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        log.warning("stopping with Cassandra writes unfinished; they stay in the spool")
+    for task in writers:
+        task.cancel()
+    sink.abort()
+    pipeline.writes_stopped()
+
+
 async def _status(pipeline: Pipeline, interval: float, stop: asyncio.Event) -> None:
     while not stop.is_set():
         try:
@@ -323,11 +458,15 @@ async def run(
             )
             pipeline.set_flow(receiver.pause_reading, receiver.resume_reading)
 
+            writers: list[asyncio.Task[None]] = []
+
             async def receive() -> None:
                 try:
                     await receiver.run(pipeline.accept, stop)
                 finally:
                     await pipeline.close()
+                    if pipeline.spool is not None:
+                        await _stop_spooled_writes(pipeline, sink, writers, shutdown_deadline)
 
             async def signal_ready() -> None:
                 connected = asyncio.ensure_future(receiver.connected.wait())
@@ -384,9 +523,41 @@ async def run(
                 if config.api.enabled
                 else contextlib.nullcontext()
             )
-            async with api, asyncio.TaskGroup() as tasks:
+            spool = (
+                Spool(config.spool.path, config.spool.max_records, config.spool.max_bytes)
+                if config.spool.enabled
+                else None
+            )
+            async with (
+                api,
+                spool if spool is not None else contextlib.nullcontext(),
+                asyncio.TaskGroup() as tasks,
+            ):
+                if spool is not None:
+                    pipeline.spool = spool
+                    stats.spool = spool
+                    registry = metrics.registry
+                    registry.gauge(
+                        "gateway_spool_depth", "Messages in the on-disk spool."
+                    ).set_function(lambda: spool.depth)
+                    registry.gauge(
+                        "gateway_spool_bytes", "Payload bytes in the on-disk spool."
+                    ).set_function(lambda: spool.bytes)
+                    registry.gauge(
+                        "gateway_spool_oldest_age_seconds", "Age of the oldest spooled message."
+                    ).set_function(spool.oldest_age)
+                    drained = registry.counter(
+                        "gateway_spool_drained_total",
+                        "Spooled messages written to Cassandra and removed (its rate is the "
+                        "drain rate).",
+                    )
+                    registry.on_render(lambda: drained.set_total(spool.deleted))
+                    log.info("spool %s: %d messages waiting", config.spool.path, spool.depth)
+                    tasks.create_task(pipeline.spool_writer())
+                    tasks.create_task(pipeline.spool_reader())
+                    tasks.create_task(pipeline.spool_deleter())
                 tasks.create_task(receive())
-                tasks.create_task(pipeline.write_loop())
+                writers.append(tasks.create_task(pipeline.write_loop()))
                 tasks.create_task(_status(pipeline, config.pipeline.status_interval, stop))
                 tasks.create_task(signal_ready())
     log.info("stopped: %s", stats.summary())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -37,6 +38,8 @@ class Stats:
     hot_partitions: int = 0  # partitions over the hot threshold, once per window
     untracked_writes: int = 0  # writes to partitions beyond hot_partitions.max_tracked
     late_state_checks: int = 0  # reads done for old events into recently known states
+    spool: Any = None  # the Spool in spool mode (depth, bytes, oldest_age())
+    spool_full_waits: int = 0  # times the spool was full: acks and reads paused
     throttled_s: float = 0.0  # time with mqtt.receive_maximum messages unacknowledged
     throttle_events: int = 0  # times that limit was reached
     read_pauses: int = 0  # times the pipeline queue filled and socket reads paused
@@ -56,6 +59,11 @@ class Stats:
             f"rejected={self.rejected} sampled_out={self.sampled_out} "
             f"queue={self.queue_depth} in_flight={self.in_flight} "
             f"retries={self.retries} acked={self.acked}"
+            + (
+                f" spool={self.spool.depth} (oldest {self.spool.oldest_age():.0f}s)"
+                if self.spool is not None
+                else ""
+            )
         )
 
     def summary(self) -> str:

@@ -40,6 +40,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import aiomqtt
 from paho.mqtt.client import MQTTMessage
@@ -125,13 +126,19 @@ class AckTracker:
         self.flush()
 
 
+class Done(Protocol):
+    """What a delivery calls once it is durable (an MQTT ack, or a spool delete)."""
+
+    def done(self) -> None: ...
+
+
 @dataclass(slots=True)
 class Delivery:
     topic: str
     payload: bytes
     content_type: str | None
     received_ms: int
-    ack: Ack
+    ack: Done
 
 
 # Called on the event loop for every message, in receive order. It must not

@@ -172,6 +172,7 @@ class Sink:
         self._tasks = asyncio.TaskGroup()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._requests: set[asyncio.Task[None]] = set()
         self._failing_since: float | None = None
         # Set (and replaced) when writes succeed again after failures: requests
         # sleeping in backoff retry at once instead of finishing their sleep.
@@ -215,7 +216,14 @@ class Sink:
         await self._slots.acquire()
         self._stats.in_flight += 1
         self._idle.clear()
-        self._tasks.create_task(self._run(rows))
+        task = self._tasks.create_task(self._run(rows))
+        self._requests.add(task)
+        task.add_done_callback(self._requests.discard)
+
+    def abort(self) -> None:
+        """Cancel every request in flight (spool mode: the spool still has them)."""
+        for task in list(self._requests):
+            task.cancel()
 
     async def _run(self, rows: list[Write]) -> None:
         try:
