@@ -26,6 +26,8 @@ class CuttableProxy:
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self.port = 0
+        # Bytes per second towards Cassandra (None: no limit): a slow link.
+        self.limit: float | None = None
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
@@ -47,14 +49,16 @@ class CuttableProxy:
             return
         self._writers |= {writer, up_writer}
 
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, limited: bool) -> None:
             with contextlib.suppress(OSError, asyncio.CancelledError):
-                while data := await src.read(65536):
+                while data := await src.read(4096 if limited else 65536):
+                    if limited and self.limit is not None:
+                        await asyncio.sleep(len(data) / self.limit)
                     dst.write(data)
                     await dst.drain()
             dst.transport.abort()
 
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False))
 
 
 @contextlib.asynccontextmanager
