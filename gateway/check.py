@@ -18,6 +18,7 @@ import aiomqtt
 from .config import Config
 from .database import connect
 from .errors import SinkError
+from .receive import mqtt_client
 from .schema import missing_tables
 
 
@@ -25,14 +26,8 @@ async def _broker(config: Config) -> tuple[bool, str]:
     cfg = config.mqtt
     where = f"{'mqtts' if cfg.tls.enabled else 'mqtt'}://{cfg.host}:{cfg.port}"
     try:
-        async with aiomqtt.Client(
-            cfg.host,
-            cfg.port,
-            identifier=f"{cfg.client_id}-check-{os.getpid()}",
-            username=cfg.username,
-            password=cfg.password.get_secret_value() if cfg.password else None,
-            tls_context=cfg.tls.context(),
-            timeout=5,
+        async with mqtt_client(
+            cfg, identifier=f"{cfg.client_id}-check-{os.getpid()}", clean_start=True, timeout=5
         ):
             return True, f"broker: ok ({where})"
     except aiomqtt.MqttError as exc:

@@ -23,13 +23,12 @@ from typing import Any
 import aiomqtt
 import orjson
 import uvloop
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
 
 from . import check, ingest, queries, schema
 from .config import Config, load_config, parse_duration
 from .database import connect
 from .errors import ConfigError, GatewayError
+from .receive import mqtt_client
 from .simulate import FleetSpec, publish
 
 log = logging.getLogger("gateway")
@@ -311,21 +310,8 @@ async def _forget_session(config: Config) -> int:
     # A session whose client never returns keeps queueing every matching
     # message (until persistent_client_expiration): end it explicitly.
     cfg = config.mqtt
-    props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
-    props.SessionExpiryInterval = 0
     try:
-        async with aiomqtt.Client(
-            cfg.host,
-            cfg.port,
-            identifier=cfg.client_id,
-            protocol=aiomqtt.ProtocolVersion.V5,
-            clean_start=True,
-            properties=props,
-            username=cfg.username,
-            password=cfg.password.get_secret_value() if cfg.password else None,
-            tls_context=cfg.tls.context(),
-            timeout=10,
-        ):
+        async with mqtt_client(cfg, clean_start=True, session_expiry=0):
             pass
     except aiomqtt.MqttError as exc:
         raise GatewayError(f"cannot reach the broker at {cfg.host}:{cfg.port}: {exc}") from None

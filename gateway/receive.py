@@ -146,6 +146,41 @@ class Delivery:
 Handler = Callable[[Delivery], None]
 
 
+def mqtt_client(
+    cfg: MqttConfig,
+    *,
+    identifier: str | None = None,
+    clean_start: bool = False,
+    session_expiry: int | None = None,
+    receive_maximum: int | None = None,
+    timeout: float = 10,
+) -> aiomqtt.Client:
+    """An MQTT v5 client for the configured broker: address, credentials, TLS.
+
+    One place for what every connection of the gateway shares (the receiver,
+    `gateway check`, `gateway forget-session`); the password is only read here.
+    """
+    props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+    if session_expiry is not None:
+        props.SessionExpiryInterval = session_expiry
+    if receive_maximum is not None:
+        props.ReceiveMaximum = receive_maximum
+    return aiomqtt.Client(
+        cfg.host,
+        cfg.port,
+        identifier=identifier or cfg.client_id,
+        protocol=aiomqtt.ProtocolVersion.V5,
+        clean_start=clean_start,
+        properties=props,
+        keepalive=cfg.keepalive,
+        username=cfg.username,
+        password=cfg.password.get_secret_value() if cfg.password else None,
+        tls_context=cfg.tls.context(),
+        timeout=timeout,
+        logger=logging.getLogger(f"{__name__}.paho"),
+    )
+
+
 class Receiver:
     """Connects, subscribes and hands every message to ``handler``, until stopped."""
 
@@ -168,22 +203,8 @@ class Receiver:
 
     def _make_client(self) -> aiomqtt.Client:
         cfg = self._config
-        props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
-        props.SessionExpiryInterval = int(cfg.session_expiry)
-        props.ReceiveMaximum = cfg.receive_maximum
-        return aiomqtt.Client(
-            cfg.host,
-            cfg.port,
-            identifier=cfg.client_id,
-            protocol=aiomqtt.ProtocolVersion.V5,
-            clean_start=False,
-            properties=props,
-            keepalive=cfg.keepalive,
-            username=cfg.username,
-            password=cfg.password.get_secret_value() if cfg.password else None,
-            tls_context=cfg.tls.context(),
-            timeout=10,
-            logger=logging.getLogger(f"{__name__}.paho"),
+        return mqtt_client(
+            cfg, session_expiry=int(cfg.session_expiry), receive_maximum=cfg.receive_maximum
         )
 
     # -- socket reading, pausable ------------------------------------------
