@@ -174,6 +174,18 @@ class Progress:
         self.current = None
 
 
+def _scaling_row(devices: int, result: Drain) -> dict[str, Any]:
+    return {
+        "devices": devices,
+        "backlog": result.count,
+        "msg_per_s": result.rate,
+        "cpu_s_per_1k_msgs": result.cpu_per_1k,
+        "peak_rss_mb": result.peak_rss_mb,
+        "check": result.check.text() if result.check else None,
+        "ok": result.check.ok if result.check else False,
+    }
+
+
 def _mmss(seconds: float) -> str:
     s = max(0, round(seconds))
     return f"{s // 60:02d}:{s % 60:02d}"
@@ -562,17 +574,7 @@ class Bench:
             dropped = re.findall(r"\b(sampled_out|quota_rejected|rejected)=(\d+)", summary[-1])
             result.extra["gateway_dropped"] = {k: int(v) for k, v in dropped if int(v)}
         self.results["systems"]["gateway"] = result.as_json()
-        self.results["scaling"] = [
-            {
-                "devices": self.args.devices,
-                "backlog": result.count,
-                "msg_per_s": result.rate,
-                "cpu_s_per_1k_msgs": result.cpu_per_1k,
-                "peak_rss_mb": result.peak_rss_mb,
-                "check": result.check.text() if result.check else None,
-                "ok": result.check.ok if result.check else False,
-            }
-        ]
+        self.results["scaling"] = [_scaling_row(self.args.devices, result)]
 
     def phase_scaling(self) -> None:
         rows_out = self.results.setdefault("scaling", [])
@@ -586,17 +588,7 @@ class Bench:
                 latency=False,
                 latest=False,
             )
-            rows_out.append(
-                {
-                    "devices": devices,
-                    "backlog": result.count,
-                    "msg_per_s": result.rate,
-                    "cpu_s_per_1k_msgs": result.cpu_per_1k,
-                    "peak_rss_mb": result.peak_rss_mb,
-                    "check": result.check.text() if result.check else None,
-                    "ok": result.check.ok if result.check else False,
-                }
-            )
+            rows_out.append(_scaling_row(devices, result))
 
     def phase_overload(self) -> None:
         sustained = self.results["systems"].get("gateway", {}).get("msg_per_s")

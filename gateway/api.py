@@ -52,7 +52,7 @@ import urllib.parse
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
-from typing import ClassVar, TypeVar
+from typing import ClassVar, Protocol, TypeVar
 
 from .errors import ConfigError
 from .metrics import Stats
@@ -599,6 +599,33 @@ def gateway_metrics(stats: Stats, *, max_series: int = DEFAULT_MAX_SERIES) -> Ga
             ("tenant", "device_id", "rate"),
         ),
     )
+
+
+def add_spool_metrics(metrics: GatewayMetrics, spool: SpoolGauges) -> None:
+    """The spool's depth, size, oldest age and drained total (its rate is the drain rate)."""
+    registry = metrics.registry
+    registry.gauge("gateway_spool_depth", "Messages in the on-disk spool.").set_function(
+        lambda: spool.depth
+    )
+    registry.gauge("gateway_spool_bytes", "Payload bytes in the on-disk spool.").set_function(
+        lambda: spool.bytes
+    )
+    registry.gauge(
+        "gateway_spool_oldest_age_seconds", "Age of the oldest spooled message."
+    ).set_function(spool.oldest_age)
+    drained = registry.counter(
+        "gateway_spool_drained_total",
+        "Spooled messages written to Cassandra and removed (its rate is the drain rate).",
+    )
+    registry.on_render(lambda: drained.set_total(spool.deleted))
+
+
+class SpoolGauges(Protocol):
+    depth: int
+    bytes: int
+    deleted: int
+
+    def oldest_age(self) -> float: ...
 
 
 # --------------------------------------------------------------------------

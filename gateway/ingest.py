@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from .api import GatewayMetrics, gateway_metrics, serve
+from .api import GatewayMetrics, add_spool_metrics, gateway_metrics, serve
 from .config import Config
 from .database import Database, connect
 from .decode import Decoder, Event
@@ -536,22 +536,7 @@ async def run(
                 if spool is not None:
                     pipeline.spool = spool
                     stats.spool = spool
-                    registry = metrics.registry
-                    registry.gauge(
-                        "gateway_spool_depth", "Messages in the on-disk spool."
-                    ).set_function(lambda: spool.depth)
-                    registry.gauge(
-                        "gateway_spool_bytes", "Payload bytes in the on-disk spool."
-                    ).set_function(lambda: spool.bytes)
-                    registry.gauge(
-                        "gateway_spool_oldest_age_seconds", "Age of the oldest spooled message."
-                    ).set_function(spool.oldest_age)
-                    drained = registry.counter(
-                        "gateway_spool_drained_total",
-                        "Spooled messages written to Cassandra and removed (its rate is the "
-                        "drain rate).",
-                    )
-                    registry.on_render(lambda: drained.set_total(spool.deleted))
+                    add_spool_metrics(metrics, spool)
                     log.info("spool %s: %d messages waiting", config.spool.path, spool.depth)
                     tasks.create_task(pipeline.spool_writer())
                     tasks.create_task(pipeline.spool_reader())

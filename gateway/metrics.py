@@ -44,13 +44,11 @@ class Stats:
     throttle_events: int = 0  # times that limit was reached
     read_pauses: int = 0  # times the pipeline queue filled and socket reads paused
     overflow: int = 0  # messages read after a pause took effect (held, never dropped)
-    _last: tuple[float, int, int] = (0.0, 0, 0)
+    _last: tuple[float, int, int] | None = None  # (time, received, written) at the last line
 
     def status_line(self) -> str:
         now = time.monotonic()
         t0, rx0, wr0 = self._last or (self.started, 0, 0)
-        if t0 == 0.0:
-            t0 = self.started
         span = max(now - t0, 1e-9)
         self._last = (now, self.received, self.written)
         return (

@@ -71,7 +71,6 @@ class _TenantStates:
 
 class LatestState:
     def __init__(self, db: Database, sink: Sink, config: Config, stats: Stats) -> None:
-        self._db = db
         self._sink = sink
         self._config = config
         self._stats = stats
@@ -81,7 +80,6 @@ class LatestState:
         self._tenants: OrderedDict[str, _TenantStates] = OrderedDict()
         self._newest: OrderedDict[tuple[str, str], tuple[int, str]] = OrderedDict()
         self._newest_max = config.pipeline.device_cache_size
-        self._lock = asyncio.Lock()
         self._insert_state = db.prepare(
             "INSERT INTO {keyspace}.latest_events_by_state "
             "(tenant, state, bucket, device_id, ts, value, value_num) "
