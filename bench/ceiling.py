@@ -3,21 +3,23 @@
 The same fleet as the other systems (gateway.simulate.Fleet) is generated and
 decoded by the gateway's own Decoder before the clock starts; then the rows the
 gateway writes for each event (bench/rows.py: same prepared statements, same
-USING TIMESTAMP) go out through the same Python driver with the gateway's
-driver settings (gateway.database.build_cluster), ``concurrency`` statements in
-flight, each completion sending the next (cassandra.concurrent, which is
-execute_async plus callbacks). One run per concurrency level, each into its own
-tenant; no MQTT, no batching.
+USING TIMESTAMP) go out through the gateway's own write session
+(gateway/write_session.py: the same driver, chosen the same way, with the same
+settings), ``concurrency`` statements in flight, each completion sending the
+next. One run per concurrency level, each into its own tenant; no MQTT, no
+batching.
 
 Writes a JSON report (per level: events, statements, seconds, CPU seconds of
 this process, failures, and the events written so the harness can check them).
 Usage (from bench/run.py):
-    python bench/ceiling.py --prefix T --devices 1000 --count 20000 --levels 32,64 --out F
+    python bench/ceiling.py --prefix T --devices 1000 --count 20000 --levels 32,64 --out F \
+        [--driver auto|acsylla|python]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import time
@@ -25,14 +27,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from cassandra.concurrent import execute_concurrent
-from cassandra.query import PreparedStatement
-from rows import KEYSPACE, Statements
+import uvloop
+from rows import ALL_CQL, KEYSPACE, Statements, cql
 
 from gateway.config import CassandraConfig, LimitsConfig
-from gateway.database import build_cluster
 from gateway.decode import Decoder, Event
 from gateway.simulate import Fleet, FleetSpec
+from gateway.write_session import WriteSession, open_write_session
 
 TOPIC_TEMPLATE = "gwbench/{tenant}/devices/{device_id}/events"
 
@@ -63,9 +64,7 @@ def decoded_events(tenant: str, devices: int, count: int) -> list[Event]:
     return events
 
 
-def statements_of(
-    statements: Statements, events: list[Event]
-) -> Iterator[tuple[PreparedStatement, tuple[Any, ...]]]:
+def statements_of(statements: Statements, events: list[Event]) -> Iterator[tuple[Any, Any]]:
     for e in events:
         yield from statements.rows(
             e.tenant,
@@ -82,41 +81,46 @@ def statements_of(
         )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--prefix", required=True)
-    parser.add_argument("--devices", type=int, default=1000)
-    parser.add_argument("--count", type=int, default=20000)
-    parser.add_argument("--levels", default="32,64,128,256")
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+async def write_all(
+    session: WriteSession, rows: Iterator[tuple[Any, Any]], concurrency: int
+) -> tuple[int, list[str]]:
+    """``concurrency`` writers, each sending its next row when the last one is done."""
+    sent = 0
+    failures: list[str] = []
 
-    cluster = build_cluster(CassandraConfig(keyspace=KEYSPACE))
-    session = cluster.connect(KEYSPACE)
+    async def writer() -> None:
+        nonlocal sent
+        for prepared, values in rows:  # one shared iterator: each row goes once
+            sent += 1
+            try:
+                await session.execute(session.bind(prepared, values))
+            except Exception as exc:
+                failures.append(repr(exc))
+
+    await asyncio.gather(*(writer() for _ in range(concurrency)))
+    return sent, failures
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    config = CassandraConfig(keyspace=KEYSPACE, driver=args.driver)
     report: dict[str, Any] = {"levels": []}
-    try:
+    async with open_write_session(config) as session:
+        report["driver"] = session.name
+        prepared = {
+            name: await session.prepare(cql(text), timestamps=ts)
+            for name, (text, ts) in ALL_CQL.items()
+        }
         for level in (int(x) for x in args.levels.split(",")):
             tenant = f"{args.prefix}c{level}"
             events = decoded_events(tenant, args.devices, args.count)
-            statements = Statements(session)
-            sent = 0
-            failures: list[str] = []
+            statements = Statements(prepared)
             cpu0, t0 = cpu_seconds(), time.monotonic()
-            results = execute_concurrent(
-                session,
-                statements_of(statements, events),
-                concurrency=level,
-                raise_on_first_error=False,
-                results_generator=True,
-            )
-            for ok, result in results:
-                sent += 1
-                if not ok:
-                    failures.append(repr(result))
+            sent, failures = await write_all(session, statements_of(statements, events), level)
             elapsed, cpu = time.monotonic() - t0, cpu_seconds() - cpu0
             print(
                 f"level {level}: {len(events)} events, {sent} statements in {elapsed:.2f} s "
-                f"({len(events) / elapsed:.0f} events/s), {len(failures)} failed",
+                f"({len(events) / elapsed:.0f} events/s), {len(failures)} failed "
+                f"({session.name})",
                 flush=True,
             )
             report["levels"].append(
@@ -132,8 +136,19 @@ def main() -> None:
                     "sent": [[e.device_id, e.ts_ms, e.state] for e in events],
                 }
             )
-    finally:
-        cluster.shutdown()
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prefix", required=True)
+    parser.add_argument("--devices", type=int, default=1000)
+    parser.add_argument("--count", type=int, default=20000)
+    parser.add_argument("--levels", default="32,64,128,256")
+    parser.add_argument("--driver", default="auto", choices=["auto", "acsylla", "python"])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    report = uvloop.run(run(args))
     report["peak_rss_mb"] = peak_rss_mb()
     args.out.write_text(json.dumps(report))
 

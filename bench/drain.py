@@ -6,7 +6,9 @@
 3. Start the gateway again and time how long it takes to write all N.
 
 This measures the gateway alone (no publisher competing for the 2 cores).
-Usage: .venv/bin/python bench/drain.py --devices 1000 --count 30000
+Usage: .venv/bin/python bench/drain.py --devices 1000 --count 30000 [--profile stacks.txt]
+(--profile: py-spy's collapsed stacks of the gateway during the drain; summarise
+them with bench/profile_top.py)
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=30000)
     parser.add_argument("--format", default="json")
     parser.add_argument("--noisy", type=float, default=0.0)
+    parser.add_argument(
+        "--profile", metavar="FILE", help="py-spy the gateway during the drain (collapsed stacks)"
+    )
     args = parser.parse_args()
     client_id = f"bench-{uuid.uuid4().hex[:8]}"
     tenant = f"bench{uuid.uuid4().hex[:6]}"
@@ -104,10 +109,13 @@ def main() -> None:
     start = time.monotonic()
     cpu0 = None
     written = 0
+    profiler: subprocess.Popen[bytes] | None = None
     for line in follow(proc, log):
         if cpu0 is None and "subscribed to" in line:
             start = time.monotonic()
             cpu0 = _cpu(proc.pid)
+            if args.profile:
+                profiler = spy(proc.pid, args.profile)
         if (m := STATUS.search(line)) and "status:" in line:
             written = int(m.group(1)) + int(m.group(2))
             if written >= args.count:
@@ -115,6 +123,9 @@ def main() -> None:
     elapsed = time.monotonic() - start
     cpu = _cpu(proc.pid) - (cpu0 or 0.0)
     rss = _rss_mb(proc.pid)
+    if profiler is not None:
+        profiler.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        profiler.wait(60)
     proc.send_signal(signal.SIGTERM)
     proc.wait(30)
     asyncio.run(clear_session(client_id))
@@ -124,6 +135,13 @@ def main() -> None:
         f"gateway CPU {cpu / written * 1e6:.0f} us/event, RSS {rss:.0f} MB "
         f"(devices={args.devices}, format={args.format})"
     )
+
+
+def spy(pid: int, out: str) -> subprocess.Popen[bytes]:
+    """py-spy (from the venv) sampling the gateway, idle time excluded."""
+    py_spy = Path(sys.executable).with_name("py-spy")
+    cmd = [str(py_spy), "record", "--pid", str(pid), "--format", "raw", "--output", out]
+    return subprocess.Popen([*cmd, "--rate", "250", "--threads"], stdout=subprocess.DEVNULL)
 
 
 def _cpu(pid: int) -> float:

@@ -8,7 +8,8 @@ the bench keyspace. Reported: rows/s and this process's CPU per row (both
 drivers' IO threads included).
 
 Usage: .venv/bin/python bench/drivers.py [--events 20000] [--concurrency 64 256]
-(acsylla comes from the bench extra: pip install -e '.[bench]')
+(This measurement is why the gateway writes through acsylla where it is
+installed: gateway/write_session.py.)
 """
 
 from __future__ import annotations

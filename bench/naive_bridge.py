@@ -31,7 +31,7 @@ def main() -> None:
     client_id = sys.argv[1]
     cluster = Cluster(["127.0.0.1"], protocol_version=4)
     session = cluster.connect(KEYSPACE)
-    statements = Statements(session)
+    statements = Statements.prepare_with(session.prepare)
     stop = threading.Event()
     written = 0
     failed = 0

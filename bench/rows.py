@@ -17,10 +17,10 @@ Event ids and write timestamps come from gateway/identity.py, the gateway's own
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from cassandra.cluster import Session
-from cassandra.query import UNSET_VALUE, PreparedStatement
+from cassandra.query import UNSET_VALUE
 
 from gateway.identity import event_identity
 
@@ -68,16 +68,36 @@ def _or_unset(value: object) -> object:
     return UNSET_VALUE if value is None else value
 
 
-class Statements:
-    """The five prepared statements, and the rows of one event."""
+# Each statement's CQL and which of its parameters are timestamps (epoch ms),
+# as gateway/write_session.py wants them.
+ALL_CQL = {
+    "insert_state": (CQL_INSERT_STATE, (4,)),
+    "delete_state": (CQL_DELETE_STATE, ()),
+    "insert_device": (CQL_INSERT_DEVICE, (3,)),
+    "insert_telemetry": (CQL_INSERT_TELEMETRY, (2, 4, 11)),
+    "insert_partition": (CQL_INSERT_PARTITION, (2,)),
+}
 
-    def __init__(self, session: Session) -> None:
-        self.insert_state: PreparedStatement = session.prepare(cql(CQL_INSERT_STATE))
-        self.delete_state: PreparedStatement = session.prepare(cql(CQL_DELETE_STATE))
-        self.insert_device: PreparedStatement = session.prepare(cql(CQL_INSERT_DEVICE))
-        self.insert_telemetry: PreparedStatement = session.prepare(cql(CQL_INSERT_TELEMETRY))
-        self.insert_partition: PreparedStatement = session.prepare(cql(CQL_INSERT_PARTITION))
+
+class Statements:
+    """The five prepared statements, and the rows of one event.
+
+    ``prepared`` maps each name of ALL_CQL to its prepared statement, from
+    whichever driver the writer uses (UNSET_VALUE marks an unset parameter
+    for both of the gateway's).
+    """
+
+    def __init__(self, prepared: dict[str, Any]) -> None:
+        self.insert_state = prepared["insert_state"]
+        self.delete_state = prepared["delete_state"]
+        self.insert_device = prepared["insert_device"]
+        self.insert_telemetry = prepared["insert_telemetry"]
+        self.insert_partition = prepared["insert_partition"]
         self._indexed: set[tuple[str, str, int]] = set()
+
+    @classmethod
+    def prepare_with(cls, prepare: Callable[[str], Any]) -> Statements:
+        return cls({name: prepare(cql(text)) for name, (text, _) in ALL_CQL.items()})
 
     def rows(
         self,
@@ -92,9 +112,9 @@ class Statements:
         received_ms: int,
         event_id: int,
         write_ts: int,
-    ) -> list[tuple[PreparedStatement, tuple[Any, ...]]]:
+    ) -> list[tuple[Any, tuple[Any, ...]]]:
         start = ts_ms - ts_ms % (TELEMETRY_BUCKET_S * 1000)
-        out: list[tuple[PreparedStatement, tuple[Any, ...]]] = [
+        out: list[tuple[Any, tuple[Any, ...]]] = [
             (
                 self.insert_telemetry,
                 (

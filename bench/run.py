@@ -6,7 +6,8 @@ persistent MQTT session into its own tenant of the ``gateway_bench`` keyspace:
 
 1. broker ceiling: bench/broker_sub.py, a paho QoS 1 subscriber, no database;
 2. Cassandra ceiling: bench/ceiling.py, the gateway's rows for already-decoded
-   events through the same driver, 32/64/128/256 statements in flight (best);
+   events through the gateway's own write session (same driver: acsylla where
+   installed), 32/64/128/256 statements in flight (best);
 3. naive bridge: bench/naive_bridge.py, paho on_message + session.execute per row;
 4. Node-RED: mqtt-in (QoS 1) → function node with cassandra-driver (bench/nodered/);
 5. the gateway with its defaults (``python -m gateway run``).
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import importlib.metadata
 import json
 import math
 import os
@@ -103,8 +105,8 @@ PHASES: dict[str, float] = {  # name -> estimated seconds on the 2-core referenc
 SYSTEMS = ("broker", "cassandra", "naive", "nodered", "gateway")
 LABELS = {
     "broker": "Broker ceiling (paho QoS 1 subscriber, no database)",
-    "cassandra": "Cassandra ceiling (direct writer, same rows and driver)",
-    "naive": "Naive bridge (paho on_message + session.execute per row)",
+    "cassandra": "Cassandra ceiling (direct writer, same rows and driver as the gateway)",
+    "naive": "Naive bridge (paho on_message + cassandra-driver session.execute per row)",
     "nodered": "Node-RED (mqtt in → function node + cassandra-driver)",
     "gateway": "Gateway (defaults)",
 }
@@ -497,7 +499,11 @@ class Bench:
                 and (best is None or level["msg_per_s"] > best["msg_per_s"])
             ):
                 best = level
-        result: dict[str, Any] = {"levels": per_level, "process_peak_rss_mb": report["peak_rss_mb"]}
+        result: dict[str, Any] = {
+            "levels": per_level,
+            "process_peak_rss_mb": report["peak_rss_mb"],
+            "driver": report["driver"],
+        }
         if best is not None:
             result |= {
                 "backlog": best["events"],
@@ -939,6 +945,7 @@ def machine(db: BenchDb) -> dict[str, Any]:
         "python": platform.python_version(),
         "cassandra": db.session.execute("SELECT release_version FROM system.local").one()[0],
         "python_driver": cassandra_driver_version,
+        "write_driver": _write_driver(),
         "mosquitto": mosquitto,
         "node": _first_line(["node", "--version"]),
         "gateway_commit": (
@@ -947,6 +954,17 @@ def machine(db: BenchDb) -> dict[str, Any]:
         + (" (working tree with uncommitted changes)" if _dirty() else ""),
         "loadavg_start": os.getloadavg(),
     }
+
+
+def _write_driver() -> str:
+    """The driver the gateway writes through with its defaults, and its version."""
+    from gateway.config import CassandraConfig  # noqa: PLC0415
+    from gateway.write_session import choose_driver  # noqa: PLC0415
+
+    name = choose_driver(CassandraConfig())
+    if name == "acsylla":
+        return f"acsylla {importlib.metadata.version('acsylla')} (DataStax C++ driver)"
+    return f"cassandra-driver {cassandra_driver_version}"
 
 
 def _dirty() -> bool:
@@ -997,7 +1015,8 @@ def markdown(results: dict[str, Any], plots: list[str]) -> Iterator[str]:
     yield (
         f"Machine: {m.get('cores')} cores ({m.get('cpu_model')}), {m.get('memory_gib')} GiB RAM, "
         f"Linux {m.get('kernel')}; Cassandra {m.get('cassandra')} (1 node, same host), "
-        f"{m.get('mosquitto')}, Python {m.get('python')} (cassandra-driver "
+        f"{m.get('mosquitto')}, Python {m.get('python')} (gateway and ceiling write through "
+        f"{m.get('write_driver')}; the naive bridge uses cassandra-driver "
         f"{m.get('python_driver')}), Node.js {m.get('node')}; gateway at "
         f"{m.get('gateway_commit')}. Load average at start "
         f"{_load(m.get('loadavg_start'))}, at end {_load(m.get('loadavg_end'))} "

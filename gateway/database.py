@@ -24,7 +24,7 @@ from cassandra.policies import (
     RoundRobinPolicy,
     TokenAwarePolicy,
 )
-from cassandra.query import PreparedStatement, Statement
+from cassandra.query import PreparedStatement, Statement, dict_factory
 
 from cassandra import ConsistencyLevel
 
@@ -32,6 +32,9 @@ from .config import CassandraConfig
 from .errors import SinkError
 
 log = logging.getLogger(__name__)
+
+# Execution profile whose rows are dicts keyed by column name (the write session's).
+DICT_ROWS = "dict_rows"
 
 
 class Database:
@@ -49,12 +52,16 @@ class Database:
         return self.session.prepare(cql.replace("{keyspace}", self.keyspace))
 
     def execute(
-        self, statement: Statement | str, params: Sequence[Any] | None = None
+        self,
+        statement: Statement | str,
+        params: Sequence[Any] | None = None,
+        *,
+        profile: object = EXEC_PROFILE_DEFAULT,
     ) -> asyncio.Future[Any]:
         """Send a statement; the returned future resolves to all its rows."""
         loop = self._loop
         future: asyncio.Future[Any] = loop.create_future()
-        response = self.session.execute_async(statement, params)
+        response = self.session.execute_async(statement, params, execution_profile=profile)
 
         def on_rows(rows: Any) -> None:
             if response.has_more_pages:
@@ -87,10 +94,18 @@ def build_cluster(config: CassandraConfig, ssl_context: ssl.SSLContext | None = 
     local = (
         DCAwareRoundRobinPolicy(local_dc=config.local_dc) if config.local_dc else RoundRobinPolicy()
     )
+    policy = TokenAwarePolicy(local)
+    consistency = getattr(ConsistencyLevel, config.consistency)
     profile = ExecutionProfile(
-        load_balancing_policy=TokenAwarePolicy(local),
-        consistency_level=getattr(ConsistencyLevel, config.consistency),
+        load_balancing_policy=policy,
+        consistency_level=consistency,
         request_timeout=config.request_timeout,
+    )
+    dict_rows = ExecutionProfile(
+        load_balancing_policy=policy,
+        consistency_level=consistency,
+        request_timeout=config.request_timeout,
+        row_factory=dict_factory,
     )
     auth = None
     if config.username is not None:
@@ -99,7 +114,7 @@ def build_cluster(config: CassandraConfig, ssl_context: ssl.SSLContext | None = 
     return Cluster(
         contact_points=list(config.contact_points),
         port=config.port,
-        execution_profiles={EXEC_PROFILE_DEFAULT: profile},
+        execution_profiles={EXEC_PROFILE_DEFAULT: profile, DICT_ROWS: dict_rows},
         auth_provider=auth,
         ssl_context=ssl_context,
         connect_timeout=config.connect_timeout,

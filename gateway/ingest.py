@@ -31,19 +31,19 @@ from dataclasses import dataclass
 
 from .api import GatewayMetrics, add_spool_metrics, gateway_metrics, serve
 from .config import Config
-from .database import Database, connect
 from .decode import Decoder, Event
 from .errors import DecodeError, SchemaError
 from .metrics import Stats
 from .receive import Delivery, Receiver
 from .rejects import Rejection, Rejects
 from .sampling import Sampler, Verdict
-from .schema import missing_tables
+from .schema import missing_from
 from .sink import Pending, Sink, Write
 from .spool import Spool
 from .state import LatestState
 from .telemetry import Telemetry
 from .topics import TopicMatcher
+from .write_session import WriteSession, open_write_session
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,6 @@ class Pipeline:
     def __init__(
         self,
         config: Config,
-        db: Database,
         sink: Sink,
         stats: Stats,
         metrics: GatewayMetrics | None = None,
@@ -105,11 +104,11 @@ class Pipeline:
         self._sink = sink
         self._matcher = TopicMatcher(config.topics, config.limits)
         self._decoder = Decoder(config.limits)
-        self._state = LatestState(db, sink, config, stats)
-        self._telemetry = Telemetry(db, config)
+        self._state = LatestState(sink, config, stats)
+        self._telemetry = Telemetry(config)
         sink.hot.on_hot = self._telemetry.mark_hot
         sink.hot.on_window = self._telemetry.window_ended
-        self._rejects = Rejects(db, config, stats)
+        self._rejects = Rejects(config, stats)
         self.sampler = Sampler(config.sampling)
         self._backfill_ms = int(config.sampling.backfill_after * 1000)
         self._metrics = metrics
@@ -298,6 +297,12 @@ class Pipeline:
             if self._writes_done.is_set() and not self._to_delete:
                 return
 
+    async def prepare(self, session: WriteSession) -> None:
+        """Prepare every stage's statements (before the first message)."""
+        await self._state.prepare(session)
+        await self._telemetry.prepare(session)
+        await self._rejects.prepare(session)
+
     async def write_loop(self) -> None:
         """Take chunks off the queue and write them until close()."""
         queue = self._queue
@@ -439,20 +444,18 @@ async def run(
 ) -> Stats:
     """Run until ``stop`` is set; returns the counters."""
     stats = stats or Stats()
-    async with connect(config.cassandra) as db:
-        missing = await asyncio.get_running_loop().run_in_executor(None, missing_tables, db)
+    async with open_write_session(config.cassandra) as session:
+        missing = missing_from(session.keyspace, await session.tables())
         if missing:
             raise SchemaError(
                 f"schema incomplete in keyspace {config.cassandra.keyspace!r} "
                 f"(missing: {', '.join(missing)}): run `gateway schema apply`"
             )
+        log.info("writing to Cassandra through %s", session.name)
         metrics = gateway_metrics(stats)
-        async with Sink(db, config, stats, metrics) as sink:
-            # Building the stages prepares their statements, which blocks on
-            # the network: do it off the event loop.
-            pipeline = await asyncio.get_running_loop().run_in_executor(
-                None, Pipeline, config, db, sink, stats, metrics
-            )
+        async with Sink(session, config, stats, metrics) as sink:
+            pipeline = Pipeline(config, sink, stats, metrics)
+            await pipeline.prepare(session)
             receiver = Receiver(
                 config.mqtt, pipeline.subscriptions, stats, shutdown_deadline=shutdown_deadline
             )

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from cassandra.util import uuid_from_time
 
 from .config import Config
-from .database import Database
 from .metrics import Stats
 from .sink import Pending, Write
+from .write_session import UNSET, Prepared, WriteSession
 
 log = logging.getLogger(__name__)
 
@@ -38,17 +38,22 @@ class Rejection:
 
 
 class Rejects:
-    def __init__(self, db: Database, config: Config, stats: Stats) -> None:
+    _insert: Prepared
+
+    def __init__(self, config: Config, stats: Stats) -> None:
         self._stats = stats
         self._keep = config.limits.rejected_payload_bytes
         self._rate = config.pipeline.reject_log_per_s
         self._tokens = self._rate
         self._last = time.monotonic()
         self._suppressed = 0
-        self._insert = db.prepare(
+
+    async def prepare(self, session: WriteSession) -> None:
+        self._insert = await session.prepare(
             "INSERT INTO {keyspace}.rejected_messages "
             "(tenant, hour_start, received_at, id, topic, device_id, reason, detail, payload, "
-            "payload_size) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            "payload_size) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            timestamps=(1, 2),
         )
 
     def writes(self, rejection: Rejection, pending: Pending) -> list[Write]:
@@ -59,19 +64,18 @@ class Rejects:
         return [
             Write(
                 ("rejected", rejection.tenant, hour),
-                self._insert.bind(
-                    (
-                        rejection.tenant,
-                        hour,
-                        rejection.received_ms,
-                        uuid_from_time(rejection.received_ms / 1000),
-                        rejection.topic,
-                        rejection.device_id,
-                        rejection.reason,
-                        rejection.detail,
-                        rejection.payload[: self._keep],
-                        len(rejection.payload),
-                    )
+                self._insert,
+                (
+                    rejection.tenant,
+                    hour,
+                    rejection.received_ms,
+                    uuid_from_time(rejection.received_ms / 1000),
+                    rejection.topic,
+                    rejection.device_id if rejection.device_id is not None else UNSET,
+                    rejection.reason,
+                    rejection.detail,
+                    rejection.payload[: self._keep],
+                    len(rejection.payload),
                 ),
                 pending,
             )

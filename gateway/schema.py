@@ -70,8 +70,13 @@ async def apply(db: Database, directory: Path | None = None) -> int:
     return done
 
 
+def missing_from(keyspace: str, tables: set[str] | None) -> list[str]:
+    """What the gateway needs that ``tables`` (None: no such keyspace) lacks."""
+    if tables is None:
+        return [f"keyspace {keyspace}"]
+    return [t for t in REQUIRED_TABLES if t not in tables]
+
+
 def missing_tables(db: Database) -> list[str]:
     meta = db.cluster.metadata.keyspaces.get(db.config.keyspace)
-    if meta is None:
-        return [f"keyspace {db.config.keyspace}"]
-    return [t for t in REQUIRED_TABLES if t not in meta.tables]
+    return missing_from(db.config.keyspace, None if meta is None else set(meta.tables))

@@ -29,44 +29,14 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from cassandra.cluster import NoHostAvailable
-from cassandra.connection import ConnectionException
-from cassandra.protocol import (
-    IsBootstrappingErrorMessage,
-    OverloadedErrorMessage,
-    ServerError,
-)
-from cassandra.query import BatchStatement, BatchType, Statement
-
-from cassandra import (
-    CoordinationFailure,
-    OperationTimedOut,
-    ReadTimeout,
-    Unavailable,
-    WriteTimeout,
-)
-
 from .api import GatewayMetrics
 from .config import Config
-from .database import Database
 from .errors import SinkError
 from .metrics import Stats
+from .write_session import Prepared, Rows, WriteSession
 
 log = logging.getLogger(__name__)
 
-TRANSIENT = (
-    OperationTimedOut,
-    WriteTimeout,
-    ReadTimeout,
-    Unavailable,
-    CoordinationFailure,
-    NoHostAvailable,
-    ConnectionException,
-    OverloadedErrorMessage,
-    IsBootstrappingErrorMessage,
-    ServerError,
-    ConnectionError,
-)
 BACKOFF_MIN = 0.05
 BACKOFF_MAX = 10.0
 
@@ -94,7 +64,8 @@ class Write:
     """One statement for one partition, on behalf of one message."""
 
     partition: Hashable  # (table, partition key...): rows with equal keys may be batched
-    statement: Statement
+    prepared: Prepared
+    values: tuple[Any, ...]  # bound when sent (write_session.UNSET leaves one unset)
     pending: Pending
 
 
@@ -159,9 +130,14 @@ class Sink:
     """Owns the in-flight requests; ``async with`` waits for them on exit."""
 
     def __init__(
-        self, db: Database, config: Config, stats: Stats, metrics: GatewayMetrics | None = None
+        self,
+        session: WriteSession,
+        config: Config,
+        stats: Stats,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
-        self._db = db
+        self.session = session
+        self._transient = session.transient
         self._batch_rows = metrics.batch_rows if metrics is not None else None
         hot = config.hot_partitions
         self.hot = HotPartitions(hot.window, hot.threshold, hot.max_tracked, stats, metrics)
@@ -227,16 +203,14 @@ class Sink:
 
     async def _run(self, rows: list[Write]) -> None:
         try:
+            session = self.session
             if len(rows) == 1:
-                statement: Statement = rows[0].statement
+                request = session.bind(rows[0].prepared, rows[0].values)
             else:
-                batch = BatchStatement(batch_type=BatchType.UNLOGGED)
-                for row in rows:
-                    batch.add(row.statement)
-                statement = batch
+                request = session.batch([session.bind(r.prepared, r.values) for r in rows])
             if self._batch_rows is not None:
                 self._batch_rows.observe(len(rows))
-            await self.execute(statement, rows=len(rows))
+            await self._execute(request, len(rows))
             for row in rows:
                 row.pending.finish_one()
         finally:
@@ -245,17 +219,19 @@ class Sink:
             if self._stats.in_flight == 0:
                 self._idle.set()
 
-    async def execute(
-        self, statement: Statement | str, params: Any = None, *, rows: int = 1
-    ) -> Any:
+    async def execute(self, prepared: Prepared, values: tuple[Any, ...]) -> Rows:
+        """One statement (a read, or a write outside the batches), with retries."""
+        return await self._execute(self.session.bind(prepared, values), 1)
+
+    async def _execute(self, request: Any, rows: int) -> Rows:
         """Execute with retries on transient errors; raise SinkError otherwise."""
         attempt = 0
         while True:
             self._stats.requests += 1
             self._stats.rows += rows
             try:
-                result = await self._db.execute(statement, params)
-            except TRANSIENT as exc:
+                result = await self.session.execute(request)
+            except self._transient as exc:
                 now = time.monotonic()
                 if self._failing_since is None:
                     self._failing_since = now

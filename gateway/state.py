@@ -45,13 +45,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from cassandra.query import UNSET_VALUE
-
 from .config import Config
-from .database import Database
 from .decode import Event
 from .metrics import Stats
 from .sink import Pending, Sink, Write
+from .write_session import UNSET, Prepared, WriteSession
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +68,14 @@ class _TenantStates:
 
 
 class LatestState:
-    def __init__(self, db: Database, sink: Sink, config: Config, stats: Stats) -> None:
+    _insert_state: Prepared
+    _delete_state: Prepared
+    _insert_device: Prepared
+    _select_states: Prepared
+    _register: Prepared
+    _newest_state: Prepared
+
+    def __init__(self, sink: Sink, config: Config, stats: Stats) -> None:
         self._sink = sink
         self._config = config
         self._stats = stats
@@ -80,28 +85,33 @@ class LatestState:
         self._tenants: OrderedDict[str, _TenantStates] = OrderedDict()
         self._newest: OrderedDict[tuple[str, str], tuple[int, str]] = OrderedDict()
         self._newest_max = config.pipeline.device_cache_size
-        self._insert_state = db.prepare(
+
+    async def prepare(self, session: WriteSession) -> None:
+        self._insert_state = await session.prepare(
             "INSERT INTO {keyspace}.latest_events_by_state "
             "(tenant, state, bucket, device_id, ts, value, value_num) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?"
+            "VALUES (?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
+            timestamps=(4,),
         )
-        self._delete_state = db.prepare(
+        self._delete_state = await session.prepare(
             "DELETE FROM {keyspace}.latest_events_by_state USING TIMESTAMP ? "
             "WHERE tenant = ? AND state = ? AND bucket = ? AND device_id = ?"
         )
-        self._insert_device = db.prepare(
+        self._insert_device = await session.prepare(
             "INSERT INTO {keyspace}.latest_events_by_device "
             "(tenant, device_id, state, ts, value, value_num, metrics, tags) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?"
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
+            timestamps=(3,),
         )
-        self._select_states = db.prepare(
+        self._select_states = await session.prepare(
             "SELECT state, registered_at FROM {keyspace}.tenant_states WHERE tenant = ?"
         )
-        self._register = db.prepare(
+        self._register = await session.prepare(
             "INSERT INTO {keyspace}.tenant_states (tenant, state, registered_at) "
-            "VALUES (?, ?, ?) IF NOT EXISTS"
+            "VALUES (?, ?, ?) IF NOT EXISTS",
+            timestamps=(2,),
         )
-        self._newest_state = db.prepare(
+        self._newest_state = await session.prepare(
             "SELECT state, WRITETIME(state) AS wt FROM {keyspace}.latest_events_by_device "
             "WHERE tenant = ? AND device_id = ?"
         )
@@ -138,8 +148,8 @@ class LatestState:
                 *(self._sink.execute(self._newest_state, (e.tenant, e.device_id)) for e in unknown)
             )
             for event, found in zip(unknown, rows, strict=True):
-                if found and found[0].wt is not None:
-                    newest_state, newest_ts = found[0].state, found[0].wt
+                if found and found[0]["wt"] is not None:
+                    newest_state, newest_ts = found[0]["state"], found[0]["wt"]
                     if newest_ts > event.write_ts and newest_state != event.state:
                         extra[id(event)] = newest_ts
                     key = (event.tenant, event.device_id)
@@ -162,18 +172,17 @@ class LatestState:
         out = [
             Write(
                 ("device", tenant, device),
-                self._insert_device.bind(
-                    (
-                        tenant,
-                        device,
-                        event.state if event.state is not None else UNSET_VALUE,
-                        event.ts_ms,
-                        event.value_text,
-                        event.value_num,
-                        event.metrics,
-                        event.tags,
-                        ts,
-                    )
+                self._insert_device,
+                (
+                    tenant,
+                    device,
+                    event.state if event.state is not None else UNSET,
+                    event.ts_ms,
+                    event.value_text,
+                    event.value_num,
+                    event.metrics,
+                    event.tags,
+                    ts,
                 ),
                 pending,
             )
@@ -184,17 +193,16 @@ class LatestState:
         out.append(
             Write(
                 ("state", tenant, event.state, bucket),
-                self._insert_state.bind(
-                    (
-                        tenant,
-                        event.state,
-                        bucket,
-                        device,
-                        event.ts_ms,
-                        event.value_text,
-                        event.value_num,
-                        ts,
-                    )
+                self._insert_state,
+                (
+                    tenant,
+                    event.state,
+                    bucket,
+                    device,
+                    event.ts_ms,
+                    event.value_text,
+                    event.value_num,
+                    ts,
                 ),
                 pending,
             )
@@ -205,7 +213,8 @@ class LatestState:
                 out.append(
                     Write(
                         ("state", tenant, other, bucket),
-                        self._delete_state.bind((ts, tenant, other, bucket, device)),
+                        self._delete_state,
+                        (ts, tenant, other, bucket, device),
                         pending,
                     )
                 )
@@ -213,7 +222,8 @@ class LatestState:
             out.append(
                 Write(
                     ("state", tenant, event.state, bucket),
-                    self._delete_state.bind((late_delete_ts, tenant, event.state, bucket, device)),
+                    self._delete_state,
+                    (late_delete_ts, tenant, event.state, bucket, device),
                     pending,
                 )
             )
@@ -225,7 +235,7 @@ class LatestState:
             self._tenants.move_to_end(tenant)
             return known
         rows = await self._sink.execute(self._select_states, (tenant,))
-        states = {row.state: _epoch_ms(row.registered_at) for row in rows}
+        states = {row["state"]: _epoch_ms(row["registered_at"]) for row in rows}
         if known is not None:
             known.states.update(states)
             known.loaded_at = time.monotonic()
@@ -247,7 +257,7 @@ class LatestState:
         rows = await self._sink.execute(self._register, (tenant, state, now_ms))
         applied = rows[0]
         # Lightweight transaction: another instance may have registered it first.
-        registered = now_ms if applied.applied else _epoch_ms(applied.registered_at)
+        registered = now_ms if applied["[applied]"] else _epoch_ms(applied["registered_at"])
         known.states[state] = registered
         self._stats.states_registered += 1
         log.info(

@@ -30,12 +30,10 @@ import logging
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from cassandra.query import UNSET_VALUE
-
 from .config import Config
-from .database import Database
 from .decode import Event
 from .sink import Pending, Write
+from .write_session import UNSET, Prepared, WriteSession
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +48,10 @@ def bucket_start_ms(ts_ms: int, bucket_seconds: int) -> int:
 
 
 class Telemetry:
-    def __init__(self, db: Database, config: Config) -> None:
+    _insert_row: Prepared
+    _insert_partition: Prepared
+
+    def __init__(self, config: Config) -> None:
         self._config = config
         self._shards: OrderedDict[tuple[str, str], int] = OrderedDict()
         # Per device: (last event time, smoothed gap between events), both ms.
@@ -58,15 +59,19 @@ class Telemetry:
         self._max_shards = config.hot_partitions.max_shards
         self._indexed: OrderedDict[tuple[str, str, int, int, int], None] = OrderedDict()
         self._cache_size = config.pipeline.partition_cache_size
-        self._insert_row = db.prepare(
+
+    async def prepare(self, session: WriteSession) -> None:
+        self._insert_row = await session.prepare(
             "INSERT INTO {keyspace}.telemetry "
             "(tenant, device_id, bucket_start, shard, ts, event_id, state, value, value_num, "
-            "metrics, tags, received_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) USING TTL ?"
+            "metrics, tags, received_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) USING TTL ?",
+            timestamps=(2, 4, 11),
         )
-        self._insert_partition = db.prepare(
+        self._insert_partition = await session.prepare(
             "INSERT INTO {keyspace}.telemetry_partitions "
             "(tenant, device_id, bucket_start, shard, bucket_seconds) VALUES (?, ?, ?, ?, ?) "
-            "USING TTL ?"
+            "USING TTL ?",
+            timestamps=(2,),
         )
 
     def _rate(self, event: Event) -> float | None:
@@ -133,22 +138,21 @@ class Telemetry:
         out = [
             Write(
                 ("telemetry", *key),
-                self._insert_row.bind(
-                    (
-                        event.tenant,
-                        event.device_id,
-                        start,
-                        shard,
-                        event.ts_ms,
-                        event.event_id,
-                        _or_unset(event.state),
-                        _or_unset(event.value_text),
-                        _or_unset(event.value_num),
-                        event.metrics or UNSET_VALUE,
-                        event.tags or UNSET_VALUE,
-                        event.received_ms,
-                        ttl,
-                    )
+                self._insert_row,
+                (
+                    event.tenant,
+                    event.device_id,
+                    start,
+                    shard,
+                    event.ts_ms,
+                    event.event_id,
+                    _or_unset(event.state),
+                    _or_unset(event.value_text),
+                    _or_unset(event.value_num),
+                    event.metrics or UNSET,
+                    event.tags or UNSET,
+                    event.received_ms,
+                    ttl,
                 ),
                 pending,
             )
@@ -161,15 +165,14 @@ class Telemetry:
             out.append(
                 Write(
                     ("partitions", event.tenant, event.device_id),
-                    self._insert_partition.bind(
-                        (
-                            event.tenant,
-                            event.device_id,
-                            start,
-                            shard,
-                            bucket_seconds,
-                            ttl + bucket_seconds,
-                        )
+                    self._insert_partition,
+                    (
+                        event.tenant,
+                        event.device_id,
+                        start,
+                        shard,
+                        bucket_seconds,
+                        ttl + bucket_seconds,
                     ),
                     pending,
                 )
@@ -181,4 +184,4 @@ class Telemetry:
 
 
 def _or_unset(value: object) -> object:
-    return UNSET_VALUE if value is None else value
+    return UNSET if value is None else value

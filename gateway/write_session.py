@@ -1,0 +1,348 @@
+"""The connection the sink writes through: prepare, bind, batch, execute.
+
+Two drivers sit behind one small interface, chosen by ``cassandra.driver``:
+
+* ``acsylla``: asyncio over the DataStax C++ driver. It costs about a quarter
+  of the CPU per row of the Python driver (``bench/drivers.py``), which is
+  most of the gateway's own CPU. Wheels exist for Linux x86_64 (and macOS);
+  it is installed there with the gateway.
+* ``python``: the DataStax Python driver (``cassandra-driver``), available on
+  every platform. The CLI's reads and ``schema apply`` always use it.
+* ``auto`` (the default): acsylla when it is installed and Cassandra TLS is
+  off, else python. The C++ driver cannot use the system's CA store, so TLS
+  through acsylla needs ``cassandra.tls.ca_file`` and ``driver = "acsylla"``.
+
+What both keep, so the stages don't care which one runs:
+
+* statements are prepared once, with fully qualified table names;
+* :data:`UNSET` leaves a parameter unset (no tombstone), ``None`` binds null;
+* timestamp parameters are epoch milliseconds (``Prepared.timestamps`` names
+  them; acsylla wants seconds, converted here so that every millisecond
+  survives exactly);
+* ``USING TIMESTAMP`` and TTL parameters are plain integers;
+* batches are UNLOGGED; writes use client-side (monotonic) timestamps;
+* results are lists of dicts keyed by column name (``[applied]`` included);
+* :attr:`WriteSession.transient` lists the errors worth retrying (timeouts,
+  unavailable replicas, lost connections, overload), the sink's concern.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+from cassandra.cluster import NoHostAvailable
+from cassandra.connection import ConnectionException
+from cassandra.protocol import (
+    IsBootstrappingErrorMessage,
+    OverloadedErrorMessage,
+    ServerError,
+)
+from cassandra.query import UNSET_VALUE, BatchStatement, BatchType
+
+from cassandra import (
+    CoordinationFailure,
+    OperationTimedOut,
+    ReadTimeout,
+    Unavailable,
+    WriteTimeout,
+)
+
+from .config import CassandraConfig
+from .database import DICT_ROWS, Database, connect
+from .errors import ConfigError, SinkError
+
+log = logging.getLogger(__name__)
+
+# Leave this parameter unset: the column keeps what it had (no tombstone).
+UNSET: Any = UNSET_VALUE
+
+Rows = list[dict[str, Any]]
+
+
+class Prepared:
+    """A prepared statement and which of its parameters are timestamps."""
+
+    __slots__ = ("cql", "native", "timestamps")
+
+    def __init__(self, cql: str, native: Any, timestamps: Sequence[int]) -> None:
+        self.cql = cql
+        self.native = native
+        self.timestamps = frozenset(timestamps)
+
+
+class WriteSession(ABC):
+    """What the sink and the stages need from a Cassandra connection."""
+
+    name: str
+    transient: tuple[type[BaseException], ...]
+
+    def __init__(self, config: CassandraConfig) -> None:
+        self.config = config
+        self.keyspace = config.keyspace
+
+    def cql(self, template: str) -> str:
+        return template.replace("{keyspace}", self.keyspace)
+
+    @abstractmethod
+    async def prepare(self, template: str, timestamps: Sequence[int] = ()) -> Prepared:
+        """Prepare ``template`` (``{keyspace}`` is filled in)."""
+
+    @abstractmethod
+    def bind(self, prepared: Prepared, values: Sequence[Any]) -> Any:
+        """A bound statement, ready for :meth:`execute` or :meth:`batch`."""
+
+    @abstractmethod
+    def batch(self, statements: Sequence[Any]) -> Any:
+        """An UNLOGGED batch of bound statements (the caller keeps it to one partition)."""
+
+    @abstractmethod
+    async def execute(self, request: Any) -> Rows:
+        """Send a bound statement or batch; its rows as dicts."""
+
+    @abstractmethod
+    async def tables(self) -> set[str] | None:
+        """The keyspace's tables, or None when the keyspace does not exist."""
+
+
+class PythonSession(WriteSession):
+    """The DataStax Python driver (``cassandra-driver``)."""
+
+    name = "python (cassandra-driver)"
+    transient = (
+        OperationTimedOut,
+        WriteTimeout,
+        ReadTimeout,
+        Unavailable,
+        CoordinationFailure,
+        NoHostAvailable,
+        ConnectionException,
+        OverloadedErrorMessage,
+        IsBootstrappingErrorMessage,
+        ServerError,
+        ConnectionError,
+    )
+
+    def __init__(self, db: Database) -> None:
+        super().__init__(db.config)
+        self._db = db
+
+    async def prepare(self, template: str, timestamps: Sequence[int] = ()) -> Prepared:
+        cql = self.cql(template)
+        # Session.prepare blocks on the network: never on the event loop.
+        native = await asyncio.get_running_loop().run_in_executor(None, self._db.prepare, cql)
+        return Prepared(cql, native, timestamps)
+
+    def bind(self, prepared: Prepared, values: Sequence[Any]) -> Any:
+        # UNSET is the driver's own UNSET_VALUE; millisecond ints bind as timestamps.
+        return prepared.native.bind(values)
+
+    def batch(self, statements: Sequence[Any]) -> Any:
+        batch = BatchStatement(batch_type=BatchType.UNLOGGED)
+        for statement in statements:
+            batch.add(statement)
+        return batch
+
+    async def execute(self, request: Any) -> Rows:
+        rows: Rows = await self._db.execute(request, profile=DICT_ROWS)
+        return rows
+
+    async def tables(self) -> set[str] | None:
+        def read() -> set[str] | None:
+            meta = self._db.cluster.metadata.keyspaces.get(self.keyspace)
+            return None if meta is None else set(meta.tables)
+
+        return await asyncio.get_running_loop().run_in_executor(None, read)
+
+
+class AcsyllaSession(WriteSession):
+    """acsylla: asyncio over the DataStax C++ driver."""
+
+    name = "acsylla (DataStax C++ driver)"
+
+    def __init__(self, config: CassandraConfig, cluster: Any, session: Any) -> None:
+        super().__init__(config)
+        from acsylla import create_batch_unlogged, errors  # noqa: PLC0415 - optional
+
+        self._cluster = cluster
+        self._session = session
+        self._new_batch = create_batch_unlogged
+        self.transient = (
+            errors.CassErrorServerWriteTimeout,
+            errors.CassErrorServerReadTimeout,
+            errors.CassErrorServerUnavailable,
+            errors.CassErrorServerWriteFailure,
+            errors.CassErrorServerReadFailure,
+            errors.CassErrorServerOverloaded,
+            errors.CassErrorServerIsBootstrapping,
+            errors.CassErrorServerServerError,
+            errors.CassErrorServerTruncateError,
+            errors.CassErrorLibRequestTimedOut,
+            errors.CassErrorLibNoHostsAvailable,
+            errors.CassErrorLibUnableToConnect,
+            errors.CassErrorLibRequestQueueFull,
+            errors.CassErrorLibNoStreams,
+            errors.CassErrorLibWriteError,
+            errors.CassErrorLibNoAvailableIoThread,
+            errors.CassExceptionConnectionError,
+            errors.CassErrorSslClosed,
+            ConnectionError,
+        )
+
+    async def prepare(self, template: str, timestamps: Sequence[int] = ()) -> Prepared:
+        cql = self.cql(template)
+        native = await self._session.create_prepared(cql, timeout=self.config.request_timeout)
+        return Prepared(cql, native, timestamps)
+
+    def bind(self, prepared: Prepared, values: Sequence[Any]) -> Any:
+        statement = prepared.native.bind()
+        timestamps = prepared.timestamps
+        for index, value in enumerate(values):
+            if value is UNSET:
+                continue  # left unset: protocol v4 sends "unset", not null
+            if index in timestamps and value is not None:
+                statement.bind(index, _seconds(value))
+            else:
+                statement.bind(index, value)
+        return statement
+
+    def batch(self, statements: Sequence[Any]) -> Any:
+        batch = self._new_batch()
+        for statement in statements:
+            batch.add_statement(statement)
+        return batch
+
+    async def execute(self, request: Any) -> Rows:
+        if hasattr(request, "add_statement"):
+            result = await self._session.execute_batch(request)
+        else:
+            result = await self._session.execute(request)
+        if not result.column_count():
+            return []
+        return [row.as_dict() for row in result]
+
+    async def tables(self) -> set[str] | None:
+        meta = self._session.get_metadata()
+        if self.keyspace not in meta.get_keyspaces():
+            return None
+        return set(meta.get_tables(self.keyspace))
+
+    async def close(self) -> None:
+        try:
+            await self._session.close()
+        finally:
+            # Closes the socket pair the cluster uses to wake the event loop.
+            self._cluster.destroy()
+
+
+def _seconds(ms: int) -> float:
+    """Epoch ms as the seconds acsylla wants for a timestamp. It stores
+    ``int(seconds * 1000)``, which truncates: ``ms / 1000`` would come back one
+    millisecond short for some values. Half a millisecond towards the far side
+    of zero makes the truncation land on ``ms`` exactly (a double's error here
+    is under a microsecond); tests/test_write_session.py checks the edges."""
+    return (ms + 0.5) / 1000 if ms >= 0 else (ms - 0.5) / 1000
+
+
+def acsylla_installed() -> bool:
+    return importlib.util.find_spec("acsylla") is not None
+
+
+def choose_driver(config: CassandraConfig) -> str:
+    """``acsylla`` or ``python`` for this config (see the module docstring)."""
+    if config.driver == "python":
+        return "python"
+    if config.driver == "acsylla":
+        if not acsylla_installed():
+            raise ConfigError(
+                'cassandra.driver = "acsylla", but acsylla is not installed '
+                "(pip install acsylla; wheels exist for Linux x86_64 and macOS), "
+                'or set cassandra.driver = "python"'
+            )
+        if config.tls.enabled and config.tls.ca_file is None:
+            raise ConfigError(
+                'cassandra.driver = "acsylla" with TLS needs cassandra.tls.ca_file '
+                '(the C++ driver has no system CA store), or set cassandra.driver = "python"'
+            )
+        return "acsylla"
+    return "acsylla" if acsylla_installed() and not config.tls.enabled else "python"
+
+
+def _forward_log(message: Any) -> None:
+    text = str(getattr(message, "message", message))
+    level = {"CRITICAL": logging.CRITICAL, "ERROR": logging.ERROR}.get(
+        str(getattr(message, "log_level", "")).upper(), logging.WARNING
+    )
+    if "sharding info" in text:
+        # ScyllaDB's driver says so on every Cassandra connection: expected.
+        level = logging.DEBUG
+    log.log(level, "C++ driver: %s", text)
+
+
+async def _open_acsylla(config: CassandraConfig) -> AcsyllaSession:
+    import acsylla  # noqa: PLC0415 - optional
+
+    options: dict[str, Any] = {}
+    if config.username is not None:
+        options["username"] = config.username
+        options["password"] = config.password.get_secret_value() if config.password else ""
+    tls = config.tls
+    if tls.enabled:
+        assert tls.ca_file is not None  # choose_driver checked
+        options["ssl_enabled"] = True
+        options["ssl_trusted_cert"] = tls.ca_file.read_text()
+        if tls.cert_file is not None and tls.key_file is not None:
+            options["ssl_cert"] = tls.cert_file.read_text()
+            options["ssl_private_key"] = tls.key_file.read_text()
+        options["ssl_verify_flags"] = (
+            acsylla.SSLVerifyFlags.PEER_IDENTITY
+            if tls.verify_hostname
+            else acsylla.SSLVerifyFlags.PEER_CERT
+        )
+    if config.local_dc:
+        options["load_balance_dc_aware"] = config.local_dc
+    cluster = acsylla.create_cluster(
+        list(config.contact_points),
+        port=config.port,
+        protocol_version=4,
+        consistency=config.consistency,
+        connect_timeout=config.connect_timeout,
+        request_timeout=config.request_timeout,
+        # An edge link that comes back should be used within seconds.
+        exponential_reconnect_base_delay_ms=500,
+        exponential_reconnect_max_delay_ms=10_000,
+        # Client-side write times, as the Python driver does.
+        timestamp_gen="monotonic",
+        token_aware_routing=True,
+        # The driver's own chatter ("no shard awareness" on Cassandra) is
+        # noise; errors still reach our log.
+        log_level="error",
+        logging_callback=_forward_log,
+        **options,
+    )
+    try:
+        session = await cluster.create_session()
+    except Exception as exc:
+        cluster.destroy()
+        where = ", ".join(f"{h}:{config.port}" for h in config.contact_points)
+        raise SinkError(f"cannot connect to Cassandra at {where}: {exc}") from None
+    return AcsyllaSession(config, cluster, session)
+
+
+@asynccontextmanager
+async def open_write_session(config: CassandraConfig) -> AsyncIterator[WriteSession]:
+    """Connect with the chosen driver; always disconnect on exit."""
+    if choose_driver(config) == "python":
+        async with connect(config) as db:
+            yield PythonSession(db)
+        return
+    session = await _open_acsylla(config)
+    try:
+        yield session
+    finally:
+        await session.close()

@@ -1,0 +1,147 @@
+"""The write session's promises, for both drivers, against the real Cassandra:
+exact millisecond timestamps, unset versus null, unlogged batches, USING
+TIMESTAMP, lightweight-transaction results, and which driver a config picks."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from gateway.config import CassandraConfig
+from gateway.database import Database
+from gateway.errors import ConfigError
+from gateway.write_session import (
+    UNSET,
+    WriteSession,
+    acsylla_installed,
+    choose_driver,
+    open_write_session,
+)
+
+from .conftest import make_config
+
+DRIVERS = ["acsylla", "python"]
+
+INSERT = (
+    "INSERT INTO {keyspace}.telemetry (tenant, device_id, bucket_start, shard, ts, event_id, "
+    "state, value, value_num, metrics, tags, received_at) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) USING TTL ?"
+)
+TIMESTAMPS = (2, 4, 11)
+
+
+def test_acsylla_is_installed_here() -> None:
+    # The driver the gateway picks on this platform; without it every test
+    # below would run the Python driver twice and prove nothing new.
+    assert acsylla_installed()
+
+
+@pytest.fixture(params=DRIVERS)
+async def session(request: pytest.FixtureRequest, keyspace: str) -> AsyncIterator[WriteSession]:
+    config = make_config(GATEWAY_CASSANDRA__DRIVER=request.param).cassandra
+    async with open_write_session(config) as opened:
+        assert opened.name.startswith(request.param)
+        yield opened
+
+
+async def test_millisecond_timestamps_round_trip_exactly(
+    session: WriteSession, db: Database, tenant: str
+) -> None:
+    insert = await session.prepare(INSERT, timestamps=TIMESTAMPS)
+    rng = random.Random(7)
+    # 1970 to 2100, plus values where ms / 1000 * 1000 truncates one short.
+    stamps = [0, 1, 999, 1_000, 4_102_444_799_999, 2_184_396_185_549, 2_175_509_153_569] + [
+        rng.randrange(0, 4_102_444_800_000) for _ in range(300)
+    ]
+    statements = [
+        session.bind(insert, (tenant, "d", 0, 0, ts, i, "on", UNSET, UNSET, UNSET, UNSET, ts, 600))
+        for i, ts in enumerate(stamps)
+    ]
+    for start in range(0, len(statements), 50):
+        await session.execute(session.batch(statements[start : start + 50]))
+    rows = await db.execute(
+        f"SELECT event_id, toUnixTimestamp(ts) AS ts, toUnixTimestamp(received_at) AS rcv "
+        f"FROM {db.keyspace}.telemetry WHERE tenant = %s AND device_id = 'd' "
+        "AND bucket_start = 0 AND shard = 0",
+        (tenant,),
+    )
+    got = {r.event_id: (r.ts, r.rcv) for r in rows}
+    assert got == {i: (ts, ts) for i, ts in enumerate(stamps)}
+
+
+async def test_unset_keeps_a_column_and_none_clears_it(
+    session: WriteSession, db: Database, tenant: str
+) -> None:
+    insert = await session.prepare(
+        "INSERT INTO {keyspace}.latest_events_by_device (tenant, device_id, state, ts, value, "
+        "value_num, metrics, tags) VALUES (?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
+        timestamps=(3,),
+    )
+    first = (tenant, "d", "on", 1_000, "first", 1.5, {"t": 2.0}, {"k": "v"}, 10)
+    await session.execute(session.bind(insert, first))
+    # state unset (kept), value null (cleared), the rest replaced.
+    second = (tenant, "d", UNSET, 2_000, None, 2.5, {"t": 3.0}, {"k": "w"}, 20)
+    await session.execute(session.bind(insert, second))
+    rows = await db.execute(
+        f"SELECT state, value, value_num, metrics, tags, WRITETIME(value_num) AS wt, "
+        f"WRITETIME(state) AS state_wt FROM {db.keyspace}.latest_events_by_device "
+        "WHERE tenant = %s AND device_id = 'd'",
+        (tenant,),
+    )
+    row = rows[0]
+    assert (row.state, row.value, row.value_num) == ("on", None, 2.5)
+    assert (dict(row.metrics), dict(row.tags)) == ({"t": 3.0}, {"k": "w"})
+    assert (row.wt, row.state_wt) == (20, 10)  # USING TIMESTAMP bound as given
+
+
+async def test_reads_and_lightweight_transactions_give_dicts(
+    session: WriteSession, tenant: str
+) -> None:
+    register = await session.prepare(
+        "INSERT INTO {keyspace}.tenant_states (tenant, state, registered_at) "
+        "VALUES (?, ?, ?) IF NOT EXISTS",
+        timestamps=(2,),
+    )
+    first = await session.execute(session.bind(register, (tenant, "on", 1_234)))
+    assert first[0]["[applied]"] is True
+    again = await session.execute(session.bind(register, (tenant, "on", 5_678)))
+    assert again[0]["[applied]"] is False
+    registered = again[0]["registered_at"]
+    assert int(registered.timestamp() * 1000) == 1_234
+    select = await session.prepare("SELECT state FROM {keyspace}.tenant_states WHERE tenant = ?")
+    assert await session.execute(session.bind(select, (tenant,))) == [{"state": "on"}]
+    assert await session.execute(session.bind(select, ("nobody-" + uuid.uuid4().hex,))) == []
+
+
+async def test_tables_lists_the_schema(session: WriteSession) -> None:
+    tables = await session.tables()
+    assert tables is not None
+    assert {"telemetry", "latest_events_by_state", "rejected_messages"} <= tables
+
+
+async def test_a_bad_statement_is_not_transient(session: WriteSession) -> None:
+    with pytest.raises(Exception) as caught:  # noqa: PT011 - the driver's own type
+        await session.prepare("INSERT INTO {keyspace}.no_such_table (a) VALUES (?)")
+    assert not isinstance(caught.value, session.transient)
+
+
+def test_auto_prefers_acsylla_and_falls_back_for_tls(tmp_path: Path) -> None:
+    assert choose_driver(CassandraConfig()) == "acsylla"
+    assert choose_driver(CassandraConfig(driver="python")) == "python"
+    tls = {"enabled": True}
+    assert choose_driver(CassandraConfig(tls=tls)) == "python"
+    with pytest.raises(ConfigError, match=r"cassandra\.tls\.ca_file"):
+        choose_driver(CassandraConfig(driver="acsylla", tls=tls))
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    with_ca = {"enabled": True, "ca_file": ca}
+    assert choose_driver(CassandraConfig(driver="acsylla", tls=with_ca)) == "acsylla"
+
+
+def test_unknown_driver_names_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"cassandra\.driver"):
+        make_config(GATEWAY_CASSANDRA__DRIVER="java")
