@@ -8,7 +8,6 @@ secrets: only hosts, ports, keyspace and table names.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sqlite3
 import time
@@ -16,10 +15,10 @@ import time
 import aiomqtt
 
 from .config import Config
-from .database import connect
-from .errors import SinkError
+from .errors import ConfigError, SinkError
 from .receive import mqtt_client
-from .schema import missing_tables
+from .schema import missing_from
+from .write_session import open_write_session
 
 
 async def _broker(config: Config) -> tuple[bool, str]:
@@ -37,16 +36,21 @@ async def _broker(config: Config) -> tuple[bool, str]:
 async def _cassandra(config: Config) -> tuple[bool, str]:
     hosts = ",".join(f"{h}:{config.cassandra.port}" for h in config.cassandra.contact_points)
     try:
-        async with connect(config.cassandra, keyspace=False) as db:
-            missing = await asyncio.get_running_loop().run_in_executor(None, missing_tables, db)
-    except SinkError as exc:
+        # Through the driver `gateway run` will write with (cassandra.driver).
+        async with open_write_session(config.cassandra) as session:
+            missing = missing_from(session.keyspace, await session.tables())
+            driver = session.name
+    except (SinkError, ConfigError) as exc:
         return False, f"cassandra: {exc}"
     if missing:
         return False, (
             f"cassandra: reachable ({hosts}) but the schema is missing "
             f"{', '.join(missing)}: run `gateway schema apply`"
         )
-    return True, f"cassandra: ok ({hosts}, keyspace {config.cassandra.keyspace}, schema complete)"
+    return True, (
+        f"cassandra: ok ({hosts}, keyspace {config.cassandra.keyspace}, schema complete, "
+        f"writes through {driver})"
+    )
 
 
 def _spool(config: Config) -> tuple[bool, str]:

@@ -244,6 +244,11 @@ class CassandraConfig(_Model):
                 "cassandra.datacenters is required with NetworkTopologyStrategy, e.g. {dc1 = 3}"
             )
         _load_password(self, "cassandra")
+        if self.driver == "acsylla" and self.tls.enabled and self.tls.ca_file is None:
+            raise ValueError(
+                'cassandra.driver = "acsylla" with TLS needs cassandra.tls.ca_file '
+                '(the C++ driver has no system CA store), or set driver = "python"'
+            )
         return self
 
 

@@ -8,6 +8,7 @@
     telemetry.py  raw, time-bucketed telemetry writes
     rejects.py    rejected_messages writes
     sink.py       batches per partition, in-flight cap, retries
+    write_session.py  the driver the sink writes through (acsylla or Python)
     → Ack.done() once every write of the message is acknowledged by Cassandra
 
 Promises: every message the broker hands over ends up written (event or

@@ -2,7 +2,7 @@
 
 Every statement is ``CREATE ... IF NOT EXISTS``; ``{keyspace}`` and
 ``{replication}`` are filled in from the config. Running ``gateway schema apply``
-twice changes nothing. ``missing_tables`` tells ``gateway check`` what is absent.
+twice changes nothing. ``missing_from`` tells ``gateway check`` and ``run`` what is absent.
 """
 
 from __future__ import annotations
@@ -75,8 +75,3 @@ def missing_from(keyspace: str, tables: set[str] | None) -> list[str]:
     if tables is None:
         return [f"keyspace {keyspace}"]
     return [t for t in REQUIRED_TABLES if t not in tables]
-
-
-def missing_tables(db: Database) -> list[str]:
-    meta = db.cluster.metadata.keyspaces.get(db.config.keyspace)
-    return missing_from(db.config.keyspace, None if meta is None else set(meta.tables))

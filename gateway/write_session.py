@@ -264,12 +264,7 @@ def choose_driver(config: CassandraConfig) -> str:
                 "(pip install acsylla; wheels exist for Linux x86_64 and macOS), "
                 'or set cassandra.driver = "python"'
             )
-        if config.tls.enabled and config.tls.ca_file is None:
-            raise ConfigError(
-                'cassandra.driver = "acsylla" with TLS needs cassandra.tls.ca_file '
-                '(the C++ driver has no system CA store), or set cassandra.driver = "python"'
-            )
-        return "acsylla"
+        return "acsylla"  # with TLS, the config checked that tls.ca_file is set
     return "acsylla" if acsylla_installed() and not config.tls.enabled else "python"
 
 

@@ -135,7 +135,7 @@ def test_auto_prefers_acsylla_and_falls_back_for_tls(tmp_path: Path) -> None:
     tls = {"enabled": True}
     assert choose_driver(CassandraConfig(tls=tls)) == "python"
     with pytest.raises(ConfigError, match=r"cassandra\.tls\.ca_file"):
-        choose_driver(CassandraConfig(driver="acsylla", tls=tls))
+        make_config(GATEWAY_CASSANDRA__DRIVER="acsylla", GATEWAY_CASSANDRA__TLS__ENABLED="true")
     ca = tmp_path / "ca.pem"
     ca.write_text("-----BEGIN CERTIFICATE-----\n")
     with_ca = {"enabled": True, "ca_file": ca}
