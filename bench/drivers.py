@@ -109,7 +109,7 @@ async def python_driver(evs: list[Event], concurrency: int) -> tuple[float, floa
 
 
 async def acsylla_driver(evs: list[Event], concurrency: int) -> tuple[float, float]:
-    import acsylla  # noqa: PLC0415 - optional, from the bench extra
+    import acsylla  # noqa: PLC0415 - not on every platform
 
     cluster = acsylla.create_cluster(
         ["127.0.0.1"], port=9042, protocol_version=4, consistency="LOCAL_QUORUM"
@@ -121,7 +121,6 @@ async def acsylla_driver(evs: list[Event], concurrency: int) -> tuple[float, flo
         calls: list[Callable[[], Awaitable[Any]]] = []
         for e in evs:
             t, d = rows(e, as_datetime=True)
-            # acsylla has no USING TIMESTAMP bind type issue: the value is a bigint.
             calls.append(lambda t=t: session.execute(tele.bind(t)))
             calls.append(lambda d=d: session.execute(dev.bind(d)))
         c0 = cpu()
@@ -129,6 +128,7 @@ async def acsylla_driver(evs: list[Event], concurrency: int) -> tuple[float, flo
         return len(calls) / elapsed, (cpu() - c0) / len(calls) * 1e6
     finally:
         await session.close()
+        cluster.destroy()
 
 
 async def main() -> None:

@@ -5,7 +5,7 @@ pydantic) so the naive bridge loads only what such a bridge needs.
 Same statements, parameters and write timestamps as gateway/state.py and
 gateway/telemetry.py, without the gateway's batching and coalescing: per event
 
-* INSERT into telemetry (server-stamped, with the tenant's TTL),
+* INSERT into telemetry (client-stamped by the driver, with the tenant's TTL),
 * INSERT into telemetry_partitions the first time a (device, bucket) is seen,
 * INSERT into latest_events_by_device USING TIMESTAMP write_ts,
 * INSERT into latest_events_by_state and DELETE from every other state's

@@ -73,6 +73,7 @@ def _split_list(value: object) -> object:
 # Bounded: a month covers every timeout and interval; longer spans (session
 # expiry, TTL) say so with their own bound.
 Duration = Annotated[float, BeforeValidator(parse_duration), Field(gt=0, le=31 * 86400)]
+MAX_TTL_SECONDS = 20 * 365 * 86400
 LongDuration = Annotated[float, BeforeValidator(parse_duration), Field(gt=0, le=20 * 365 * 86400)]
 Port = Annotated[int, Field(ge=1, le=65535)]
 
@@ -333,6 +334,14 @@ class TenantConfig(_Model):
     def _classes(self) -> TenantConfig:
         if self.slow_below >= self.fast_above:
             raise ValueError("slow_below must be lower than fast_above")
+        # The partition index outlives its rows by one bucket (telemetry.py),
+        # and Cassandra refuses a TTL over 20 years (630,720,000 s).
+        longest = max(self.telemetry_bucket, self.fast_bucket, self.slow_bucket)
+        if self.ttl + longest > MAX_TTL_SECONDS:
+            raise ValueError(
+                f"ttl plus the largest bucket ({longest:.0f} s) must stay within Cassandra's "
+                f"{MAX_TTL_SECONDS} s (20 years): lower ttl"
+            )
         return self
 
 

@@ -203,11 +203,10 @@ class Sink:
 
     async def _run(self, rows: list[Write]) -> None:
         try:
-            session = self.session
             if len(rows) == 1:
-                request = session.bind(rows[0].prepared, rows[0].values)
+                request = self._bind(rows[0].prepared, rows[0].values)
             else:
-                request = session.batch([session.bind(r.prepared, r.values) for r in rows])
+                request = self.session.batch([self._bind(r.prepared, r.values) for r in rows])
             if self._batch_rows is not None:
                 self._batch_rows.observe(len(rows))
             await self._execute(request, len(rows))
@@ -221,7 +220,15 @@ class Sink:
 
     async def execute(self, prepared: Prepared, values: tuple[Any, ...]) -> Rows:
         """One statement (a read, or a write outside the batches), with retries."""
-        return await self._execute(self.session.bind(prepared, values), 1)
+        return await self._execute(self._bind(prepared, values), 1)
+
+    def _bind(self, prepared: Prepared, values: tuple[Any, ...]) -> Any:
+        try:
+            return self.session.bind(prepared, values)
+        except Exception as exc:
+            # A value the driver cannot encode: a bug, not a bad message (decode
+            # validated it). Stop with the statement named; nothing was acked.
+            raise SinkError(f"cannot bind a value for {prepared.cql!r}: {_short(exc)}") from None
 
     async def _execute(self, request: Any, rows: int) -> Rows:
         """Execute with retries on transient errors; raise SinkError otherwise."""

@@ -43,7 +43,7 @@ import time
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from .config import Config
 from .decode import Event
@@ -266,8 +266,13 @@ class LatestState:
         return True
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
 def _epoch_ms(value: object) -> int:
+    """A read-back timestamp (naive UTC from one driver, aware from the other)
+    as epoch ms, exactly (float seconds * 1000 could truncate one short)."""
     if isinstance(value, datetime):
         aware = value if value.tzinfo else value.replace(tzinfo=UTC)
-        return int(aware.timestamp() * 1000)
+        return (aware - _EPOCH) // timedelta(milliseconds=1)
     return 0

@@ -21,7 +21,9 @@ What both keep, so the stages don't care which one runs:
   survives exactly);
 * ``USING TIMESTAMP`` and TTL parameters are plain integers;
 * batches are UNLOGGED; writes use client-side (monotonic) timestamps;
-* results are lists of dicts keyed by column name (``[applied]`` included);
+* results are lists of dicts keyed by column name (``[applied]`` included).
+  acsylla returns the first page only: the reads here are single small
+  partitions (a tenant's states, one device's row), far below a page;
 * :attr:`WriteSession.transient` lists the errors worth retrying (timeouts,
   unavailable replicas, lost connections, overload), the sink's concern.
 """
@@ -29,11 +31,11 @@ What both keep, so the stages don't care which one runs:
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from cassandra.cluster import NoHostAvailable
@@ -250,7 +252,12 @@ def _seconds(ms: int) -> float:
 
 
 def acsylla_installed() -> bool:
-    return importlib.util.find_spec("acsylla") is not None
+    """Installed and loadable (a wheel whose C++ library fails to load counts as absent)."""
+    try:
+        import acsylla  # noqa: F401, PLC0415 - optional
+    except ImportError:
+        return False
+    return True
 
 
 def choose_driver(config: CassandraConfig) -> str:
@@ -288,12 +295,12 @@ async def _open_acsylla(config: CassandraConfig) -> AcsyllaSession:
         options["password"] = config.password.get_secret_value() if config.password else ""
     tls = config.tls
     if tls.enabled:
-        assert tls.ca_file is not None  # choose_driver checked
+        assert tls.ca_file is not None  # CassandraConfig requires it with acsylla
         options["ssl_enabled"] = True
-        options["ssl_trusted_cert"] = tls.ca_file.read_text()
+        options["ssl_trusted_cert"] = _read("cassandra.tls.ca_file", tls.ca_file)
         if tls.cert_file is not None and tls.key_file is not None:
-            options["ssl_cert"] = tls.cert_file.read_text()
-            options["ssl_private_key"] = tls.key_file.read_text()
+            options["ssl_cert"] = _read("cassandra.tls.cert_file", tls.cert_file)
+            options["ssl_private_key"] = _read("cassandra.tls.key_file", tls.key_file)
         options["ssl_verify_flags"] = (
             acsylla.SSLVerifyFlags.PEER_IDENTITY
             if tls.verify_hostname
@@ -301,7 +308,30 @@ async def _open_acsylla(config: CassandraConfig) -> AcsyllaSession:
         )
     if config.local_dc:
         options["load_balance_dc_aware"] = config.local_dc
-    cluster = acsylla.create_cluster(
+    try:
+        cluster = _create_cluster(acsylla, config, options)
+    except acsylla.errors.CassException as exc:
+        # Raised while the options are applied: a certificate or key the C++
+        # driver cannot parse, most likely.
+        raise ConfigError(f"cassandra (driver acsylla): {exc} (check cassandra.tls.*)") from None
+    try:
+        session = await cluster.create_session()
+    except Exception as exc:
+        cluster.destroy()
+        where = ", ".join(f"{h}:{config.port}" for h in config.contact_points)
+        raise SinkError(f"cannot connect to Cassandra at {where}: {exc}") from None
+    return AcsyllaSession(config, cluster, session)
+
+
+def _read(key: str, path: Path) -> str:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{key}: cannot read {path}: {exc}") from None
+
+
+def _create_cluster(acsylla: Any, config: CassandraConfig, options: dict[str, Any]) -> Any:
+    return acsylla.create_cluster(
         list(config.contact_points),
         port=config.port,
         protocol_version=4,
@@ -320,13 +350,6 @@ async def _open_acsylla(config: CassandraConfig) -> AcsyllaSession:
         logging_callback=_forward_log,
         **options,
     )
-    try:
-        session = await cluster.create_session()
-    except Exception as exc:
-        cluster.destroy()
-        where = ", ".join(f"{h}:{config.port}" for h in config.contact_points)
-        raise SinkError(f"cannot connect to Cassandra at {where}: {exc}") from None
-    return AcsyllaSession(config, cluster, session)
 
 
 @asynccontextmanager

@@ -507,3 +507,10 @@ def test_cli_exits_2_for_bad_env_value() -> None:
     result = _cli("check", env=_clean_env() | {"GATEWAY_MQTT__PORT": "99999"})
     assert result.returncode == 2, result.stderr
     assert "mqtt.port (from GATEWAY_MQTT__PORT)" in result.stderr
+
+
+def test_ttl_leaves_room_for_the_partition_index() -> None:
+    # The index row lives ttl + one bucket; Cassandra caps a TTL at 20 years.
+    with pytest.raises(ConfigError, match=r"tenants\.default.*ttl"):
+        load_config(None, {"GATEWAY_TENANTS__DEFAULT__TTL": "7300d"})
+    assert load_config(None, {"GATEWAY_TENANTS__DEFAULT__TTL": "7299d"}).tenant("x").ttl
