@@ -1,7 +1,9 @@
 """Is the Python cassandra-driver the bottleneck? The same writes through it and
 through acsylla (asyncio over the DataStax C++ driver), side by side.
 
-Both write the gateway's two per-event rows that cannot be batched across
+Both go through the gateway's own write session (gateway/write_session.py:
+the same binding, timestamps and UNSET handling as the gateway) and write the
+gateway's two per-event rows that cannot be batched across
 devices (the raw telemetry row and the latest_events_by_device upsert with
 USING TIMESTAMP) for the same pre-decoded events, at the same concurrency, into
 the bench keyspace. Reported: rows/s and this process's CPU per row (both
@@ -15,29 +17,27 @@ installed: gateway/write_session.py.)
 from __future__ import annotations
 
 import argparse
-import asyncio
 import resource
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
 from typing import Any
 
 import uvloop
+from ceiling import write_all
 
-from gateway.config import load_config
-from gateway.database import connect
+from gateway.config import CassandraConfig, load_config
 from gateway.decode import Decoder, Event
 from gateway.simulate import Fleet, FleetSpec
+from gateway.write_session import open_write_session
 
 KEYSPACE = "gateway_bench"
 TELEMETRY = (
-    f"INSERT INTO {KEYSPACE}.telemetry (tenant, device_id, bucket_start, shard, ts, event_id, "
+    "INSERT INTO {keyspace}.telemetry (tenant, device_id, bucket_start, shard, ts, event_id, "
     "state, value_num, metrics, tags, received_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
     "USING TTL 86400"
 )
 DEVICE = (
-    f"INSERT INTO {KEYSPACE}.latest_events_by_device (tenant, device_id, state, ts, value_num, "
+    "INSERT INTO {keyspace}.latest_events_by_device (tenant, device_id, state, ts, value_num, "
     "metrics, tags) VALUES (?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?"
 )
 
@@ -58,77 +58,24 @@ def events(count: int, tenant: str) -> list[Event]:
     return out
 
 
-def rows(e: Event, as_datetime: bool) -> tuple[list[Any], list[Any]]:
-    def t(ms: int) -> Any:
-        return datetime.fromtimestamp(ms / 1000, UTC) if as_datetime else ms
-
-    bucket = e.ts_ms - e.ts_ms % 3_600_000
-    tele = [
-        e.tenant,
-        e.device_id,
-        t(bucket),
-        0,
-        t(e.ts_ms),
-        e.event_id,
-        e.state,
-        e.value_num,
-        e.metrics,
-        e.tags,
-        t(e.received_ms),
-    ]
-    dev = [e.tenant, e.device_id, e.state, t(e.ts_ms), e.value_num, e.metrics, e.tags, e.write_ts]
-    return tele, dev
-
-
-async def run_bounded(calls: list[Callable[[], Awaitable[Any]]], concurrency: int) -> float:
-    slots = asyncio.Semaphore(concurrency)
-
-    async def one(call: Callable[[], Awaitable[Any]]) -> None:
-        async with slots:
-            await call()
-
-    started = time.monotonic()
-    await asyncio.gather(*(one(c) for c in calls))
-    return time.monotonic() - started
-
-
-async def python_driver(evs: list[Event], concurrency: int) -> tuple[float, float]:
-    config = load_config(None, {"GATEWAY_CASSANDRA__KEYSPACE": KEYSPACE})
-    async with connect(config.cassandra) as db:
-        loop = asyncio.get_running_loop()
-        tele = await loop.run_in_executor(None, db.session.prepare, TELEMETRY)
-        dev = await loop.run_in_executor(None, db.session.prepare, DEVICE)
-        calls: list[Callable[[], Awaitable[Any]]] = []
+async def measure(driver: str, evs: list[Event], concurrency: int) -> tuple[str, float, float]:
+    """Both rows of every event through the gateway's write session with ``driver``."""
+    async with open_write_session(CassandraConfig(keyspace=KEYSPACE, driver=driver)) as session:
+        tele = await session.prepare(TELEMETRY, timestamps=(2, 4, 10))
+        dev = await session.prepare(DEVICE, timestamps=(3,))
+        rows: list[tuple[Any, Any]] = []
         for e in evs:
-            t, d = rows(e, as_datetime=False)
-            calls.append(lambda t=t: db.execute(tele.bind(t)))
-            calls.append(lambda d=d: db.execute(dev.bind(d)))
-        c0 = cpu()
-        elapsed = await run_bounded(calls, concurrency)
-        return len(calls) / elapsed, (cpu() - c0) / len(calls) * 1e6
-
-
-async def acsylla_driver(evs: list[Event], concurrency: int) -> tuple[float, float]:
-    import acsylla  # noqa: PLC0415 - not on every platform
-
-    cluster = acsylla.create_cluster(
-        ["127.0.0.1"], port=9042, protocol_version=4, consistency="LOCAL_QUORUM"
-    )
-    session = await cluster.create_session(keyspace=KEYSPACE)
-    try:
-        tele = await session.create_prepared(TELEMETRY)
-        dev = await session.create_prepared(DEVICE)
-        calls: list[Callable[[], Awaitable[Any]]] = []
-        for e in evs:
-            t, d = rows(e, as_datetime=True)
-            calls.append(lambda t=t: session.execute(tele.bind(t)))
-            calls.append(lambda d=d: session.execute(dev.bind(d)))
-        c0 = cpu()
-        elapsed = await run_bounded(calls, concurrency)
-        return len(calls) / elapsed, (cpu() - c0) / len(calls) * 1e6
-    finally:
-        await session.close()
-        cluster.destroy()
+            bucket = e.ts_ms - e.ts_ms % 3_600_000
+            telemetry = (e.tenant, e.device_id, bucket, 0, e.ts_ms, e.event_id, e.state)
+            rows.append((tele, (*telemetry, e.value_num, e.metrics, e.tags, e.received_ms)))
+            device = (e.tenant, e.device_id, e.state, e.ts_ms, e.value_num, e.metrics, e.tags)
+            rows.append((dev, (*device, e.write_ts)))
+        c0, t0 = cpu(), time.monotonic()
+        sent, failures = await write_all(session, iter(rows), concurrency)
+        elapsed = time.monotonic() - t0
+        if failures:
+            raise SystemExit(f"{session.name}: {len(failures)} writes failed: {failures[:3]}")
+        return session.name, sent / elapsed, (cpu() - c0) / sent * 1e6
 
 
 async def main() -> None:
@@ -136,12 +83,12 @@ async def main() -> None:
     parser.add_argument("--events", type=int, default=20_000)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
     args = parser.parse_args()
-    print(f"{'driver':<18}{'in flight':>10}{'rows/s':>10}{'CPU us/row':>12}")
+    print(f"{'driver':<32}{'in flight':>10}{'rows/s':>10}{'CPU us/row':>12}")
     for concurrency in args.concurrency:
-        for name, fn in (("cassandra-driver", python_driver), ("acsylla", acsylla_driver)):
+        for driver in ("python", "acsylla"):
             evs = events(args.events, f"drv{uuid.uuid4().hex[:6]}")
-            rate, cpu_per_row = await fn(evs, concurrency)
-            print(f"{name:<18}{concurrency:>10}{rate:>10.0f}{cpu_per_row:>12.0f}", flush=True)
+            name, rate, cpu_per_row = await measure(driver, evs, concurrency)
+            print(f"{name:<32}{concurrency:>10}{rate:>10.0f}{cpu_per_row:>12.0f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,12 @@ def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:
         future.set_exception(exc)
 
 
+def cannot_connect(config: CassandraConfig, exc: BaseException) -> SinkError:
+    """The error of a failed connect, naming every contact point (both drivers)."""
+    where = ", ".join(f"{h}:{config.port}" for h in config.contact_points)
+    return SinkError(f"cannot connect to Cassandra at {where}: {exc}")
+
+
 def build_cluster(config: CassandraConfig, ssl_context: ssl.SSLContext | None = None) -> Cluster:
     local = (
         DCAwareRoundRobinPolicy(local_dc=config.local_dc) if config.local_dc else RoundRobinPolicy()
@@ -137,8 +143,7 @@ async def connect(config: CassandraConfig, *, keyspace: bool = True) -> AsyncIte
         session = await loop.run_in_executor(None, cluster.connect)
     except Exception as exc:
         await loop.run_in_executor(None, cluster.shutdown)
-        where = ", ".join(f"{h}:{config.port}" for h in config.contact_points)
-        raise SinkError(f"cannot connect to Cassandra at {where}: {exc}") from None
+        raise cannot_connect(config, exc) from None
     try:
         if keyspace:
             try:

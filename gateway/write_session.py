@@ -56,8 +56,8 @@ from cassandra import (
 )
 
 from .config import CassandraConfig
-from .database import DICT_ROWS, Database, connect
-from .errors import ConfigError, SinkError
+from .database import DICT_ROWS, Database, cannot_connect, connect
+from .errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -318,8 +318,7 @@ async def _open_acsylla(config: CassandraConfig) -> AcsyllaSession:
         session = await cluster.create_session()
     except Exception as exc:
         cluster.destroy()
-        where = ", ".join(f"{h}:{config.port}" for h in config.contact_points)
-        raise SinkError(f"cannot connect to Cassandra at {where}: {exc}") from None
+        raise cannot_connect(config, exc) from None
     return AcsyllaSession(config, cluster, session)
 
 
