@@ -49,7 +49,7 @@ schema: venv
 	$(GATEWAY) schema apply
 
 run: up
-	@$(VPY) -m gateway.demo --devices $(SIM_DEVICES) --rate $(SIM_RATE)
+	@$(VPY) -m gateway.tools.demo --devices $(SIM_DEVICES) --rate $(SIM_RATE)
 
 test: up
 	$(VPY) -m pytest $(PYTEST_ARGS)

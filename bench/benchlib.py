@@ -33,8 +33,8 @@ from paho.mqtt.properties import Properties
 from rows import KEYSPACE, SESSION_EXPIRY, STATES, SUBSCRIPTION
 
 from gateway.config import CassandraConfig
-from gateway.database import build_cluster
-from gateway.simulate import FleetSpec, PublishStats, publish
+from gateway.store.database import build_cluster
+from gateway.tools.simulate import FleetSpec, PublishStats, publish
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
@@ -385,7 +385,7 @@ class BenchDb:
 
     def register_states(self, tenants: Iterable[str]) -> None:
         """Record the tenants' states as known for a day: a steady state, so the
-        gateway's first-seen-state check (gateway/state.py) doesn't apply."""
+        gateway's first-seen-state check (gateway/store/latest.py) doesn't apply."""
         since = int((time.time() - 86400) * 1000)
         self.concurrent(self._register, [(t, s, since) for t in tenants for s in STATES])
 

@@ -4,7 +4,7 @@ The same fleet as the other systems (gateway.simulate.Fleet) is generated and
 decoded by the gateway's own Decoder before the clock starts; then the rows the
 gateway writes for each event (bench/rows.py: same prepared statements, same
 USING TIMESTAMP) go out through the gateway's own write session
-(gateway/write_session.py: the same driver, chosen the same way, with the same
+(gateway/store/write_session.py: the same driver, chosen the same way, with the same
 settings), ``concurrency`` statements in flight, each completion sending the
 next. One run per concurrency level, each into its own tenant; no MQTT, no
 batching.
@@ -31,9 +31,10 @@ import uvloop
 from rows import ALL_CQL, KEYSPACE, Statements, cql
 
 from gateway.config import CassandraConfig, LimitsConfig
-from gateway.decode import Decoder, Event
-from gateway.simulate import Fleet, FleetSpec
-from gateway.write_session import WriteSession, open_write_session
+from gateway.event import Event
+from gateway.ingest.decode import Decoder
+from gateway.store.write_session import WriteSession, open_write_session
+from gateway.tools.simulate import Fleet, FleetSpec
 
 TOPIC_TEMPLATE = "gwbench/{tenant}/devices/{device_id}/events"
 

@@ -29,7 +29,7 @@ import aiomqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from gateway.simulate import FleetSpec, publish
+from gateway.tools.simulate import FleetSpec, publish
 
 # Handled = written + sampled out (a noisy device's sampled events are decided too).
 STATUS = re.compile(r"written=(\d+).*sampled_out=(\d+)")

@@ -1,7 +1,7 @@
 """Is the Python cassandra-driver the bottleneck? The same writes through it and
 through acsylla (asyncio over the DataStax C++ driver), side by side.
 
-Both go through the gateway's own write session (gateway/write_session.py:
+Both go through the gateway's own write session (gateway/store/write_session.py:
 the same binding, timestamps and UNSET handling as the gateway) and write the
 gateway's two per-event rows that cannot be batched across
 devices (the raw telemetry row and the latest_events_by_device upsert with
@@ -11,7 +11,7 @@ drivers' IO threads included).
 
 Usage: .venv/bin/python bench/drivers.py [--events 20000] [--concurrency 64 256]
 (This measurement is why the gateway writes through acsylla where it is
-installed: gateway/write_session.py.)
+installed: gateway/store/write_session.py.)
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ import uvloop
 from ceiling import write_all
 
 from gateway.config import CassandraConfig, load_config
-from gateway.decode import Decoder, Event
-from gateway.simulate import Fleet, FleetSpec
-from gateway.write_session import open_write_session
+from gateway.event import Event
+from gateway.ingest.decode import Decoder
+from gateway.store.write_session import open_write_session
+from gateway.tools.simulate import Fleet, FleetSpec
 
 KEYSPACE = "gateway_bench"
 TELEMETRY = (

@@ -13,7 +13,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from gateway.simulate import FleetSpec, publish
+from gateway.tools.simulate import FleetSpec, publish
 
 TOPIC_TEMPLATE = "gwbench/{tenant}/devices/{device_id}/events"
 

@@ -2,8 +2,8 @@
 (bench/ceiling.py and bench/naive_bridge.py). Kept light (no aiomqtt, no
 pydantic) so the naive bridge loads only what such a bridge needs.
 
-Same statements, parameters and write timestamps as gateway/state.py and
-gateway/telemetry.py, without the gateway's batching and coalescing: per event
+Same statements, parameters and write timestamps as gateway/store/latest.py and
+gateway/store/telemetry.py, without the gateway's batching and coalescing: per event
 
 * INSERT into telemetry (client-stamped by the driver, with the tenant's TTL),
 * INSERT into telemetry_partitions the first time a (device, bucket) is seen,
@@ -69,7 +69,7 @@ def _or_unset(value: object) -> object:
 
 
 # Each statement's CQL and which of its parameters are timestamps (epoch ms),
-# as gateway/write_session.py wants them.
+# as gateway/store/write_session.py wants them.
 ALL_CQL = {
     "insert_state": (CQL_INSERT_STATE, (4,)),
     "delete_state": (CQL_DELETE_STATE, ()),

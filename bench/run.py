@@ -74,9 +74,9 @@ from cassandra.query import BatchStatement, BatchType
 
 from cassandra import __version__ as cassandra_driver_version
 from gateway.config import Config, TenantConfig
-from gateway.database import connect
-from gateway.queries import devices_in_state
-from gateway.state import state_bucket
+from gateway.store.database import connect
+from gateway.store.latest import state_bucket
+from gateway.store.queries import devices_in_state
 
 try:
     import matplotlib
@@ -1000,7 +1000,7 @@ def _status_counters(proc: Proc) -> dict[str, int]:
 def _write_driver() -> str:
     """The driver the gateway writes through with its defaults, and its version."""
     from gateway.config import CassandraConfig  # noqa: PLC0415
-    from gateway.write_session import choose_driver  # noqa: PLC0415
+    from gateway.store.write_session import choose_driver  # noqa: PLC0415
 
     name = choose_driver(CassandraConfig())
     if name == "acsylla":
@@ -1177,7 +1177,7 @@ def markdown(results: dict[str, Any], plots: list[str]) -> Iterator[str]:
         yield ""
         yield (
             "ok: every published message is a stored raw row or was sampled out by the "
-            "adaptive sampler (noisy devices, gateway/sampling.py; their latest state is "
+            "adaptive sampler (noisy devices, gateway/ingest/sampling.py; their latest state is "
             "still written), and the stored rows equal the gateway's own written count."
         )
         yield ""

@@ -1,8 +1,9 @@
 """Typed configuration, validated once at start-up.
 
-Sources, later ones winning: the TOML file (``--config`` or ``GATEWAY_CONFIG``),
-then ``GATEWAY_<SECTION>__<KEY>`` environment variables (``GATEWAY_MQTT__HOST``,
-``GATEWAY_TENANTS__ACME__STATE_BUCKETS``), then the defaults below. Nothing else
+Where a value comes from, the first that sets it winning:
+``GATEWAY_<SECTION>__<KEY>`` environment variables (``GATEWAY_MQTT__HOST``,
+``GATEWAY_TENANTS__ACME__STATE_BUCKETS``), then the TOML file (``--config`` or
+``GATEWAY_CONFIG``), then the defaults below. Nothing else
 in the package reads the environment. Unknown keys are errors, and every error
 names the key and where it came from, e.g.
 ``mqtt.port (from GATEWAY_MQTT__PORT): Input should be less than or equal to 65535``.
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import ssl
 import stat
 import tomllib
@@ -35,32 +35,16 @@ from pydantic import (
 )
 
 from .errors import ConfigError
-from .sampling import SamplingConfig
+from .topic_filters import filter_levels
+from .units import parse_duration
 
 ENV_PREFIX = "GATEWAY_"
 ENV_CONFIG_PATH = "GATEWAY_CONFIG"
 DEFAULT_TEMPLATE = "tenants/{tenant}/devices/{device_id}/events"
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 _IDENTIFIER = r"^[a-z][a-z0-9_]{0,47}$"
 # Readers look this far back before a range for the bucket that contains its start.
 MAX_BUCKET_SECONDS = 7 * 86400
-
-
-def parse_duration(value: object) -> float:
-    """``"15m"``, ``"1h"``, ``"250ms"``, ``30`` (seconds) -> seconds."""
-    if isinstance(value, bool):
-        raise ValueError("expected a duration such as 30, '15m' or '1h'")
-    if isinstance(value, int | float):
-        seconds = float(value)
-    elif isinstance(value, str) and (match := _DURATION.match(value)):
-        seconds = float(match.group(1)) * _UNITS[match.group(2)]
-    else:
-        raise ValueError(f"expected a duration such as 30, '15m' or '1h', got {value!r}")
-    if not math.isfinite(seconds):
-        raise ValueError(f"expected a finite duration, got {value!r}")
-    return seconds
 
 
 def _split_list(value: object) -> object:
@@ -233,7 +217,7 @@ class CassandraConfig(_Model):
     password: SecretStr | None = None
     password_file: Path | None = None
     tls: TlsConfig = Field(default_factory=TlsConfig)
-    # Driver the gateway writes through (gateway/write_session.py): "auto" is
+    # Driver the gateway writes through (gateway/store/write_session.py): "auto" is
     # acsylla (the C++ driver, about 4x less CPU per row) when it is installed
     # and TLS is off, else the Python driver. The CLI always reads with the latter.
     driver: Literal["auto", "acsylla", "python"] = "auto"
@@ -360,7 +344,7 @@ class HotPartitionConfig(_Model):
 
 
 class SpoolConfig(_Model):
-    # Write-ahead spool on local disk (gateway/spool.py): messages are
+    # Write-ahead spool on local disk (gateway/ingest/spool.py): messages are
     # acknowledged once spooled, so an edge host keeps taking them while
     # Cassandra is away. Off by default.
     enabled: bool = False
@@ -374,6 +358,132 @@ class ApiConfig(_Model):
     enabled: bool = True
     host: str = "127.0.0.1"
     port: int = Field(default=9108, ge=0, le=65535)  # 0: any free port
+
+
+# -- [sampling] (gateway/ingest/sampling.py) ---------------------------------
+
+# Messages per second.
+Rate = Annotated[float, Field(gt=0, le=1_000_000, allow_inf_nan=False)]
+# Seconds; "30s", "1m", "250ms" are accepted as in the rest of the config.
+Seconds = Annotated[float, BeforeValidator(parse_duration), Field(ge=0, le=86400)]
+Threshold = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class ImportantRule(_Model):
+    """Events whose ``metric`` is above ``above`` or below ``below`` are never sampled out.
+
+    So is the first event in which the metric is back within bounds, so that
+    the return to normal is recorded too.
+    """
+
+    metric: str = Field(min_length=1, max_length=1024)
+    above: Threshold | None = None
+    below: Threshold | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ImportantRule:
+        if self.above is None and self.below is None:
+            raise ValueError(f"important rule for metric {self.metric!r} needs above or below")
+        if self.above is not None and self.below is not None and self.below >= self.above:
+            raise ValueError(
+                f"important rule for metric {self.metric!r}: below ({self.below}) must be "
+                f"less than above ({self.above}), or every value would be important"
+            )
+        return self
+
+
+class Override(_Model):
+    """Sampling settings for devices whose topic matches an MQTT filter (first match wins)."""
+
+    topic_filter: str = Field(min_length=1, max_length=1024)
+    noisy_above: Rate | None = None
+    target_rate: Rate | None = None
+
+    @field_validator("topic_filter")
+    @classmethod
+    def _valid_filter(cls, value: str) -> str:
+        filter_levels(value)
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> Override:
+        if self.noisy_above is None and self.target_rate is None:
+            raise ValueError(
+                f"override for {self.topic_filter!r} sets neither noisy_above nor target_rate"
+            )
+        return self
+
+
+class TenantSampling(_Model):
+    """One tenant's settings; unset fields take the global [sampling] value.
+
+    ``max_rate``/``burst`` and ``max_devices_per_tenant`` are off unless set.
+    """
+
+    noisy_above: Rate | None = None
+    target_rate: Rate | None = None
+    max_rate: Rate | None = None
+    # Tokens the bucket holds; defaults to one second of max_rate (at least 1).
+    burst: Annotated[float, Field(ge=1, le=1_000_000_000, allow_inf_nan=False)] | None = None
+    max_devices_per_tenant: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
+
+
+class SamplingConfig(_Model):
+    """The [sampling] section. Rates are messages per second, durations seconds."""
+
+    enabled: bool = True
+    # Half-life of the rate estimate: how fast it follows a change of rate.
+    half_life: Annotated[Seconds, Field(gt=0, le=3600)] = 5.0
+    noisy_above: Rate = 5.0
+    target_rate: Rate = 1.0
+    quiet_below: Rate = 2.0
+    quiet_for: Seconds = 30.0
+    latest_interval: Seconds = 1.0
+    # Events whose timestamp is this much older than their arrival are
+    # back-fill (a device catching up, or the broker replaying a backlog after
+    # an outage): they bypass sampling entirely and are all kept, so a burst of
+    # old events never makes a device look noisy. The ingest stage applies it.
+    backfill_after: Seconds = 30.0
+    max_devices: int = Field(default=100_000, ge=1, le=10_000_000)
+    # Tenants without a section of their own that are tracked at once (LRU).
+    max_tenants: int = Field(default=10_000, ge=1, le=10_000_000)
+    important: list[ImportantRule] = Field(default_factory=list, max_length=256)
+    overrides: list[Override] = Field(default_factory=list, max_length=1024)
+    # [sampling.tenants.default] applies to every tenant without a section of its own.
+    tenants: dict[str, TenantSampling] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check(self) -> SamplingConfig:
+        q = self.quiet_below
+        if q >= self.noisy_above:
+            raise ValueError(
+                f"quiet_below ({q}) must be below noisy_above ({self.noisy_above}): "
+                "the gap between them is the hysteresis"
+            )
+        # A single message moves the estimate by ln2/half_life; centred, half of
+        # that. If that alone reached quiet_below, a device could never go quiet.
+        step = math.log(2) / self.half_life / 2
+        if step >= q:
+            raise ValueError(
+                f"half_life ({self.half_life} s) is too short for quiet_below ({q}): one "
+                f"message alone would count as {step:.3g} msg/s; use a half_life of at "
+                f"least {math.log(2) / (2 * q):.3g} s"
+            )
+        for name, section in self.tenants.items():
+            if section.noisy_above is not None and section.noisy_above <= q:
+                raise ValueError(
+                    f"tenants.{name}.noisy_above ({section.noisy_above}) must be above "
+                    f"quiet_below ({q})"
+                )
+            if section.burst is not None and section.max_rate is None:
+                raise ValueError(f"tenants.{name}.burst is set but max_rate is not")
+        for i, override in enumerate(self.overrides):
+            if override.noisy_above is not None and override.noisy_above <= q:
+                raise ValueError(
+                    f"overrides[{i}].noisy_above ({override.noisy_above}) must be above "
+                    f"quiet_below ({q})"
+                )
+        return self
 
 
 class Config(_Model):

@@ -27,10 +27,10 @@ import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from gateway import ingest
+from gateway import app
 from gateway.config import Config, load_config
-from gateway.database import Database, connect
-from gateway.metrics import Stats
+from gateway.stats import Stats
+from gateway.store.database import Database, connect
 
 ROOT = Path(__file__).resolve().parent.parent
 MQTT_HOST = "127.0.0.1"
@@ -149,7 +149,7 @@ async def running_gateway(config: Config | None = None) -> AsyncIterator[Running
     stats = Stats()
     stop = asyncio.Event()
     ready = asyncio.Event()
-    task = asyncio.create_task(ingest.run(config, stop, stats=stats, ready=ready))
+    task = asyncio.create_task(app.run(config, stop, stats=stats, ready=ready))
     try:
         async with asyncio.timeout(60):
             ready_wait = asyncio.ensure_future(ready.wait())

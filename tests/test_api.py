@@ -1,4 +1,4 @@
-"""gateway.api: the metrics model, the exposition text, and the HTTP server's bounds.
+"""gateway.web: the metrics model, the exposition text, and the HTTP server's bounds.
 
 No external services: each test serves on 127.0.0.1 port 0 and talks raw
 HTTP/1.1 over asyncio streams.
@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from gateway.api import (
+from gateway.stats import Stats
+from gateway.web.metrics import (
     METRICS_CONTENT_TYPE,
     SERIES_DROPPED,
     MetricsRegistry,
     gateway_metrics,
-    serve,
 )
-from gateway.metrics import Stats
+from gateway.web.server import serve
 
 HOST = "127.0.0.1"
 WAIT = 5.0  # upper bound for any single wait in these tests
@@ -428,13 +428,14 @@ def test_stats_are_mirrored() -> None:
 
 
 def test_direct_families() -> None:
-    metrics = gateway_metrics(Stats())
-    metrics.write_latency.observe(0.004)
-    metrics.write_latency.observe(120)
-    metrics.batch_rows.observe(3)
-    metrics.hot_partitions.inc(table="telemetry")
-    metrics.quota_rejections.inc(tenant="acme")
-    metrics.sampled_out.inc(4, tenant="acme")
+    stats = Stats()
+    metrics = gateway_metrics(stats)
+    stats.write_latency.observe(0.004)
+    stats.write_latency.observe(120)
+    stats.batch_rows.observe(3)
+    stats.hot_by_table.add("telemetry")
+    stats.quota_by_tenant.add("acme")
+    stats.sampled_out_by_tenant.add("acme", 4)
     exp = parse_exposition(metrics.render())
     assert exp.types["gateway_write_latency_seconds"] == "histogram"
     assert exp.value("gateway_write_latency_seconds_bucket", le="0.001") == 0
@@ -459,9 +460,9 @@ def test_direct_families() -> None:
 async def test_metrics_endpoint(caplog: pytest.LogCaptureFixture) -> None:
     stats = Stats(received=3, written=2)
     metrics = gateway_metrics(stats)
-    metrics.write_latency.observe(0.2)
-    metrics.quota_rejections.inc(tenant='a"b\\c\nd')
-    with caplog.at_level(logging.INFO, logger="gateway.api"):
+    stats.write_latency.observe(0.2)
+    stats.quota_by_tenant.add('a"b\\c\nd')
+    with caplog.at_level(logging.INFO, logger="gateway.web.server"):
         async with running(metrics.render) as port:
             assert f"metrics on http://{HOST}:{port}/metrics" in caplog.messages
             reply = await get(port, "/metrics")
@@ -610,7 +611,7 @@ async def test_render_error_is_a_500_and_the_server_keeps_serving(
         raise KeyError("nope")
 
     async with running(render, health) as port:
-        with caplog.at_level(logging.WARNING, logger="gateway.api"):
+        with caplog.at_level(logging.WARNING, logger="gateway.web.server"):
             reply = await get(port, "/metrics")
         assert reply.status == 500
         assert reply.body == b"internal server error\n"

@@ -22,7 +22,7 @@ import aiomqtt
 import orjson
 import pytest
 
-from gateway.database import Database
+from gateway.store.database import Database
 
 from .conftest import ROOT, make_config, running_gateway
 from .test_ingest import telemetry_keys

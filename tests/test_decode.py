@@ -11,8 +11,10 @@ import orjson
 import pytest
 
 from gateway.config import LimitsConfig
-from gateway.decode import REASONS, Decoder, Event, event_identity
 from gateway.errors import DecodeError
+from gateway.event import Event
+from gateway.identity import event_identity
+from gateway.ingest.decode import REASONS, Decoder
 
 LIMITS = LimitsConfig()
 DECODER = Decoder(LIMITS)

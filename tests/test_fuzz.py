@@ -24,9 +24,11 @@ from hypothesis import event as note
 from hypothesis import strategies as st
 
 from gateway.config import LimitsConfig, TopicTemplate
-from gateway.decode import JSON_TYPES, MSGPACK_TYPES, REASONS, Decoder, Event, event_identity
 from gateway.errors import DecodeError
-from gateway.topics import TopicMatcher
+from gateway.event import Event
+from gateway.identity import event_identity
+from gateway.ingest.decode import JSON_TYPES, MSGPACK_TYPES, REASONS, Decoder
+from gateway.ingest.topics import TopicMatcher
 
 LIMITS = LimitsConfig(
     max_payload_bytes=4096,

@@ -28,9 +28,9 @@ from hypothesis import strategies as st
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from gateway.database import Database
-from gateway.decode import event_identity
-from gateway.state import state_bucket
+from gateway.identity import event_identity
+from gateway.store.database import Database
+from gateway.store.latest import state_bucket
 
 from .conftest import (
     MQTT_PORT,
@@ -42,7 +42,7 @@ from .conftest import (
     running_gateway,
 )
 
-# The pipeline's own tests run on both write drivers (gateway/write_session.py);
+# The pipeline's own tests run on both write drivers (gateway/store/write_session.py);
 # the rest use the default one.
 DRIVERS = ["acsylla", "python"]
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import orjson
 
-from gateway.database import Database
-from gateway.simulate import FleetSpec, noisy_device_ids, publish
+from gateway.store.database import Database
+from gateway.tools.simulate import FleetSpec, noisy_device_ids, publish
 
 from .conftest import base_env, make_config, run_cli, running_gateway
 from .conftest import publish as mqtt_publish

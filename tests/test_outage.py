@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 import orjson
 
-from gateway.database import Database
+from gateway.store.database import Database
 
 from .conftest import CQL_PORT, make_config, publish, running_gateway
 from .test_ingest import device_row, telemetry_keys, topic

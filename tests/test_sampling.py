@@ -13,14 +13,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from gateway.sampling import (
-    REASONS,
-    Sampler,
-    SamplingConfig,
-    Verdict,
-    _filter_levels,
-    topic_matches,
-)
+from gateway.config import SamplingConfig
+from gateway.ingest.sampling import REASONS, Sampler, Verdict
+from gateway.topic_filters import filter_levels, topic_matches
 
 TENANT = "acme"
 
@@ -338,7 +333,7 @@ def test_topic_overrides_first_match_wins() -> None:
 
 def test_topic_filter_matching() -> None:
     def match(topic_filter: str, topic: str) -> bool:
-        return topic_matches(_filter_levels(topic_filter), topic)
+        return topic_matches(filter_levels(topic_filter), topic)
 
     assert match("a/+/c", "a/b/c")
     assert not match("a/+/c", "a/b/c/d")

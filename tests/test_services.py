@@ -26,7 +26,7 @@ from cassandra.policies import RoundRobinPolicy
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from gateway.schema import REQUIRED_TABLES
+from gateway.store.schema import REQUIRED_TABLES
 
 from .conftest import CQL_PORT, MQTT_HOST, MQTT_PORT, ROOT, TEST_KEYSPACE, base_env, run_cli
 

@@ -12,7 +12,7 @@ import msgpack
 import orjson
 import pytest
 
-from gateway.simulate import Fleet, FleetSpec, PublishStats, noisy_device_ids, publish
+from gateway.tools.simulate import Fleet, FleetSpec, PublishStats, noisy_device_ids, publish
 
 BROKER_HOST = "127.0.0.1"
 BROKER_PORT = 1883
@@ -212,6 +212,6 @@ async def test_publish_end_to_end(fmt: str) -> None:
 async def test_publish_duration_stops() -> None:
     spec = FleetSpec(devices=5, rate=200.0, tenant=f"sim-{uuid.uuid4().hex}")
     async with asyncio.timeout(30):
-        stats = await publish(spec, host=BROKER_HOST, port=BROKER_PORT, duration=0.3)
+        stats = await publish(spec, duration=0.3)
     # The schedule never goes past rate * duration messages.
     assert 0 < stats.sent <= 60

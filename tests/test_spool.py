@@ -12,8 +12,8 @@ from pathlib import Path
 
 import orjson
 
-from gateway.database import Database
-from gateway.spool import Spool
+from gateway.ingest.spool import Spool
+from gateway.store.database import Database
 
 from .conftest import make_config, publish, running_gateway
 from .test_ingest import device_row, telemetry_keys, topic
@@ -51,7 +51,7 @@ async def test_full_spool_waits_for_room(tmp_path: Path) -> None:
 WRITER = """
 import asyncio, sys
 from pathlib import Path
-from gateway.spool import Spool
+from gateway.ingest.spool import Spool
 async def main():
     async with Spool(Path(sys.argv[1]), 10**9, 10**12) as spool:
         i = 0

@@ -6,7 +6,7 @@ import pytest
 
 from gateway.config import LimitsConfig, TopicTemplate
 from gateway.errors import DecodeError
-from gateway.topics import TopicMatcher
+from gateway.ingest.topics import TopicMatcher
 
 LIMITS = LimitsConfig()
 MAX_LEVEL = LIMITS.max_topic_level_length

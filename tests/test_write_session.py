@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from gateway.config import CassandraConfig
-from gateway.database import Database
 from gateway.errors import ConfigError
-from gateway.write_session import (
+from gateway.store.database import Database
+from gateway.store.write_session import (
     UNSET,
     WriteSession,
     acsylla_installed,

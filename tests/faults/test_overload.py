@@ -9,7 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from gateway.database import Database
+from gateway.store.database import Database
 
 from ..conftest import make_config, running_gateway
 from ..test_outage import proxy

@@ -20,7 +20,7 @@ import aiomqtt
 import orjson
 from cassandra.cluster import NoHostAvailable
 
-from gateway.database import Database
+from gateway.store.database import Database
 
 from ..conftest import MQTT_HOST, MQTT_PORT, ROOT, GatewayProcess
 from ..test_ingest import device_row, state_rows, telemetry_keys, topic

@@ -11,8 +11,8 @@ import time
 from collections.abc import Callable
 from datetime import UTC
 
-from gateway.database import Database
-from gateway.simulate import Fleet, FleetSpec
+from gateway.store.database import Database
+from gateway.tools.simulate import Fleet, FleetSpec
 
 from ..conftest import GatewayProcess, publish
 from ..test_ingest import device_row, telemetry_keys

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from .config import MAX_BUCKET_SECONDS, Config
+from ..config import MAX_BUCKET_SECONDS, Config
 from .database import Database
 
 

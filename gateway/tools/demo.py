@@ -32,7 +32,7 @@ HINTS = """\
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gateway.demo")
+    parser = argparse.ArgumentParser(prog="gateway.tools.demo")
     parser.add_argument("--devices", type=int, default=50)
     parser.add_argument("--rate", type=float, default=20.0)
     args = parser.parse_args(argv)
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
             [
                 sys.executable,
                 "-m",
-                "gateway.cli",
+                "gateway.tools.cli",
                 "--log-level",
                 "WARNING",
                 "simulate",

@@ -11,9 +11,9 @@ import logging
 import re
 from pathlib import Path
 
-from .config import CassandraConfig
+from ..config import CassandraConfig
+from ..errors import SchemaError
 from .database import Database
-from .errors import SchemaError
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ REQUIRED_TABLES = (
 
 def schema_dir() -> Path:
     """The schema/ folder: next to the package in a checkout, else in the cwd (Docker)."""
-    for candidate in (Path(__file__).resolve().parent.parent / "schema", Path.cwd() / "schema"):
+    for candidate in (Path(__file__).resolve().parents[2] / "schema", Path.cwd() / "schema"):
         if candidate.is_dir() and any(candidate.glob("*.cql")):
             return candidate
     raise SchemaError("no schema/ folder with .cql files next to the package or in the cwd")

@@ -49,12 +49,12 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Annotated
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from ..config import SamplingConfig, TenantSampling
+from ..lru import LRU
+from ..topic_filters import filter_levels, topic_matches
 
 REASONS = (
     "normal",  # full resolution: the device is not noisy and its tenant within its rate
@@ -65,155 +65,6 @@ REASONS = (
     "tenant_rate",  # the tenant is over max_rate: dropped
     "quota",  # a new device beyond max_devices_per_tenant: rejected
 )
-
-
-def _duration(value: object) -> object:
-    # Imported here rather than at the top: config.py imports this module for
-    # its [sampling] section, and a module-level import back would be circular.
-    from .config import parse_duration  # noqa: PLC0415
-
-    return parse_duration(value)
-
-
-# Messages per second.
-Rate = Annotated[float, Field(gt=0, le=1_000_000, allow_inf_nan=False)]
-# Seconds; "30s", "1m", "250ms" are accepted as in the rest of the config.
-Seconds = Annotated[float, BeforeValidator(_duration), Field(ge=0, le=86400)]
-Threshold = Annotated[float, Field(allow_inf_nan=False)]
-
-
-class _Model(BaseModel):
-    # As config.py: environment variables can turn a metric name like "42" into a number.
-    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
-
-
-class ImportantRule(_Model):
-    """Events whose ``metric`` is above ``above`` or below ``below`` are never sampled out.
-
-    So is the first event in which the metric is back within bounds, so that
-    the return to normal is recorded too.
-    """
-
-    metric: str = Field(min_length=1, max_length=1024)
-    above: Threshold | None = None
-    below: Threshold | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> ImportantRule:
-        if self.above is None and self.below is None:
-            raise ValueError(f"important rule for metric {self.metric!r} needs above or below")
-        if self.above is not None and self.below is not None and self.below >= self.above:
-            raise ValueError(
-                f"important rule for metric {self.metric!r}: below ({self.below}) must be "
-                f"less than above ({self.above}), or every value would be important"
-            )
-        return self
-
-
-def _filter_levels(topic_filter: str) -> tuple[str, ...]:
-    levels = tuple(topic_filter.split("/"))
-    for i, level in enumerate(levels):
-        if level == "#" and i != len(levels) - 1:
-            raise ValueError(f"topic_filter {topic_filter!r}: '#' must be the last level")
-        if level not in ("#", "+") and ("#" in level or "+" in level):
-            raise ValueError(
-                f"topic_filter {topic_filter!r}: '+' and '#' must stand alone in a level"
-            )
-    return levels
-
-
-class Override(_Model):
-    """Sampling settings for devices whose topic matches an MQTT filter (first match wins)."""
-
-    topic_filter: str = Field(min_length=1, max_length=1024)
-    noisy_above: Rate | None = None
-    target_rate: Rate | None = None
-
-    @field_validator("topic_filter")
-    @classmethod
-    def _valid_filter(cls, value: str) -> str:
-        _filter_levels(value)
-        return value
-
-    @model_validator(mode="after")
-    def _check(self) -> Override:
-        if self.noisy_above is None and self.target_rate is None:
-            raise ValueError(
-                f"override for {self.topic_filter!r} sets neither noisy_above nor target_rate"
-            )
-        return self
-
-
-class TenantSampling(_Model):
-    """One tenant's settings; unset fields take the global [sampling] value.
-
-    ``max_rate``/``burst`` and ``max_devices_per_tenant`` are off unless set.
-    """
-
-    noisy_above: Rate | None = None
-    target_rate: Rate | None = None
-    max_rate: Rate | None = None
-    # Tokens the bucket holds; defaults to one second of max_rate (at least 1).
-    burst: Annotated[float, Field(ge=1, le=1_000_000_000, allow_inf_nan=False)] | None = None
-    max_devices_per_tenant: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
-
-
-class SamplingConfig(_Model):
-    """The [sampling] section. Rates are messages per second, durations seconds."""
-
-    enabled: bool = True
-    # Half-life of the rate estimate: how fast it follows a change of rate.
-    half_life: Annotated[Seconds, Field(gt=0, le=3600)] = 5.0
-    noisy_above: Rate = 5.0
-    target_rate: Rate = 1.0
-    quiet_below: Rate = 2.0
-    quiet_for: Seconds = 30.0
-    latest_interval: Seconds = 1.0
-    # Events whose timestamp is this much older than their arrival are
-    # back-fill (a device catching up, or the broker replaying a backlog after
-    # an outage): they bypass sampling entirely and are all kept, so a burst of
-    # old events never makes a device look noisy. The ingest stage applies it.
-    backfill_after: Seconds = 30.0
-    max_devices: int = Field(default=100_000, ge=1, le=10_000_000)
-    # Tenants without a section of their own that are tracked at once (LRU).
-    max_tenants: int = Field(default=10_000, ge=1, le=10_000_000)
-    important: list[ImportantRule] = Field(default_factory=list, max_length=256)
-    overrides: list[Override] = Field(default_factory=list, max_length=1024)
-    # [sampling.tenants.default] applies to every tenant without a section of its own.
-    tenants: dict[str, TenantSampling] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _check(self) -> SamplingConfig:
-        q = self.quiet_below
-        if q >= self.noisy_above:
-            raise ValueError(
-                f"quiet_below ({q}) must be below noisy_above ({self.noisy_above}): "
-                "the gap between them is the hysteresis"
-            )
-        # A single message moves the estimate by ln2/half_life; centred, half of
-        # that. If that alone reached quiet_below, a device could never go quiet.
-        step = math.log(2) / self.half_life / 2
-        if step >= q:
-            raise ValueError(
-                f"half_life ({self.half_life} s) is too short for quiet_below ({q}): one "
-                f"message alone would count as {step:.3g} msg/s; use a half_life of at "
-                f"least {math.log(2) / (2 * q):.3g} s"
-            )
-        for name, section in self.tenants.items():
-            if section.noisy_above is not None and section.noisy_above <= q:
-                raise ValueError(
-                    f"tenants.{name}.noisy_above ({section.noisy_above}) must be above "
-                    f"quiet_below ({q})"
-                )
-            if section.burst is not None and section.max_rate is None:
-                raise ValueError(f"tenants.{name}.burst is set but max_rate is not")
-        for i, override in enumerate(self.overrides):
-            if override.noisy_above is not None and override.noisy_above <= q:
-                raise ValueError(
-                    f"overrides[{i}].noisy_above ({override.noisy_above}) must be above "
-                    f"quiet_below ({q})"
-                )
-        return self
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,20 +183,6 @@ class _Device:
         self.beyond = 0  # bit i: rule i's metric was beyond its threshold last time
 
 
-def topic_matches(levels: tuple[str, ...], topic: str) -> bool:
-    """MQTT filter matching: ``+`` is one level, a final ``#`` the rest (or nothing)."""
-    parts = topic.split("/")
-    # Wildcards at the first level don't match $SYS-style topics (MQTT 4.7.2).
-    if topic.startswith("$") and levels and levels[0] in ("+", "#"):
-        return False
-    for i, level in enumerate(levels):
-        if level == "#":
-            return True
-        if i >= len(parts) or (level != "+" and level != parts[i]):
-            return False
-    return len(levels) == len(parts)
-
-
 class Sampler:
     """Decides, per event, what is written. Not thread-safe; one per pipeline."""
 
@@ -358,8 +195,6 @@ class Sampler:
         self._quiet_below = config.quiet_below
         self._quiet_for = config.quiet_for
         self._latest_interval = config.latest_interval
-        self._max_devices = config.max_devices
-        self._max_tenants = config.max_tenants
         self._rules = tuple(
             (
                 rule.metric,
@@ -370,7 +205,7 @@ class Sampler:
             for i, rule in enumerate(config.important)
         )
         self._overrides = tuple(
-            (_filter_levels(o.topic_filter), o.noisy_above, o.target_rate) for o in config.overrides
+            (filter_levels(o.topic_filter), o.noisy_above, o.target_rate) for o in config.overrides
         )
         sections = {
             name: self._params(section)
@@ -382,10 +217,8 @@ class Sampler:
         now = clock()
         # Tenants with a section of their own are few and configured: never evicted.
         self._pinned = {name: _Tenant(params, now) for name, params in sections.items()}
-        self._tenants: OrderedDict[str, _Tenant] = OrderedDict()
-        self._devices: OrderedDict[tuple[str, str], _Device] = OrderedDict()
-        self.evicted_devices = 0
-        self.evicted_tenants = 0
+        self._tenants: LRU[str, _Tenant] = LRU(config.max_tenants)
+        self._devices: LRU[tuple[str, str], _Device] = LRU(config.max_devices)
 
     def _params(self, section: TenantSampling) -> _TenantParams:
         c = self._config
@@ -409,18 +242,14 @@ class Sampler:
         ten = self._pinned.get(name)
         if ten is not None:
             return ten
-        tenants = self._tenants
-        ten = tenants.get(name)
+        ten = self._tenants.get(name)
         if ten is not None:
-            tenants.move_to_end(name)
             return ten
-        ten = tenants[name] = _Tenant(self._default_params, now)
-        if len(tenants) > self._max_tenants:
-            # Only when more than max_tenants unconfigured tenants are active.
-            # Its counters and admitted-device set go with it: if it comes back,
-            # its device quota starts afresh.
-            tenants.popitem(last=False)
-            self.evicted_tenants += 1
+        ten = _Tenant(self._default_params, now)
+        # At the bound (more than max_tenants unconfigured tenants active) the
+        # least recent one goes, with its counters and admitted-device set: if
+        # it comes back, its device quota starts afresh.
+        self._tenants.put(name, ten)
         return ten
 
     def _resolve(self, dev: _Device, params: _TenantParams, topic: str) -> None:
@@ -460,13 +289,12 @@ class Sampler:
                 known.add(device_id)
             dev = _Device(topic, 0.0, 0.0, now)
             self._resolve(dev, ten.params, topic)
-            devices[key] = dev
-            if len(devices) > self._max_devices:
-                self._evict()
+            evicted = devices.put(key, dev)
+            if evicted is not None:
+                self._forget(*evicted)
             changed = True
             dt = 0.0
         else:
-            devices.move_to_end(key)
             if topic != dev.topic:
                 self._resolve(dev, ten.params, topic)
             changed = state is not None and state != dev.state
@@ -599,11 +427,19 @@ class Sampler:
     def _latest_due(self, dev: _Device, now: float) -> bool:
         return now - dev.latest_at >= self._latest_interval
 
-    def _evict(self) -> None:
-        (tenant, device_id), dev = self._devices.popitem(last=False)
-        self.evicted_devices += 1
+    @property
+    def evicted_devices(self) -> int:
+        return self._devices.evictions
+
+    @property
+    def evicted_tenants(self) -> int:
+        return self._tenants.evictions
+
+    def _forget(self, key: tuple[str, str], dev: _Device) -> None:
+        # An evicted device leaves its tenant's noisy list too.
+        tenant, device_id = key
         if dev.noisy:
-            ten = self._pinned.get(tenant) or self._tenants.get(tenant)
+            ten = self._pinned.get(tenant) or self._tenants.peek(tenant)
             if ten is not None:
                 ten.noisy.pop(device_id, None)
 
@@ -623,14 +459,14 @@ class Sampler:
 
     def rate(self, tenant: str, device_id: str) -> float:
         """The device's estimated message rate now (0.0 if not tracked)."""
-        dev = self._devices.get((tenant, device_id))
+        dev = self._devices.peek((tenant, device_id))
         if dev is None:
             return 0.0
         return dev.acc * math.exp(-self._lam * max(0.0, self._clock() - dev.last))
 
     def noisy(self, tenant: str) -> list[NoisyDevice]:
         """The tenant's noisy devices, noisiest first."""
-        ten = self._pinned.get(tenant) or self._tenants.get(tenant)
+        ten = self._pinned.get(tenant) or self._tenants.peek(tenant)
         if ten is None:
             return []
         now = self._clock()

@@ -21,7 +21,6 @@ Validation is pydantic in strict mode (no coercion: ``"21"`` is not a number,
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
@@ -37,9 +36,10 @@ from pydantic import (
     ValidationError,
 )
 
-from .config import LimitsConfig
-from .errors import DecodeError
-from .identity import event_identity
+from ..config import LimitsConfig
+from ..errors import DecodeError
+from ..event import Event
+from ..identity import event_identity
 
 REASONS = (
     "topic",  # the topic matches no template or has a bad level
@@ -64,25 +64,6 @@ JSON_TYPES = frozenset({"application/json", "text/json"})
 MSGPACK_TYPES = frozenset(
     {"application/msgpack", "application/x-msgpack", "application/vnd.msgpack"}
 )
-
-
-@dataclass(slots=True)
-class Event:
-    """One validated device event, ready for the writers."""
-
-    tenant: str
-    device_id: str
-    ts_ms: int
-    state: str | None
-    value_text: str | None
-    value_num: float | None
-    metrics: dict[str, float]
-    tags: dict[str, str]
-    received_ms: int
-    ts_from_receive: bool
-    sent_at_ms: float | None
-    event_id: int
-    write_ts: int
 
 
 class Decoder:

@@ -14,11 +14,11 @@ import time
 
 import aiomqtt
 
-from .config import Config
-from .errors import ConfigError, SinkError
-from .receive import mqtt_client
-from .schema import missing_from
-from .write_session import open_write_session
+from ..config import Config
+from ..errors import ConfigError, SinkError
+from ..ingest.receive import mqtt_client
+from ..store.schema import missing_from
+from ..store.write_session import open_write_session
 
 
 async def _broker(config: Config) -> tuple[bool, str]:

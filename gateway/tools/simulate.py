@@ -39,15 +39,18 @@ import logging
 import math
 import random
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-import aiomqtt
 import msgpack
 import orjson
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+
+from ..config import MqttConfig
+from ..ingest.receive import mqtt_client
 
 __all__ = [
     "NOISY_WEIGHT",
@@ -237,9 +240,8 @@ def _packb(obj: Any) -> bytes:
 
 async def publish(
     spec: FleetSpec,
+    mqtt: MqttConfig | None = None,
     *,
-    host: str = "127.0.0.1",
-    port: int = 1883,
     count: int | None = None,
     duration: float | None = None,
     client_id: str | None = None,
@@ -250,7 +252,9 @@ async def publish(
     """Publish the fleet's events at QoS 1, paced to ``spec.rate``.
 
     Stops after ``count`` messages or ``duration`` seconds, whichever comes
-    first; with neither it runs until cancelled. ``on_sent(topic, event)`` is
+    first; with neither it runs until cancelled. The broker's address,
+    credentials and TLS come from ``mqtt`` (the gateway's [mqtt] section; the
+    defaults when None), under a client id of its own. ``on_sent(topic, event)`` is
     called for every message once the broker acknowledged it. ``concurrency``
     bounds the publishes awaiting their PUBACK.
     """
@@ -275,13 +279,11 @@ async def publish(
     sent = 0
     done = asyncio.Event()
 
-    async with aiomqtt.Client(
-        host,
-        port,
-        identifier=client_id,
-        protocol=aiomqtt.ProtocolVersion.V5,
-        max_inflight_messages=concurrency,
-        logger=logger.getChild("mqtt"),
+    async with mqtt_client(
+        mqtt or MqttConfig(),
+        identifier=client_id or f"gateway-simulate-{uuid.uuid4().hex[:12]}",
+        clean_start=True,
+        max_inflight=concurrency,
     ) as client:
         # aiomqtt warns above 10 pending publishes; we keep `concurrency` pending on purpose.
         client.pending_calls_threshold = concurrency

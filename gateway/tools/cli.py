@@ -24,11 +24,14 @@ import aiomqtt
 import orjson
 import uvloop
 
-from . import check, ingest, queries, schema
-from .config import Config, load_config, parse_duration
-from .database import connect
-from .errors import ConfigError, GatewayError
-from .receive import mqtt_client
+from .. import app
+from ..config import Config, load_config
+from ..errors import ConfigError, GatewayError
+from ..ingest.receive import mqtt_client
+from ..store import queries, schema
+from ..store.database import connect
+from ..units import parse_duration
+from . import check
 from .simulate import FleetSpec, publish
 
 log = logging.getLogger("gateway")
@@ -164,7 +167,7 @@ async def _run(config: Config) -> int:
         config.cassandra.keyspace,
     )
     task = asyncio.create_task(
-        ingest.run(config, stop, shutdown_deadline=config.pipeline.shutdown_deadline)
+        app.run(config, stop, shutdown_deadline=config.pipeline.shutdown_deadline)
     )
     await asyncio.wait(
         (task, asyncio.ensure_future(stop.wait())), return_when=asyncio.FIRST_COMPLETED
@@ -334,8 +337,7 @@ async def _simulate(config: Config, args: argparse.Namespace) -> int:
     task = asyncio.create_task(
         publish(
             spec,
-            host=config.mqtt.host,
-            port=config.mqtt.port,
+            config.mqtt,
             count=args.count,
             duration=args.duration,
         )

@@ -27,11 +27,11 @@ index write); the shard counts are an LRU of the same size.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Hashable
 
-from .config import Config
-from .decode import Event
+from ..config import Config
+from ..event import Event
+from ..lru import LRU
 from .sink import Pending, Write
 from .write_session import UNSET, Prepared, WriteSession
 
@@ -53,12 +53,12 @@ class Telemetry:
 
     def __init__(self, config: Config) -> None:
         self._config = config
-        self._shards: OrderedDict[tuple[str, str], int] = OrderedDict()
+        size = config.pipeline.partition_cache_size
+        self._shards: LRU[tuple[str, str], int] = LRU(size)
         # Per device: (last event time, smoothed gap between events), both ms.
-        self._gaps: OrderedDict[tuple[str, str], tuple[int, float | None]] = OrderedDict()
+        self._gaps: LRU[tuple[str, str], tuple[int, float | None]] = LRU(size)
         self._max_shards = config.hot_partitions.max_shards
-        self._indexed: OrderedDict[tuple[str, str, int, int, int], None] = OrderedDict()
-        self._cache_size = config.pipeline.partition_cache_size
+        self._indexed: LRU[tuple[str, str, int, int, int], bool] = LRU(size)
 
     async def prepare(self, session: WriteSession) -> None:
         self._insert_row = await session.prepare(
@@ -81,17 +81,14 @@ class Telemetry:
         key = (event.tenant, event.device_id)
         known = self._gaps.get(key)
         if known is None:
-            self._gaps[key] = (event.ts_ms, None)
-            if len(self._gaps) > self._cache_size:
-                self._gaps.popitem(last=False)
+            self._gaps.put(key, (event.ts_ms, None))
             return None
-        self._gaps.move_to_end(key)
         last_ts, gap = known
         step = event.ts_ms - last_ts
         if step <= 0:  # out of order or duplicate: no new information
             return None if gap is None else 1000.0 / max(gap, 1.0)
         gap = step if gap is None else gap + GAP_ALPHA * (step - gap)
-        self._gaps[key] = (event.ts_ms, gap)
+        self._gaps.put(key, (event.ts_ms, gap))
         return 1000.0 / max(gap, 1.0)
 
     def bucket_seconds(self, tenant: str, rate: float | None) -> int:
@@ -108,30 +105,26 @@ class Telemetry:
         """Sink callback: a partition went over the hot threshold."""
         if isinstance(partition, tuple) and partition[0] == "telemetry":
             device = (partition[1], partition[2])
-            shards = min(self._max_shards, self._shards.get(device, 1) * 2)
+            shards = min(self._max_shards, (self._shards.get(device) or 1) * 2)
             if shards > 1:
-                self._shards[device] = shards
-                self._shards.move_to_end(device)
-                if len(self._shards) > self._cache_size:
-                    self._shards.popitem(last=False)
+                self._shards.put(device, shards)
                 log.info("device %s/%s: raw telemetry split over %d shards", *device, shards)
 
     def window_ended(self, hot: set[Hashable]) -> None:
         """Sink callback: devices that were not hot in the last window cool down."""
         hot_devices = {(p[1], p[2]) for p in hot if isinstance(p, tuple) and p[0] == "telemetry"}
-        for device in [d for d in self._shards if d not in hot_devices]:
-            shards = self._shards[device] // 2
-            if shards > 1:
-                self._shards[device] = shards
+        for device, shards in [(d, k) for d, k in self._shards.items() if d not in hot_devices]:
+            if shards > 2:
+                self._shards.put(device, shards // 2)
             else:
-                del self._shards[device]
+                self._shards.pop(device)
 
     def writes(self, event: Event, pending: Pending) -> list[Write]:
         tenant_cfg = self._config.tenant(event.tenant)
         bucket_seconds = self.bucket_seconds(event.tenant, self._rate(event))
         ttl = int(tenant_cfg.ttl)
         start = bucket_start_ms(event.ts_ms, bucket_seconds)
-        shards = self._shards.get((event.tenant, event.device_id), 1)
+        shards = self._shards.peek((event.tenant, event.device_id)) or 1
         shard = event.event_id % shards
         key = (event.tenant, event.device_id, start, shard)
         # Unset, not null, for absent fields: a null would write a tombstone.
@@ -158,9 +151,7 @@ class Telemetry:
             )
         ]
         indexed = (*key, bucket_seconds)
-        if indexed in self._indexed:
-            self._indexed.move_to_end(indexed)
-        else:
+        if not self._indexed.touch(indexed):
             # The index entry outlives the data it points to by one bucket.
             out.append(
                 Write(
@@ -177,9 +168,7 @@ class Telemetry:
                     pending,
                 )
             )
-            self._indexed[indexed] = None
-            if len(self._indexed) > self._cache_size:
-                self._indexed.popitem(last=False)
+            self._indexed.put(indexed, True)
         return out
 
 

@@ -55,9 +55,9 @@ from cassandra import (
     WriteTimeout,
 )
 
-from .config import CassandraConfig
+from ..config import CassandraConfig
+from ..errors import ConfigError
 from .database import DICT_ROWS, Database, cannot_connect, connect
-from .errors import ConfigError
 
 log = logging.getLogger(__name__)
 

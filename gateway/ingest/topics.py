@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import LimitsConfig, TopicTemplate
-from .errors import DecodeError
+from ..config import LimitsConfig, TopicTemplate
+from ..errors import DecodeError
 
 _NAMED = {"{tenant}": "tenant", "{device_id}": "device_id", "{_}": "_"}
 

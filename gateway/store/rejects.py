@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from cassandra.util import uuid_from_time
 
-from .config import Config
-from .metrics import Stats
+from ..config import Config
+from ..stats import Stats
 from .sink import Pending, Write
 from .write_session import UNSET, Prepared, WriteSession
 

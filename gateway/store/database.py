@@ -28,8 +28,8 @@ from cassandra.query import PreparedStatement, Statement, dict_factory
 
 from cassandra import ConsistencyLevel
 
-from .config import CassandraConfig
-from .errors import SinkError
+from ..config import CassandraConfig
+from ..errors import SinkError
 
 log = logging.getLogger(__name__)
 

@@ -41,14 +41,15 @@ import asyncio
 import logging
 import time
 import zlib
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from .config import Config
-from .decode import Event
-from .metrics import Stats
-from .sink import Pending, Sink, Write
+from ..config import Config
+from ..event import Event
+from ..lru import LRU
+from ..stats import Stats
+from .requests import Requests
+from .sink import Pending, Write
 from .write_session import UNSET, Prepared, WriteSession
 
 log = logging.getLogger(__name__)
@@ -75,16 +76,17 @@ class LatestState:
     _register: Prepared
     _newest_state: Prepared
 
-    def __init__(self, sink: Sink, config: Config, stats: Stats) -> None:
-        self._sink = sink
+    def __init__(self, requests: Requests, config: Config, stats: Stats) -> None:
+        self._requests = requests
         self._config = config
         self._stats = stats
         self._max_states = config.pipeline.max_states_per_tenant
         self._refresh = config.pipeline.states_refresh
         self._skew_ms = int(config.limits.max_future_skew * 1000)
-        self._tenants: OrderedDict[str, _TenantStates] = OrderedDict()
-        self._newest: OrderedDict[tuple[str, str], tuple[int, str]] = OrderedDict()
-        self._newest_max = config.pipeline.device_cache_size
+        self._tenants: LRU[str, _TenantStates] = LRU(
+            max(MAX_TENANTS, config.pipeline.batch_max_events)
+        )
+        self._newest: LRU[tuple[str, str], tuple[int, str]] = LRU(config.pipeline.device_cache_size)
 
     async def prepare(self, session: WriteSession) -> None:
         self._insert_state = await session.prepare(
@@ -116,9 +118,31 @@ class LatestState:
             "WHERE tenant = ? AND device_id = ?"
         )
 
+    async def new_states(self, events: list[Event]) -> list[tuple[str, str]]:
+        """The (tenant, state) pairs of these events that are not known yet.
+
+        The caller lets the writes in flight land, then calls :meth:`register`:
+        those writes may belong to newer events whose deletes did not cover the
+        new state, and the late-event check must see them.
+        """
+        new: dict[tuple[str, str], None] = {}
+        for event in events:
+            if event.state is not None:
+                known = await self._known(event.tenant)
+                if event.state not in known.states:
+                    new[(event.tenant, event.state)] = None
+        return list(new)
+
+    async def register(self, states: list[tuple[str, str]]) -> None:
+        """Record new states in tenant_states, within each tenant's budget."""
+        for tenant, state in states:
+            known = await self._known(tenant)
+            if state not in known.states:
+                await self._register_state(tenant, state, known)
+
     async def prepare_chunk(self, events: list[Event]) -> tuple[list[Event], dict[int, int]]:
-        """Make every state of these events known. Returns the events over the
-        state budget, and for late events the extra delete timestamps (by id(event))."""
+        """After :meth:`register`: the events whose state is over the tenant's
+        budget, and for late events the extra delete timestamps (by id(event))."""
         over: list[Event] = []
         extra: dict[int, int] = {}
         unknown: list[Event] = []
@@ -126,9 +150,7 @@ class LatestState:
             if event.state is None:
                 continue
             known = await self._known(event.tenant)
-            if event.state not in known.states and not await self._register_state(
-                event.tenant, event.state, known
-            ):
+            if event.state not in known.states:
                 over.append(event)
                 continue
             key = (event.tenant, event.device_id)
@@ -145,7 +167,10 @@ class LatestState:
         if unknown:
             self._stats.late_state_checks += len(unknown)
             rows = await asyncio.gather(
-                *(self._sink.execute(self._newest_state, (e.tenant, e.device_id)) for e in unknown)
+                *(
+                    self._requests.execute(self._newest_state, (e.tenant, e.device_id))
+                    for e in unknown
+                )
             )
             for event, found in zip(unknown, rows, strict=True):
                 if found and found[0]["wt"] is not None:
@@ -161,10 +186,9 @@ class LatestState:
     ) -> None:
         """Newest state-bearing write per device seen by this process (bounded LRU)."""
         if current is None or write_ts > current[0]:
-            self._newest[key] = (write_ts, state)
-        self._newest.move_to_end(key)
-        if len(self._newest) > self._newest_max:
-            self._newest.popitem(last=False)
+            self._newest.put(key, (write_ts, state))
+        else:
+            self._newest.touch(key)
 
     def writes(self, event: Event, pending: Pending, late_delete_ts: int | None) -> list[Write]:
         tenant, device = event.tenant, event.device_id
@@ -207,7 +231,11 @@ class LatestState:
                 pending,
             )
         )
-        known = self._tenants[tenant].states
+        tenant_states = self._tenants.peek(tenant)
+        # prepare_chunk loaded it, and a chunk (pipeline.batch_max_events) holds
+        # fewer tenants than MAX_TENANTS, so it cannot have been evicted since.
+        assert tenant_states is not None
+        known = tenant_states.states
         for other in known:
             if other != event.state:
                 out.append(
@@ -232,29 +260,22 @@ class LatestState:
     async def _known(self, tenant: str) -> _TenantStates:
         known = self._tenants.get(tenant)
         if known is not None and time.monotonic() - known.loaded_at < self._refresh:
-            self._tenants.move_to_end(tenant)
             return known
-        rows = await self._sink.execute(self._select_states, (tenant,))
+        rows = await self._requests.execute(self._select_states, (tenant,))
         states = {row["state"]: _epoch_ms(row["registered_at"]) for row in rows}
         if known is not None:
             known.states.update(states)
             known.loaded_at = time.monotonic()
         else:
             known = _TenantStates(states)
-            self._tenants[tenant] = known
-            if len(self._tenants) > MAX_TENANTS:
-                self._tenants.popitem(last=False)
-        self._tenants.move_to_end(tenant)
+            self._tenants.put(tenant, known)
         return known
 
     async def _register_state(self, tenant: str, state: str, known: _TenantStates) -> bool:
         if len(known.states) >= self._max_states:
             return False
-        # Writes in flight may belong to newer events whose deletes did not
-        # cover this state; let them land first so the late-event check sees them.
-        await self._sink.drain()
         now_ms = int(time.time() * 1000)
-        rows = await self._sink.execute(self._register, (tenant, state, now_ms))
+        rows = await self._requests.execute(self._register, (tenant, state, now_ms))
         applied = rows[0]
         # Lightweight transaction: another instance may have registered it first.
         registered = now_ms if applied["[applied]"] else _epoch_ms(applied["registered_at"])

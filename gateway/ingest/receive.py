@@ -47,8 +47,8 @@ from paho.mqtt.client import MQTTMessage
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from .config import MqttConfig
-from .metrics import Stats
+from ..config import MqttConfig
+from ..stats import Stats
 
 log = logging.getLogger(__name__)
 
@@ -153,12 +153,15 @@ def mqtt_client(
     clean_start: bool = False,
     session_expiry: int | None = None,
     receive_maximum: int | None = None,
+    max_inflight: int | None = None,
     timeout: float = 10,
 ) -> aiomqtt.Client:
     """An MQTT v5 client for the configured broker: address, credentials, TLS.
 
     One place for what every connection of the gateway shares (the receiver,
-    `gateway check`, `gateway forget-session`); the password is only read here.
+    `gateway check`, `gateway forget-session`, `gateway simulate`); the
+    password is only read here. ``max_inflight`` bounds our own unacknowledged
+    QoS 1 publishes (the simulator's).
     """
     props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
     if session_expiry is not None:
@@ -178,6 +181,7 @@ def mqtt_client(
         tls_context=cfg.tls.context(),
         timeout=timeout,
         logger=logging.getLogger(f"{__name__}.paho"),
+        max_inflight_messages=max_inflight,
     )
 
 

@@ -1,16 +1,80 @@
 """Counters shared by the pipeline stages, and the one-line status.
 
-Plain integers updated on the event loop (no locks needed). Everything that is
+Plain numbers updated on the event loop (no locks needed). Everything that is
 dropped, retried, rejected or throttled has a counter here, so no decision of
-the gateway is invisible.
+the gateway is invisible. This is a leaf: the stages write here, and the HTTP
+side (``gateway/web/metrics.py``) reads it at every scrape; the write path
+never imports the HTTP side.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+
+# Distinct label values kept per labelled count (tenants, say); later ones are
+# added under OTHER, and how many were folded is counted.
+MAX_LABELS = 10_000
+OTHER = "_other"
+
+WRITE_LATENCY_BUCKETS: tuple[float, ...] = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+BATCH_ROWS_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(11))  # 1 .. 1024
+
+
+class Histogram:
+    """Observations counted into buckets (``value <= bound``; the last is +Inf)."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = (*bounds, math.inf) if not bounds or bounds[-1] != math.inf else bounds
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        index = (
+            len(self.bounds) - 1 if math.isnan(value) else bisect.bisect_left(self.bounds, value)
+        )
+        self.counts[index] += 1
+        self.sum += value
+
+
+class LabelledCounts:
+    """Counts by one label value, with at most ``cap`` distinct values."""
+
+    __slots__ = ("cap", "counts", "folded")
+
+    def __init__(self, cap: int = MAX_LABELS) -> None:
+        self.cap = cap
+        self.counts: dict[str, int] = {}
+        self.folded = 0  # additions whose label went to OTHER at the cap
+
+    def add(self, label: str, amount: int = 1) -> None:
+        counts = self.counts
+        if label not in counts and len(counts) >= self.cap:
+            self.folded += amount
+            label = OTHER
+        counts[label] = counts.get(label, 0) + amount
 
 
 @dataclass
@@ -44,6 +108,12 @@ class Stats:
     throttle_events: int = 0  # times that limit was reached
     read_pauses: int = 0  # times the pipeline queue filled and socket reads paused
     overflow: int = 0  # messages read after a pause took effect (held, never dropped)
+    # Seconds from the device's publish time to the Cassandra ack of its event.
+    write_latency: Histogram = field(default_factory=lambda: Histogram(WRITE_LATENCY_BUCKETS))
+    batch_rows: Histogram = field(default_factory=lambda: Histogram(BATCH_ROWS_BUCKETS))
+    hot_by_table: LabelledCounts = field(default_factory=LabelledCounts)
+    quota_by_tenant: LabelledCounts = field(default_factory=LabelledCounts)
+    sampled_out_by_tenant: LabelledCounts = field(default_factory=LabelledCounts)
     _last: tuple[float, int, int] | None = None  # (time, received, written) at the last line
 
     def status_line(self) -> str:

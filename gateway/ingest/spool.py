@@ -17,6 +17,9 @@ is one transaction for a whole batch (group commit), fsynced
 Bounds: at most ``max_records`` records and ``max_bytes`` of payload. When
 full, ``append`` waits: the gateway stops acknowledging and pauses reading, and
 the broker's persistent session holds the rest.
+
+:class:`Spool` is the storage; :class:`SpoolSource` is the pipeline's source
+in spool mode (it feeds the same queue as the MQTT receiver does otherwise).
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
+
+from ..stats import Stats
+from .pipeline import Flow, Pipeline
+from .receive import Delivery
 
 T = TypeVar("T")
 
@@ -196,3 +203,123 @@ class Spool:
         assert db is not None
         row = db.execute("SELECT min(received_ms) FROM spool").fetchone()
         return None if row is None else row[0]
+
+
+class _Deleted:
+    """A spooled message is done once Cassandra has it: queue its delete."""
+
+    __slots__ = ("_seq", "_size", "_source")
+
+    def __init__(self, source: SpoolSource, seq: int, size: int) -> None:
+        self._source, self._seq, self._size = source, seq, size
+
+    def done(self) -> None:
+        self._source.written(self._seq, self._size)
+
+
+class SpoolSource:
+    """Spool mode's source: the broker's deliveries go into the spool, and the
+    spool, read in arrival order, feeds the pipeline like any other source.
+
+    Three tasks: ``append`` commits deliveries in group commits and
+    acknowledges each to the broker once committed (pausing socket reads while
+    the spool is full or the inbox is as long as the pipeline's queue);
+    ``feed`` reads committed records into the pipeline, waiting for room; and
+    ``delete`` removes records whose writes Cassandra acknowledged.
+    """
+
+    def __init__(
+        self, spool: Spool, pipeline: Pipeline, flow: Flow, stats: Stats, batch: int
+    ) -> None:
+        self.spool = spool
+        self._pipeline = pipeline
+        self._flow = flow
+        self._stats = stats
+        self._batch = batch
+        self._inbox: list[Delivery] = []
+        self._inbox_limit = max(1, pipeline.room)
+        self._inbox_ready = asyncio.Event()
+        self._spooled = asyncio.Event()
+        self._to_delete: list[tuple[int, int]] = []
+        self._delete_ready = asyncio.Event()
+        self._closing = False
+        self._writes_stopped = asyncio.Event()
+
+    def accept(self, delivery: Delivery) -> None:
+        """The receiver's handler: append first, acknowledge once committed."""
+        self._inbox.append(delivery)
+        self._inbox_ready.set()
+        if len(self._inbox) >= self._inbox_limit:
+            self._flow.pause_reading()
+
+    def close(self) -> None:
+        """No more deliveries: append what the inbox holds, stop feeding.
+        What is spooled stays spooled until the next start."""
+        self._closing = True
+        self._inbox_ready.set()
+        self._spooled.set()
+
+    def writes_stopped(self) -> None:
+        """The writers are done: delete what they finished, then stop."""
+        self._writes_stopped.set()
+        self._delete_ready.set()
+
+    def written(self, seq: int, size: int) -> None:
+        self._to_delete.append((seq, size))
+        self._delete_ready.set()
+
+    async def append(self) -> None:
+        spool = self.spool
+        while True:
+            await self._inbox_ready.wait()
+            self._inbox_ready.clear()
+            if not self._inbox:
+                if self._closing:
+                    return
+                continue
+            if spool.full:
+                self._flow.pause_reading()  # the broker keeps the rest until there is room
+                self._stats.spool_full_waits += 1
+                await spool.wait_for_room()
+            batch, self._inbox = self._inbox, []
+            await spool.append([(d.received_ms, d.topic, d.content_type, d.payload) for d in batch])
+            for delivery in batch:
+                delivery.ack.done()
+            self._spooled.set()
+            if not spool.full:
+                self._flow.resume_reading()
+            if self._inbox:
+                self._inbox_ready.set()
+
+    async def feed(self) -> None:
+        last = 0
+        while not self._closing:
+            # Cleared before reading, so an append during the read is not missed.
+            self._spooled.clear()
+            records = await self.spool.read(last, self._batch)
+            if not records:
+                await self._spooled.wait()
+                continue
+            for record in records:
+                if self._closing:
+                    return  # the rest stays spooled
+                await self._pipeline.put(
+                    Delivery(
+                        record.topic,
+                        record.payload,
+                        record.content_type,
+                        record.received_ms,
+                        _Deleted(self, record.seq, len(record.payload)),
+                    )
+                )
+                last = record.seq
+
+    async def delete(self) -> None:
+        while True:
+            await self._delete_ready.wait()
+            self._delete_ready.clear()
+            batch, self._to_delete = self._to_delete, []
+            if batch:
+                await self.spool.delete([s for s, _ in batch], sum(n for _, n in batch))
+            if self._writes_stopped.is_set() and not self._to_delete:
+                return

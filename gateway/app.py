@@ -1,0 +1,276 @@
+"""The application object: one :class:`Gateway` owns every resource of `gateway run`.
+
+:func:`open_gateway` builds the parts in dependency order on one
+``AsyncExitStack`` (write session, sink, spool, HTTP server) and hands each
+its dependencies at construction; leaving it closes them in reverse order.
+:meth:`Gateway.run` runs the tasks (receive, the spool's three tasks in spool
+mode, the write loop, the status line) in one ``TaskGroup`` until ``stop`` is
+set, and then shuts down as the pipeline promises: stop reading, write and
+acknowledge what was read (within ``shutdown_deadline``), log one summary line.
+
+Where a message goes::
+
+    ingest/receive.py  MQTT → Delivery (with its Ack)
+    ingest/spool.py    (spool mode) Delivery → SQLite → Delivery
+    ingest/pipeline.py classify (ingest/topics, decode, sampling) → queue → chunks
+    store/latest.py, store/telemetry.py, store/rejects.py   rows for each table
+    store/sink.py      batches per partition → store/requests.py (retries) → Cassandra
+    → Ack.done(): PUBACK, in receive order
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
+
+from .config import Config
+from .errors import SchemaError
+from .ingest.pipeline import Classifier, Flow, NoFlow, Pipeline
+from .ingest.receive import Handler, Receiver
+from .ingest.sampling import Sampler
+from .ingest.spool import Spool, SpoolSource
+from .stats import Stats
+from .store.hot import HotPartitions
+from .store.latest import LatestState
+from .store.rejects import Rejects
+from .store.requests import Requests
+from .store.schema import missing_from
+from .store.sink import Sink
+from .store.telemetry import Telemetry
+from .store.write_session import WriteSession, open_write_session
+from .web.metrics import NoisyRate, gateway_metrics
+from .web.server import serve
+
+log = logging.getLogger(__name__)
+
+
+class Gateway:
+    """The running gateway: its parts, its health and its noisy devices."""
+
+    def __init__(
+        self,
+        config: Config,
+        stats: Stats,
+        *,
+        receiver: Receiver,
+        requests: Requests,
+        sink: Sink,
+        pipeline: Pipeline,
+        sampler: Sampler,
+        spool: SpoolSource | None,
+        shutdown_deadline: float,
+    ) -> None:
+        self.config = config
+        self.stats = stats
+        self._receiver = receiver
+        self._requests = requests
+        self._sink = sink
+        self._pipeline = pipeline
+        self._sampler = sampler
+        self._spool = spool
+        self._shutdown_deadline = shutdown_deadline
+
+    # -- answers for the HTTP side -------------------------------------------
+
+    def health(self) -> tuple[bool, dict[str, object]]:
+        connected = self._receiver.connected.is_set()
+        failing = self._requests.failing_for
+        details: dict[str, object] = {
+            "mqtt": "connected" if connected else "disconnected",
+            "cassandra": "ok" if failing is None else f"writes failing for {failing:.0f} s",
+            "queue_depth": self._pipeline.queue_depth,
+            "in_flight": self.stats.in_flight,
+        }
+        if self._spool is not None:
+            details["spool"] = self._spool.spool.depth
+        return connected and failing is None, details
+
+    def noisy(self, tenant: str) -> list[dict[str, object]]:
+        """The tenant's noisy devices, noisiest first (wall-clock ``since``)."""
+        wall_offset = time.time() - time.monotonic()
+        return [
+            {
+                "device_id": d.device_id,
+                "observed_rate": round(d.observed_rate, 3),
+                "kept_rate": round(d.kept_rate, 3),
+                "since": d.since + wall_offset,
+                "sampled_out": d.sampled_out,
+            }
+            for d in self._sampler.noisy(tenant)
+        ]
+
+    def noisy_rates(self) -> list[NoisyRate]:
+        """Every tracked tenant's noisy devices, for the metrics."""
+        return [
+            NoisyRate(tenant, d.device_id, d.observed_rate, d.kept_rate)
+            for tenant in self._sampler.tenant_counters()
+            for d in self._sampler.noisy(tenant)
+        ]
+
+    # -- running ----------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> Stats:
+        """Run until ``stop`` is set; returns the counters."""
+        async with asyncio.TaskGroup() as tasks:
+            writer = tasks.create_task(self._pipeline.write_loop())
+            if self._spool is not None:
+                spool = self._spool
+                tasks.create_task(spool.append())
+                tasks.create_task(spool.feed())
+                tasks.create_task(spool.delete())
+                handler = spool.accept
+            else:
+                handler = self._pipeline.accept
+            tasks.create_task(self._receive(handler, stop, writer))
+            tasks.create_task(self._status(stop))
+            tasks.create_task(self._signal_ready(stop, ready))
+        log.info("stopped: %s", self.stats.summary())
+        return self.stats
+
+    async def _receive(
+        self, handler: Handler, stop: asyncio.Event, writer: asyncio.Task[None]
+    ) -> None:
+        try:
+            await self._receiver.run(handler, stop)
+        finally:
+            if self._spool is None:
+                self._pipeline.close()
+            else:
+                self._spool.close()
+                await self._stop_spooled_writes(writer)
+
+    async def _stop_spooled_writes(self, writer: asyncio.Task[None]) -> None:
+        """Spool mode, stopping: finish the writes under way if they complete within
+        the deadline, else drop them; their messages are still in the spool and are
+        read again at the next start (the writes are idempotent)."""
+        assert self._spool is not None
+        try:
+            async with asyncio.timeout(self._shutdown_deadline):
+                while not self._pipeline.idle:  # noqa: ASYNC110 - derived; polled only at stop
+                    await asyncio.sleep(0.05)
+        except TimeoutError:
+            log.warning("stopping with Cassandra writes unfinished; they stay in the spool")
+        writer.cancel()
+        self._sink.abort()
+        self._spool.writes_stopped()
+
+    async def _status(self, stop: asyncio.Event) -> None:
+        interval = self.config.pipeline.status_interval
+        while not stop.is_set():
+            try:
+                async with asyncio.timeout(interval):
+                    await stop.wait()
+            except TimeoutError:
+                self.stats.queue_depth = self._pipeline.queue_depth
+                log.info("status: %s", self.stats.status_line())
+
+    async def _signal_ready(self, stop: asyncio.Event, ready: asyncio.Event | None) -> None:
+        connected = asyncio.ensure_future(self._receiver.connected.wait())
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait((connected, stopped), return_when=asyncio.FIRST_COMPLETED)
+        connected.cancel()
+        stopped.cancel()
+        if ready is not None and self._receiver.connected.is_set():
+            ready.set()
+
+
+async def _check_schema(session: WriteSession, config: Config) -> None:
+    missing = missing_from(session.keyspace, await session.tables())
+    if missing:
+        raise SchemaError(
+            f"schema incomplete in keyspace {config.cassandra.keyspace!r} "
+            f"(missing: {', '.join(missing)}): run `gateway schema apply`"
+        )
+
+
+@asynccontextmanager
+async def open_gateway(
+    config: Config, stats: Stats | None = None, *, shutdown_deadline: float = 10.0
+) -> AsyncIterator[Gateway]:
+    """Build every part of the gateway, in dependency order; close them in reverse."""
+    stats = stats or Stats()
+    async with AsyncExitStack() as stack:
+        session = await stack.enter_async_context(open_write_session(config.cassandra))
+        await _check_schema(session, config)
+        log.info("writing to Cassandra through %s", session.name)
+        requests = Requests(session, config.cassandra, stats)
+        telemetry = Telemetry(config)
+        hot_cfg = config.hot_partitions
+        hot = HotPartitions(
+            hot_cfg.window,
+            hot_cfg.threshold,
+            hot_cfg.max_tracked,
+            stats,
+            on_hot=telemetry.mark_hot,
+            on_window=telemetry.window_ended,
+        )
+        sink = await stack.enter_async_context(
+            Sink(requests, config.pipeline, config.cassandra.max_in_flight, hot, stats)
+        )
+        latest = LatestState(requests, config, stats)
+        rejects = Rejects(config, stats)
+        for writer in (latest, telemetry, rejects):
+            await writer.prepare(session)
+        sampler = Sampler(config.sampling)
+        classifier = Classifier(config, sampler, stats)
+        receiver = Receiver(
+            config.mqtt, classifier.subscriptions, stats, shutdown_deadline=shutdown_deadline
+        )
+        spool: Spool | None = None
+        if config.spool.enabled:
+            spool = await stack.enter_async_context(
+                Spool(config.spool.path, config.spool.max_records, config.spool.max_bytes)
+            )
+            stats.spool = spool
+            log.info("spool %s: %d messages waiting", config.spool.path, spool.depth)
+        # In spool mode the spool source, not the pipeline, holds the broker back.
+        flow: Flow = receiver if spool is None else NoFlow()
+        pipeline = Pipeline(config, classifier, latest, telemetry, rejects, sink, stats, flow)
+        source = (
+            SpoolSource(spool, pipeline, receiver, stats, config.pipeline.batch_max_events)
+            if spool is not None
+            else None
+        )
+        gateway = Gateway(
+            config,
+            stats,
+            receiver=receiver,
+            requests=requests,
+            sink=sink,
+            pipeline=pipeline,
+            sampler=sampler,
+            spool=source,
+            shutdown_deadline=shutdown_deadline,
+        )
+        if config.api.enabled:
+            metrics = gateway_metrics(stats, noisy=gateway.noisy_rates, spool=spool)
+
+            def noisy(params: Mapping[str, str]) -> list[dict[str, object]]:
+                return gateway.noisy(params.get("tenant", ""))
+
+            await stack.enter_async_context(
+                serve(
+                    config.api.host,
+                    config.api.port,
+                    metrics.render,
+                    gateway.health,
+                    routes={"/noisy": noisy},
+                )
+            )
+        yield gateway
+
+
+async def run(
+    config: Config,
+    stop: asyncio.Event,
+    *,
+    stats: Stats | None = None,
+    shutdown_deadline: float = 10.0,
+    ready: asyncio.Event | None = None,
+) -> Stats:
+    """`gateway run`: open the gateway, run it until ``stop`` is set, close it."""
+    async with open_gateway(config, stats, shutdown_deadline=shutdown_deadline) as gateway:
+        return await gateway.run(stop, ready)

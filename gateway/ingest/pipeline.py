@@ -1,0 +1,310 @@
+"""The queue between receiving and writing: classify, queue, write, acknowledge.
+
+    source        MQTT (receive.py), or the spool (spool.py) in spool mode
+    classify      topics.py → decode.py → sampling.py: an Event, or a Rejection
+    (queue)       bounded asyncio.Queue of pipeline.queue_size
+    write loop    chunks of the queue → the table writers in gateway/store/
+                  (latest, telemetry, rejects) → the sink
+    → the delivery's ``ack.done()`` once every write of it is acknowledged
+
+Promises: every delivery ends up written (event or rejection) before it is
+acknowledged; nothing is dropped. Memory is bounded: a push source (MQTT)
+hands deliveries to :meth:`Pipeline.accept`, which never blocks; when the
+queue fills it pauses the source's socket reads (``Flow``) until the queue is
+half empty, and the few messages already read are held, in order and counted,
+in an overflow list. A pull source (the spool) awaits :meth:`Pipeline.put`.
+:meth:`Pipeline.close` lets the write loop finish what is queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..config import Config
+from ..errors import DecodeError
+from ..event import Event
+from ..stats import Stats
+from ..store.latest import LatestState
+from ..store.rejects import Rejection, Rejects
+from ..store.sink import Pending, Sink, Write
+from ..store.telemetry import Telemetry
+from .decode import Decoder
+from .receive import Delivery
+from .sampling import Sampler, Verdict
+from .topics import TopicMatcher
+
+_KEEP_ALL = Verdict(keep_raw=True, update_latest=True, reason="normal")
+# Back-fill (old events) bypasses sampling: everything is written.
+_BACKFILL = Verdict(keep_raw=True, update_latest=True, reason="backfill")
+
+
+@dataclass(slots=True)
+class Item:
+    """A classified delivery: an event with its verdict, or a rejection."""
+
+    delivery: Delivery
+    event: Event | None
+    rejection: Rejection | None
+    verdict: Verdict = _KEEP_ALL
+
+
+_STOP = object()
+
+
+class Flow(Protocol):
+    """How the pipeline slows a push source down (the MQTT receiver)."""
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
+
+class NoFlow:
+    """For pull sources, which wait for room instead."""
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def rejection(
+    delivery: Delivery, tenant: str, device: str | None, reason: str, detail: str
+) -> Rejection:
+    return Rejection(
+        tenant, device, delivery.topic, reason, detail, delivery.payload, delivery.received_ms
+    )
+
+
+class Classifier:
+    """Topic and payload to an Event with its sampling verdict, or a Rejection."""
+
+    def __init__(self, config: Config, sampler: Sampler, stats: Stats) -> None:
+        self._matcher = TopicMatcher(config.topics, config.limits)
+        self._decoder = Decoder(config.limits)
+        self._sampler = sampler
+        self._stats = stats
+        self._backfill_ms = int(config.sampling.backfill_after * 1000)
+
+    @property
+    def subscriptions(self) -> list[str]:
+        return self._matcher.subscriptions
+
+    def classify(self, delivery: Delivery) -> Item:
+        """Never raises: a bad message is data (a Rejection), not an exception."""
+        tenant = ""
+        device: str | None = None
+        try:
+            tenant, device = self._matcher.match(delivery.topic)
+            event = self._decoder.decode(
+                tenant, device, delivery.payload, delivery.content_type, delivery.received_ms
+            )
+        except DecodeError as exc:
+            if not tenant:
+                tenant = self._matcher.tenant_of(delivery.topic)
+            return Item(delivery, None, rejection(delivery, tenant, device, exc.reason, exc.detail))
+        if event.ts_from_receive:
+            self._stats.no_ts += 1
+        if delivery.received_ms - event.ts_ms > self._backfill_ms:
+            return Item(delivery, event, None, _BACKFILL)
+        verdict = self._sampler.decide(tenant, device, delivery.topic, event.state, event.metrics)
+        if verdict.reject_reason is not None:
+            self._stats.quota_by_tenant.add(tenant)
+            self._stats.quota_rejected += 1
+            detail = (
+                f"new device {device!r} is over tenant {tenant!r}'s device quota "
+                "(sampling.tenants.<tenant>.max_devices_per_tenant)"
+            )
+            return Item(
+                delivery, None, rejection(delivery, tenant, device, verdict.reject_reason, detail)
+            )
+        return Item(delivery, event, None, verdict)
+
+
+class Pipeline:
+    """Everything between a delivery and its acknowledgement."""
+
+    def __init__(
+        self,
+        config: Config,
+        classifier: Classifier,
+        latest: LatestState,
+        telemetry: Telemetry,
+        rejects: Rejects,
+        sink: Sink,
+        stats: Stats,
+        flow: Flow,
+    ) -> None:
+        self._max_states = config.pipeline.max_states_per_tenant
+        self._classify = classifier.classify
+        self._latest = latest
+        self._telemetry = telemetry
+        self._rejects = rejects
+        self._sink = sink
+        self._stats = stats
+        self._flow = flow
+        self._queue: asyncio.Queue[Item | object] = asyncio.Queue(config.pipeline.queue_size)
+        self._overflow: deque[Item | object] = deque()
+        self._low_water = config.pipeline.queue_size // 2
+        self._batch = config.pipeline.batch_max_events
+        self._linger = config.pipeline.linger
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    @property
+    def room(self) -> int:
+        return self._queue.maxsize - self._queue.qsize()
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued and no Cassandra request in flight."""
+        return self._queue.empty() and self._sink.idle
+
+    def accept(self, delivery: Delivery) -> None:
+        """A push source's handler: classify and enqueue; never blocks, never drops.
+
+        When the queue fills, reading from the broker pauses (TCP holds the rest
+        back). A message read after that, in the same socket read, is held in
+        arrival order in a small overflow list (counted) until there is room.
+        """
+        item = self._classify(delivery)
+        if self._overflow or self._queue.full():
+            self._overflow.append(item)
+            self._stats.overflow += 1
+            self._flow.pause_reading()
+            return
+        self._queue.put_nowait(item)
+        if self._queue.full():
+            self._flow.pause_reading()
+
+    async def put(self, delivery: Delivery) -> None:
+        """A pull source's handler: classify and enqueue, waiting for room."""
+        await self._queue.put(self._classify(delivery))
+
+    def _refill(self) -> None:
+        queue, overflow = self._queue, self._overflow
+        while overflow and not queue.full():
+            queue.put_nowait(overflow.popleft())
+        if not overflow and queue.qsize() <= self._low_water:
+            self._flow.resume_reading()
+
+    def close(self) -> None:
+        """No more deliveries: the write loop finishes what is queued, then returns."""
+        self._overflow.append(_STOP)
+        self._refill()
+
+    async def write_loop(self) -> None:
+        """Take chunks off the queue and write them until close()."""
+        queue = self._queue
+        while True:
+            first = await queue.get()
+            chunk: list[Item] = []
+            stop = first is _STOP
+            if not stop:
+                chunk.append(first)  # type: ignore[arg-type]
+                if self._linger and queue.qsize() < self._batch and self._stats.in_flight:
+                    # Cassandra is busy anyway: gather a fuller chunk (more rows
+                    # per partition batch) instead of sending a trickle. When
+                    # idle, the first message goes out at once.
+                    await asyncio.sleep(self._linger)
+            while not stop and len(chunk) < self._batch and not queue.empty():
+                item = queue.get_nowait()
+                if item is _STOP:
+                    stop = True
+                    break
+                chunk.append(item)  # type: ignore[arg-type]
+            self._refill()
+            self._stats.queue_depth = queue.qsize()
+            if chunk:
+                self._stats.chunks += 1
+                await self._write_chunk(chunk)
+            if stop:
+                await self._sink.drain()
+                return
+
+    async def _write_chunk(self, chunk: list[Item]) -> None:
+        events = [item.event for item in chunk if item.event is not None]
+        over: list[Event] = []
+        late: dict[int, int] = {}
+        if events:
+            new = await self._latest.new_states(events)
+            if new:
+                # Writes in flight may belong to newer events whose deletes did
+                # not cover a new state: let them land before registering it.
+                await self._sink.drain()
+                await self._latest.register(new)
+            over, late = await self._latest.prepare_chunk(events)
+        over_ids = {id(e) for e in over}
+        # Latest-table writes are last-write-wins by event time, so of several
+        # events of one device in a chunk only the newest needs them (its
+        # writes shadow the others'). Devices with a state-less event in the
+        # chunk are left alone: that event doesn't move the device between states.
+        newest: dict[tuple[str, str], Event] = {}
+        stateless: set[tuple[str, str]] = set()
+        for item in chunk:
+            e = item.event
+            if e is None or id(e) in over_ids or not item.verdict.update_latest:
+                continue
+            key = (e.tenant, e.device_id)
+            if e.state is None:
+                stateless.add(key)
+            current = newest.get(key)
+            if current is None or e.write_ts > current.write_ts:
+                newest[key] = e
+        writes: list[Write] = []
+        stats = self._stats
+        for item in chunk:
+            pending = Pending(self._done_callback(item))
+            event = item.event
+            if event is not None and id(event) in over_ids:
+                detail = (
+                    f"state {event.state!r} would exceed the tenant's "
+                    f"{self._max_states} states (pipeline.max_states_per_tenant)"
+                )
+                item.rejection = rejection(
+                    item.delivery, event.tenant, event.device_id, "too_many_states", detail
+                )
+                item.event = event = None
+            if event is not None:
+                key = (event.tenant, event.device_id)
+                verdict = item.verdict
+                if verdict.update_latest and (newest[key] is event or key in stateless):
+                    mine = self._latest.writes(event, pending, late.get(id(event)))
+                else:
+                    mine = []
+                    stats.coalesced += 1
+                if verdict.keep_raw:
+                    mine += self._telemetry.writes(event, pending)
+                else:
+                    stats.sampled_out += 1
+                    stats.sampled_out_by_tenant.add(event.tenant)
+                if not mine:
+                    # Decided and accounted for: nothing to write, acknowledge.
+                    pending.on_done()
+                writes += mine
+            else:
+                assert item.rejection is not None
+                writes += self._rejects.writes(item.rejection, pending)
+        await self._sink.submit(writes)
+
+    def _done_callback(self, item: Item) -> Callable[[], None]:
+        stats = self._stats
+
+        def done() -> None:
+            event = item.event
+            if event is not None and item.verdict.keep_raw:
+                stats.written += 1
+                if event.sent_at_ms is not None:
+                    # Publisher's clock to ours: meaningful when they agree (NTP).
+                    stats.write_latency.observe(max(0.0, time.time() - event.sent_at_ms / 1000))
+            item.delivery.ack.done()
+
+        return done

@@ -1,0 +1,75 @@
+"""Hot partitions: writes per partition per window, counted in bounded memory.
+
+The sink counts every write here. A partition over the threshold in a window
+is logged once, counted (``Stats.hot_partitions``, by table), and reported to
+``on_hot``; at each window's end ``on_window`` gets the partitions that were
+hot in it (the raw-telemetry writer uses both to shard hot devices). Both
+callbacks are given at construction.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable
+
+from ..stats import Stats
+
+log = logging.getLogger(__name__)
+
+
+class HotPartitions:
+    """Writes per partition over a window, in bounded memory.
+
+    A partition over ``threshold`` writes in a window is logged once for that
+    window, counted, and reported to ``on_hot``; at the end of each window
+    ``on_window`` gets the set of partitions that were hot in it. At most
+    ``max_tracked`` partitions are counted per window; writes to others are
+    counted in ``Stats.untracked_writes`` only.
+    """
+
+    def __init__(
+        self,
+        window: float,
+        threshold: int,
+        max_tracked: int,
+        stats: Stats,
+        *,
+        on_hot: Callable[[Hashable], None] = lambda key: None,
+        on_window: Callable[[set[Hashable]], None] = lambda hot: None,
+    ) -> None:
+        self._window = window
+        self._threshold = threshold
+        self._max = max_tracked
+        self._stats = stats
+        self._counts: dict[Hashable, int] = {}
+        self._hot: set[Hashable] = set()
+        self._started = time.monotonic()
+        self._on_hot = on_hot
+        self._on_window = on_window
+
+    def count(self, key: Hashable) -> None:
+        now = time.monotonic()
+        if now - self._started >= self._window:
+            hot, self._hot = self._hot, set()
+            self._counts.clear()
+            self._started = now
+            self._on_window(hot)
+        counts = self._counts
+        current = counts.get(key)
+        if current is None:
+            if len(counts) >= self._max:
+                self._stats.untracked_writes += 1
+                return
+            current = 0
+        current += 1
+        counts[key] = current
+        if current == self._threshold + 1:
+            self._hot.add(key)
+            self._stats.hot_partitions += 1
+            table = str(key[0]) if isinstance(key, tuple) else "?"
+            self._stats.hot_by_table.add(table)
+            log.warning(
+                "hot partition %s: over %d writes in %.0f s", key, self._threshold, self._window
+            )
+            self._on_hot(key)

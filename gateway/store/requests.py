@@ -1,0 +1,108 @@
+"""One Cassandra request at a time, retried until it succeeds or cannot.
+
+Every statement the gateway sends goes through :class:`Requests`: the sink's
+batches, and the latest-state reads and state registrations. Promises:
+
+* Timeouts, unavailable replicas and lost connections (the write session's
+  ``transient`` errors) are retried with capped exponential backoff and full
+  jitter, which is safe because every write is idempotent (fixed keys,
+  event-time write timestamps) and every read is a read.
+* After ``cassandra.give_up_after`` seconds of failing, or on an error retrying
+  cannot fix, :class:`SinkError` is raised and the gateway stops: the messages
+  concerned were never acknowledged, so the broker still has them.
+* When a request succeeds again after failures, every request sleeping in
+  backoff retries at once instead of finishing its sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from typing import Any
+
+from ..config import CassandraConfig
+from ..errors import SinkError
+from ..stats import Stats
+from .write_session import Prepared, Rows, WriteSession
+
+log = logging.getLogger(__name__)
+
+BACKOFF_MIN = 0.05
+BACKOFF_MAX = 10.0
+
+
+class Requests:
+    def __init__(self, session: WriteSession, config: CassandraConfig, stats: Stats) -> None:
+        self.session = session
+        self._transient = session.transient
+        self._give_up_after = config.give_up_after
+        self._stats = stats
+        self._failing_since: float | None = None
+        # Set (and replaced) when requests succeed again after failures.
+        self._recovered = asyncio.Event()
+
+    @property
+    def failing_for(self) -> float | None:
+        """Seconds requests have been failing, or None when they succeed."""
+        since = self._failing_since
+        return None if since is None else time.monotonic() - since
+
+    def bind(self, prepared: Prepared, values: tuple[Any, ...]) -> Any:
+        try:
+            return self.session.bind(prepared, values)
+        except Exception as exc:
+            # A value the driver cannot encode: a bug, not a bad message (decode
+            # validated it). Stop with the statement named; nothing was acked.
+            raise SinkError(f"cannot bind a value for {prepared.cql!r}: {short(exc)}") from None
+
+    async def execute(self, prepared: Prepared, values: tuple[Any, ...]) -> Rows:
+        """One statement (a read, or a write outside the sink's batches)."""
+        return await self.send(self.bind(prepared, values), 1)
+
+    async def send(self, request: Any, rows: int) -> Rows:
+        """A bound statement or batch of ``rows`` statements, with retries."""
+        stats = self._stats
+        attempt = 0
+        while True:
+            stats.requests += 1
+            stats.rows += rows
+            try:
+                result = await self.session.execute(request)
+            except self._transient as exc:
+                now = time.monotonic()
+                if self._failing_since is None:
+                    self._failing_since = now
+                    log.warning("Cassandra request failed, retrying: %s", short(exc))
+                if now - self._failing_since > self._give_up_after:
+                    raise SinkError(
+                        f"Cassandra writes failing for over {self._give_up_after:.0f} s "
+                        f"(cassandra.give_up_after); last error: {short(exc)}"
+                    ) from None
+                attempt += 1
+                stats.retries += 1
+                delay = min(BACKOFF_MAX, BACKOFF_MIN * 2**attempt)
+                recovered = self._recovered
+                try:
+                    async with asyncio.timeout(delay * (0.5 + random.random() / 2)):
+                        await recovered.wait()
+                except TimeoutError:
+                    pass
+                continue
+            except Exception as exc:
+                raise SinkError(f"Cassandra refused a write: {short(exc)}") from None
+            if self._failing_since is not None:
+                log.warning(
+                    "Cassandra writes succeed again after %.1f s",
+                    time.monotonic() - self._failing_since,
+                )
+                self._failing_since = None
+                self._recovered.set()
+                self._recovered = asyncio.Event()
+            return result
+
+
+def short(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) < 300 else text[:297] + "..."

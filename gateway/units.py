@@ -1,0 +1,28 @@
+"""Units of the configuration: durations (and the sizes they bound).
+
+A leaf module: it imports nothing of the gateway's, so config, the CLI and
+any stage can use it without an import cycle.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def parse_duration(value: object) -> float:
+    """``"15m"``, ``"1h"``, ``"250ms"``, ``30`` (seconds) -> seconds."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as 30, '15m' or '1h'")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str) and (match := _DURATION.match(value)):
+        seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    else:
+        raise ValueError(f"expected a duration such as 30, '15m' or '1h', got {value!r}")
+    if not math.isfinite(seconds):
+        raise ValueError(f"expected a finite duration, got {value!r}")
+    return seconds
