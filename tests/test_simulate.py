@@ -164,8 +164,6 @@ async def _collect(
         pub = asyncio.create_task(
             publish(
                 spec,
-                host=BROKER_HOST,
-                port=BROKER_PORT,
                 count=count,
                 on_sent=lambda topic, event: sent.append((topic, event)),
             )
