@@ -54,6 +54,11 @@ run: up
 test: up
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
+# Everything but the fault tests (which restart the services) and the slow ones.
+.PHONY: test-quick
+test-quick: up
+	$(VPY) -m pytest -m "not faults and not slow" $(PYTEST_ARGS)
+
 lint: venv
 	$(VENV)/bin/ruff check gateway tests bench
 	$(VENV)/bin/ruff format --check gateway tests bench

@@ -24,8 +24,7 @@ import pytest
 
 from gateway.store.database import Database
 
-from .conftest import ROOT, make_config, running_gateway
-from .test_ingest import telemetry_keys
+from .helpers import ROOT, make_config, running_gateway, telemetry_keys, wait_until_blocking
 
 
 @dataclass
@@ -138,17 +137,18 @@ def secure_broker(services: None, tmp_path: Path) -> Iterator[SecureBroker]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+    def listening() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except OSError:
+            log = tmp_path / "mosquitto.log"
+            assert proc.poll() is None, log.read_text() if log.exists() else "exited"
+            return False
+        return True
+
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                log = tmp_path / "mosquitto.log"
-                assert proc.poll() is None, log.read_text() if log.exists() else "exited"
-                assert time.monotonic() < deadline, "secure broker did not start"
-                time.sleep(0.1)
+        wait_until_blocking(listening, 10, "the secure broker listening")
         yield SecureBroker(port, tmp_path / "ca.crt", passwords, tmp_path)
     finally:
         proc.terminate()

@@ -19,6 +19,7 @@ from typing import Any
 
 import msgpack
 import orjson
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import event as note
 from hypothesis import strategies as st
@@ -311,6 +312,7 @@ ALL_TOPICS = st.one_of(SHAPED_TOPICS, RANDOM_TOPICS, GOOD_TOPICS)
 # --- fuzz tests ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @_fuzz(2_500)
 @given(
     topic=PAYLOAD_TOPICS,
@@ -340,6 +342,7 @@ def test_fuzz_arbitrary_bytes(
     check(topic, payload, content_type, received_ms)
 
 
+@pytest.mark.slow
 @_fuzz(1_800)
 @given(
     topic=PAYLOAD_TOPICS,
@@ -359,6 +362,7 @@ def test_fuzz_json_objects(
         assert set(obj) <= set(FIELDS)
 
 
+@pytest.mark.slow
 @_fuzz(1_800)
 @given(
     topic=PAYLOAD_TOPICS,
@@ -451,6 +455,7 @@ def mutated_events(draw: st.DrawFn) -> tuple[bytes, str]:
     return payload, fmt
 
 
+@pytest.mark.slow
 @_fuzz(2_400)
 @given(
     topic=PAYLOAD_TOPICS,
@@ -495,6 +500,7 @@ def round_trip_cases(draw: st.DrawFn) -> tuple[dict[str, Any], int | None, int]:
     return event, ts_ms, received_ms
 
 
+@pytest.mark.slow
 @_fuzz(1_000)
 @given(
     topic=GOOD_TOPICS,

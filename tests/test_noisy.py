@@ -8,13 +8,23 @@ from collections import defaultdict
 from typing import Any
 
 import orjson
+import pytest
 
 from gateway.store.database import Database
 from gateway.tools.simulate import FleetSpec, noisy_device_ids, publish
 
-from .conftest import base_env, make_config, run_cli, running_gateway
-from .conftest import publish as mqtt_publish
-from .test_ingest import as_ms, device_row, state_rows, telemetry_keys, topic
+from .helpers import (
+    as_ms,
+    base_env,
+    device_row,
+    make_config,
+    run_cli,
+    running_gateway,
+    state_rows,
+    telemetry_keys,
+    topic,
+)
+from .helpers import publish as mqtt_publish
 
 
 async def raw_rows(db: Database, tenant: str, device: str) -> dict[int, Any]:
@@ -35,6 +45,7 @@ async def raw_rows(db: Database, tenant: str, device: str) -> dict[int, Any]:
     return out
 
 
+@pytest.mark.slow  # publishes for 20 s
 async def test_noisy_devices_are_sampled_and_every_state_change_is_kept(
     db: Database, tenant: str
 ) -> None:

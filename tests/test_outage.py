@@ -1,4 +1,5 @@
-"""Cassandra going away mid-stream, through a TCP proxy we can cut.
+"""Cassandra going away mid-stream, through a TCP proxy we can cut
+(helpers.CuttableProxy).
 
 The proxy forwards to the real Cassandra; cutting it closes every connection
 and refuses new ones, which is what the driver sees when the link to a remote
@@ -9,67 +10,13 @@ down with it.)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
 
 import orjson
 
 from gateway.store.database import Database
 
-from .conftest import CQL_PORT, make_config, publish, running_gateway
-from .test_ingest import device_row, telemetry_keys, topic
-
-
-class CuttableProxy:
-    def __init__(self) -> None:
-        self._server: asyncio.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
-        self.port = 0
-        # Bytes per second towards Cassandra (None: no limit): a slow link.
-        self.limit: float | None = None
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def cut(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        await self._server.wait_closed()
-        for writer in list(self._writers):
-            writer.transport.abort()
-        self._writers.clear()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", CQL_PORT)
-        except OSError:
-            writer.close()
-            return
-        self._writers |= {writer, up_writer}
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, limited: bool) -> None:
-            with contextlib.suppress(OSError, asyncio.CancelledError):
-                while data := await src.read(4096 if limited else 65536):
-                    if limited and self.limit is not None:
-                        await asyncio.sleep(len(data) / self.limit)
-                    dst.write(data)
-                    await dst.drain()
-            dst.transport.abort()
-
-        await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False))
-
-
-@contextlib.asynccontextmanager
-async def proxy() -> AsyncIterator[CuttableProxy]:
-    p = CuttableProxy()
-    await p.start()
-    try:
-        yield p
-    finally:
-        with contextlib.suppress(Exception):
-            await p.cut()
+from .helpers import device_row, make_config, proxy, publish, running_gateway, telemetry_keys, topic
 
 
 async def test_outage_mid_stream_is_retried_and_nothing_lost(db: Database, tenant: str) -> None:

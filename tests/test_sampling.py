@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import resource
 import tracemalloc
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -480,20 +479,25 @@ def test_disabled_keeps_everything_but_quotas_apply() -> None:
 # --- bounds and counters ------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_memory_bounded_with_a_million_device_ids() -> None:
+    # A million ids: the sampler tracks at most max_devices at every step.
+    # (Not the process's peak RSS, which this test used to compare: a
+    # high-water mark that an earlier test already raised shows no growth
+    # here whatever the sampler does. The bytes are measured just below.)
     clock = FakeClock()
     sampler = _sampler(clock, max_devices=10_000)
-    before_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     for i in range(1_000_000):
         clock.now += 0.0001
         sampler.decide(TENANT, f"device-{i}", "t", "on", {})
-        assert sampler.tracked_devices <= 10_000 or i < 10_000
-    assert sampler.tracked_devices == 10_000
+        assert sampler.tracked_devices == min(i + 1, 10_000)
     assert sampler.evicted_devices == 990_000
-    # Unbounded tracking would hold a million devices: several hundred MB.
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before_rss < 200_000
 
-    # Traced from the start: full at 10,000 devices, more new ids don't grow it.
+
+def test_memory_stops_growing_at_max_devices() -> None:
+    # The bytes of the sampler itself, traced from its creation: full at
+    # 10,000 devices, and 30,000 more new ids do not grow it.
+    clock = FakeClock()
     tracemalloc.start()
     try:
         sampler = _sampler(clock, max_devices=10_000)

@@ -28,7 +28,7 @@ from paho.mqtt.properties import Properties
 
 from gateway.store.schema import REQUIRED_TABLES
 
-from .conftest import CQL_PORT, MQTT_HOST, MQTT_PORT, ROOT, TEST_KEYSPACE, base_env, run_cli
+from .helpers import CQL_PORT, MQTT_HOST, MQTT_PORT, ROOT, TEST_KEYSPACE, base_env, run_cli
 
 STATE_DIR = Path(os.environ.get("STATE_DIR", str(ROOT / ".state")))
 RECEIVE_TIMEOUT = 15.0

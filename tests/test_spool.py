@@ -1,5 +1,5 @@
 """The on-disk spool: on its own, across a SIGKILL, and in the gateway while
-Cassandra is away (through the cuttable proxy of test_outage)."""
+Cassandra is away (through the cuttable proxy of helpers.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,7 @@ import orjson
 from gateway.ingest.spool import Spool
 from gateway.store.database import Database
 
-from .conftest import make_config, publish, running_gateway
-from .test_ingest import device_row, telemetry_keys, topic
-from .test_outage import proxy
+from .helpers import device_row, make_config, proxy, publish, running_gateway, telemetry_keys, topic
 
 
 async def test_append_read_delete_in_order_and_reopen(tmp_path: Path) -> None:
@@ -107,6 +105,9 @@ async def test_gateway_keeps_acknowledging_while_cassandra_is_away(
             GATEWAY_SAMPLING__ENABLED="false",
             GATEWAY_SPOOL__ENABLED="true",
             GATEWAY_SPOOL__PATH=str(spool_path),
+            # Stopping while Cassandra is away waits out this deadline for the
+            # writes under way (then leaves them in the spool): not 10 s here.
+            GATEWAY_PIPELINE__SHUTDOWN_DEADLINE="1",
         )
         async with running_gateway(config) as gw:
             await p.cut()

@@ -14,8 +14,7 @@ from datetime import UTC
 from gateway.store.database import Database
 from gateway.tools.simulate import Fleet, FleetSpec
 
-from ..conftest import GatewayProcess, publish
-from ..test_ingest import device_row, telemetry_keys
+from ..helpers import GatewayProcess, device_row, publish, telemetry_keys, wait_until
 
 
 def _publish_in_thread(messages: list[tuple[str, bytes]], done: list[int]) -> threading.Thread:
@@ -42,34 +41,41 @@ async def test_sigkill_mid_stream_loses_nothing(
     gw.start()
     done: list[int] = []
     publisher = _publish_in_thread(messages, done)
+    total = sum(len(stamps) for stamps in expected.values())
+
+    async def stored(devices: list[str]) -> int:
+        return sum([len(await telemetry_keys(db, tenant, d)) for d in devices])
+
     # Let it get going, then kill it hard while messages are in flight.
-    written = 0
-    async with asyncio.timeout(60):
-        while written < 100:
-            await asyncio.sleep(0.2)
-            written = 0
-            for device in list(expected)[:5]:
-                written += len(await telemetry_keys(db, tenant, device))
+    async def going() -> bool:
+        return await stored(list(expected)[:5]) >= 100
+
+    await wait_until(going, 60, "100 events stored", interval=0.2)
     gw.kill()
-    stored_at_kill = 0
-    for device in expected:
-        stored_at_kill += len(await telemetry_keys(db, tenant, device))
-    assert stored_at_kill < len(messages), "the kill should land mid-stream"
-    # Several more kills while the rest is redelivered and written.
+    stored_at_kill = await stored(list(expected))
+    assert stored_at_kill < total, "the kill should land mid-stream"
+    # Several more kills while the rest is redelivered and written, each once
+    # the restarted gateway has written more (or everything is there).
     for _ in range(3):
+        before = await stored(list(expected))
         gw.start()
-        await asyncio.sleep(1.0)
+
+        async def progressed(before: int = before) -> bool:
+            now = await stored(list(expected))
+            return now > before or now == total
+
+        await wait_until(progressed, 60, "the restarted gateway writing", interval=0.5)
         gw.signal(signal.SIGKILL)
         gw.wait()
     gw.start()
     await asyncio.to_thread(publisher.join, 120)
     assert done == [len(messages)]
-    async with asyncio.timeout(120):
-        while True:
-            stored = {d: {k[0] for k in await telemetry_keys(db, tenant, d)} for d in expected}
-            if stored == expected:
-                break
-            await asyncio.sleep(1)
+
+    async def all_stored() -> bool:
+        stamps = {d: {k[0] for k in await telemetry_keys(db, tenant, d)} for d in expected}
+        return stamps == expected
+
+    await wait_until(all_stored, 120, "every event stored", interval=1)
     # Latest tables: each device's newest event, whatever was redelivered.
     for device, stamps in expected.items():
         row = await device_row(db, tenant, device)

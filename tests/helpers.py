@@ -1,0 +1,480 @@
+"""Plain helpers shared by the tests: no fixtures here (those are in conftest.py).
+
+The local services' addresses, the write drivers this platform has, the
+gateway in this process and as a subprocess, MQTT publishing, read-backs of
+what the gateway stored, a Cassandra link that can be cut, and waits on a
+condition under a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aiomqtt
+import orjson
+from cassandra.cluster import NoHostAvailable
+from packaging.requirements import Requirement
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from gateway import app
+from gateway.config import Config, load_config
+from gateway.stats import Stats
+from gateway.store.database import Database
+
+ROOT = Path(__file__).resolve().parent.parent
+MQTT_HOST = "127.0.0.1"
+MQTT_PORT = int(os.environ.get("MQTT_PORT", "1883"))
+CQL_PORT = 9042
+TEST_KEYSPACE = "gateway_test"
+
+
+# ---------------------------------------------------------------- write drivers
+
+
+def _acsylla_platform() -> bool:
+    """Whether pyproject.toml installs acsylla here: its dependency's own marker, evaluated."""
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        dependencies = tomllib.load(f)["project"]["dependencies"]
+    (acsylla,) = (r for r in map(Requirement, dependencies) if r.name == "acsylla")
+    return acsylla.marker is None or acsylla.marker.evaluate()
+
+
+# True on Linux x86_64 and macOS. There acsylla must be installed, and the
+# tests parametrized over DRIVERS fail (never skip) if it is not; elsewhere
+# (e.g. Linux aarch64) the gateway writes through cassandra-driver only.
+ACSYLLA_PLATFORM = _acsylla_platform()
+DRIVERS = ("acsylla", "python") if ACSYLLA_PLATFORM else ("python",)
+
+
+# ---------------------------------------------------------------- waits
+
+
+async def wait_until(
+    predicate: Callable[[], bool | Awaitable[bool]],
+    deadline: float,
+    what: str = "",
+    interval: float = 0.1,
+) -> None:
+    """Poll `predicate` (plain or async) until it is true; AssertionError after
+    `deadline` seconds. For "until it happened", instead of a fixed sleep."""
+    try:
+        async with asyncio.timeout(deadline):
+            while True:
+                result = predicate()
+                if inspect.isawaitable(result):
+                    result = await result
+                if result:
+                    return
+                await asyncio.sleep(interval)
+    except TimeoutError:
+        raise AssertionError(f"not within {deadline} s: {what or predicate}") from None
+
+
+def wait_until_blocking(
+    predicate: Callable[[], bool], deadline: float, what: str = "", interval: float = 0.1
+) -> None:
+    """`wait_until` for code outside an event loop (sync fixtures, threads)."""
+    end = time.monotonic() + deadline
+    while not predicate():
+        if time.monotonic() >= end:
+            raise AssertionError(f"not within {deadline} s: {what or predicate}")
+        time.sleep(interval)
+
+
+# ---------------------------------------------------------------- configuration, CLI
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    """Environment for a gateway subprocess: the test keyspace and the local services."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+    env |= {
+        "GATEWAY_CASSANDRA__KEYSPACE": TEST_KEYSPACE,
+        "GATEWAY_MQTT__PORT": str(MQTT_PORT),
+        "GATEWAY_MQTT__SESSION_EXPIRY": "600",
+        "GATEWAY_PIPELINE__STATUS_INTERVAL": "1",
+        # Several test gateways may run at once: metrics on any free port.
+        "GATEWAY_API__PORT": "0",
+    }
+    return env | extra
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", *args],
+        env=env or base_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def make_config(**env: str) -> Config:
+    """A validated Config for an in-process gateway, from GATEWAY_* style overrides."""
+    values = base_env(GATEWAY_MQTT__CLIENT_ID=f"gw-test-{uuid.uuid4().hex[:12]}")
+    values |= env
+    return load_config(None, {k: v for k, v in values.items() if k.startswith("GATEWAY_")})
+
+
+# ---------------------------------------------------------------- the gateway in this process
+
+
+@dataclass
+class RunningGateway:
+    config: Config
+    stats: Stats
+    stop: asyncio.Event
+    task: asyncio.Task[Stats]
+
+    async def wait_for(self, predicate: Callable[[Stats], bool], deadline: float = 60) -> None:
+        async with asyncio.timeout(deadline):
+            while not predicate(self.stats):
+                if self.task.done():
+                    self.task.result()  # raise the gateway's error, if any
+                    raise AssertionError("gateway stopped early")
+                await asyncio.sleep(0.05)
+
+    async def wait_handled(self, count: int, deadline: float = 60) -> None:
+        """Until `count` messages were written, rejected or sampled out, and acknowledged."""
+        await self.wait_for(
+            lambda s: s.written + s.rejected + s.sampled_out >= count and s.acked >= count,
+            deadline,
+        )
+
+
+@asynccontextmanager
+async def running_gateway(config: Config | None = None) -> AsyncIterator[RunningGateway]:
+    """The real pipeline in this process, connected and subscribed on entry."""
+    config = config or make_config()
+    stats = Stats()
+    stop = asyncio.Event()
+    ready = asyncio.Event()
+    task = asyncio.create_task(
+        # As `gateway run` does (gateway/tools/cli.py).
+        app.run(
+            config,
+            stop,
+            stats=stats,
+            shutdown_deadline=config.pipeline.shutdown_deadline,
+            ready=ready,
+        )
+    )
+    try:
+        async with asyncio.timeout(60):
+            ready_wait = asyncio.ensure_future(ready.wait())
+            await asyncio.wait((task, ready_wait), return_when=asyncio.FIRST_COMPLETED)
+            ready_wait.cancel()
+            if task.done():
+                task.result()
+        yield RunningGateway(config, stats, stop, task)
+    finally:
+        stop.set()
+        async with asyncio.timeout(30):
+            await task
+        await clear_session(config.mqtt.client_id)
+
+
+# ---------------------------------------------------------------- MQTT
+
+
+async def clear_session(client_id: str) -> None:
+    """End a test gateway's persistent session, so the broker stops queueing for it."""
+    props = Properties(PacketTypes.CONNECT)
+    props.SessionExpiryInterval = 0
+    async with aiomqtt.Client(
+        MQTT_HOST,
+        MQTT_PORT,
+        identifier=client_id,
+        protocol=aiomqtt.ProtocolVersion.V5,
+        clean_start=True,
+        properties=props,
+    ):
+        pass
+
+
+async def publish(
+    messages: Iterable[tuple[str, bytes | str]],
+    *,
+    content_type: str | None = None,
+    client_id: str | None = None,
+) -> int:
+    """Publish at QoS 1 (each PUBACKed by the broker). Returns how many."""
+    count = 0
+    async with aiomqtt.Client(
+        MQTT_HOST,
+        MQTT_PORT,
+        identifier=client_id or f"pub-{uuid.uuid4().hex[:10]}",
+        protocol=aiomqtt.ProtocolVersion.V5,
+        max_inflight_messages=100,
+    ) as client:
+        client.pending_calls_threshold = 10_000
+        props = None
+        if content_type is not None:
+            props = Properties(PacketTypes.PUBLISH)
+            props.ContentType = content_type
+        batch: list[Any] = []
+        for topic_, payload in messages:
+            batch.append(client.publish(topic_, payload, qos=1, properties=props))
+            count += 1
+            if len(batch) >= 100:
+                await asyncio.gather(*batch)
+                batch = []
+        await asyncio.gather(*batch)
+    return count
+
+
+def topic(tenant: str, device: str) -> str:
+    return f"tenants/{tenant}/devices/{device}/events"
+
+
+# ---------------------------------------------------------------- the gateway as a subprocess
+
+
+@dataclass
+class GatewayProcess:
+    """`gateway run` as a real subprocess, for signal and crash tests."""
+
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+    _log: Any = field(default=None, repr=False)
+
+    def start(self, timeout: float = 60) -> None:
+        self._log = self.log_path.open("ab")
+        offset = self.log_path.stat().st_size
+        proc = self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "run"],
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        self.starts += 1
+
+        def subscribed() -> bool:
+            text = self.log_path.read_bytes()[offset:].decode(errors="replace")
+            if "subscribed to" in text:
+                return True
+            if proc.poll() is not None:
+                raise AssertionError(f"gateway exited during start-up:\n{text}")
+            return False
+
+        wait_until_blocking(subscribed, timeout, "the gateway subscribed")
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 30) -> int:
+        assert self.proc is not None
+        code = self.proc.wait(timeout=timeout)
+        self._log.close()
+        return code
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.wait()
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+# ---------------------------------------------------------------- reading back what was stored
+
+
+def as_ms(ts: datetime) -> int:
+    return int(ts.replace(tzinfo=UTC).timestamp() * 1000)
+
+
+async def state_rows(db: Database, tenant: str, state: str, buckets: int = 1) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for bucket in range(buckets):
+        found = await db.execute(
+            f"SELECT device_id, ts, value, value_num FROM {db.keyspace}.latest_events_by_state "
+            "WHERE tenant = %s AND state = %s AND bucket = %s",
+            (tenant, state, bucket),
+        )
+        rows |= {r.device_id: r for r in found}
+    return rows
+
+
+async def device_row(db: Database, tenant: str, device: str) -> Any:
+    found = await db.execute(
+        f"SELECT state, ts, value, value_num, metrics FROM {db.keyspace}.latest_events_by_device "
+        "WHERE tenant = %s AND device_id = %s",
+        (tenant, device),
+    )
+    return found[0] if found else None
+
+
+async def telemetry_keys(db: Database, tenant: str, device: str) -> set[tuple[int, int]]:
+    """(ts ms, event_id) of every raw row of a device, found through the partition index."""
+    parts = await db.execute(
+        f"SELECT bucket_start, shard FROM {db.keyspace}.telemetry_partitions "
+        "WHERE tenant = %s AND device_id = %s",
+        (tenant, device),
+    )
+    keys: set[tuple[int, int]] = set()
+    for p in parts:
+        rows = await db.execute(
+            f"SELECT ts, event_id FROM {db.keyspace}.telemetry WHERE tenant = %s "
+            "AND device_id = %s AND bucket_start = %s AND shard = %s",
+            (tenant, device, p.bucket_start, p.shard),
+        )
+        keys |= {(as_ms(r.ts), r.event_id) for r in rows}
+    return keys
+
+
+# ---------------------------------------------------------------- a Cassandra link that can be cut
+
+
+class CuttableProxy:
+    """Forwards to the real Cassandra; cutting it closes every connection and
+    refuses new ones, which is what the driver sees when the link to a remote
+    cluster drops. (Stopping the shared local node would take every other test
+    down with it.)"""
+
+    def __init__(self) -> None:
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self.port = 0
+        # Bytes per second towards Cassandra (None: no limit): a slow link.
+        self.limit: float | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def cut(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+        for writer in list(self._writers):
+            writer.transport.abort()
+        self._writers.clear()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", CQL_PORT)
+        except OSError:
+            writer.close()
+            return
+        self._writers |= {writer, up_writer}
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, limited: bool) -> None:
+            with contextlib.suppress(OSError, asyncio.CancelledError):
+                while data := await src.read(4096 if limited else 65536):
+                    if limited and self.limit is not None:
+                        await asyncio.sleep(len(data) / self.limit)
+                    dst.write(data)
+                    await dst.drain()
+            dst.transport.abort()
+
+        await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False))
+
+
+@asynccontextmanager
+async def proxy() -> AsyncIterator[CuttableProxy]:
+    p = CuttableProxy()
+    await p.start()
+    try:
+        yield p
+    finally:
+        with contextlib.suppress(Exception):
+            await p.cut()
+
+
+# ---------------------------------------------------------------- fault tests (tests/faults/)
+
+
+class Publisher:
+    """Publishes events at a steady rate in its own thread, reconnecting (with
+    the same id) whenever the broker goes away; an event counts as published
+    once the broker PUBACKed it."""
+
+    def __init__(self, tenant: str, devices: int, rate: float, count: int) -> None:
+        self.tenant, self.devices, self.rate, self.count = tenant, devices, rate, count
+        self.published: dict[str, list[dict[str, object]]] = {}
+        self.reconnects = 0
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "publisher did not finish"
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    async def _run(self) -> None:
+        start = time.monotonic()
+        base = int(time.time() * 1000)
+        states = ("on", "off", "alarm")
+        i = 0
+        while i < self.count:
+            try:
+                async with aiomqtt.Client(
+                    MQTT_HOST, MQTT_PORT, identifier=f"pub-{uuid.uuid4().hex[:8]}", timeout=5
+                ) as client:
+                    while i < self.count:
+                        device = f"d{i % self.devices}"
+                        event = {"ts": base + i, "state": states[(i // 7) % 3], "value": i}
+                        await client.publish(topic(self.tenant, device), orjson.dumps(event), qos=1)
+                        self.published.setdefault(device, []).append(event)
+                        i += 1
+                        ahead = start + i / self.rate - time.monotonic()
+                        if ahead > 0:
+                            await asyncio.sleep(ahead)
+            except aiomqtt.MqttError:
+                self.reconnects += 1
+                await asyncio.sleep(0.5)
+
+
+async def assert_all_stored(
+    db: Database, tenant: str, publisher: Publisher, deadline: float = 120
+) -> None:
+    """Every published event reaches the raw table, and the latest tables hold
+    exactly the newest event of each device."""
+    expected = {d: {e["ts"] for e in events} for d, events in publisher.published.items()}
+
+    async def all_stored() -> bool:
+        try:
+            stored = {d: {k[0] for k in await telemetry_keys(db, tenant, d)} for d in expected}
+        except NoHostAvailable:  # this test's own session is still reconnecting
+            return False
+        return stored == expected
+
+    await wait_until(all_stored, deadline, "every published event stored", interval=1)
+    for device, events in publisher.published.items():
+        newest = max(events, key=lambda e: int(str(e["ts"])))
+        row = await device_row(db, tenant, device)
+        assert (row.state, row.value_num) == (newest["state"], float(str(newest["value"])))
+        assert device in await state_rows(db, tenant, str(newest["state"]))
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
