@@ -130,11 +130,22 @@ status() {
     fi
 }
 
+# nodetool from the same jars, over the local JMX port (tests flush and compact with it).
+nodetool() {
+    running_pid >/dev/null || die "not running (no live pid in $pidfile)"
+    local -a jvm17; mapfile -t jvm17 < <(grep -v '^\s*#' "$here/jvm17-server.options" | sed '/^\s*$/d' | tr ' ' '\n')
+    # Its command history goes to the tools output directory: keep it in .state/.
+    java "${jvm17[@]}" -Xmx128m -cp "$lib/*" -Dlogback.configurationFile="$here/logback.xml" \
+        -Dcassandra.logdir="$logdir" -Duser.home="$STATE_DIR/cassandra" \
+        org.apache.cassandra.tools.NodeTool -h 127.0.0.1 -p 7199 "$@"
+}
+
 case "${1:-}" in
     fetch) check_java; fetch ;;
     start) start ;;
     wait) wait_ready ;;
     stop) stop ;;
     status) status ;;
-    *) echo "usage: $0 fetch|start|wait|stop|status" >&2; exit 2 ;;
+    nodetool) shift; nodetool "$@" ;;
+    *) echo "usage: $0 fetch|start|wait|stop|status|nodetool ARGS..." >&2; exit 2 ;;
 esac

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 
@@ -89,14 +88,13 @@ class Gateway:
         return connected and failing is None, details
 
     def noisy(self, tenant: str) -> list[dict[str, object]]:
-        """The tenant's noisy devices, noisiest first (wall-clock ``since``)."""
-        wall_offset = time.time() - time.monotonic()
+        """The tenant's noisy devices, noisiest first (``since``: epoch seconds)."""
         return [
             {
                 "device_id": d.device_id,
                 "observed_rate": round(d.observed_rate, 3),
                 "kept_rate": round(d.kept_rate, 3),
-                "since": d.since + wall_offset,
+                "since": d.since,
                 "sampled_out": d.sampled_out,
             }
             for d in self._sampler.noisy(tenant)

@@ -438,7 +438,13 @@ class SamplingConfig(_Model):
     target_rate: Rate = 1.0
     quiet_below: Rate = 2.0
     quiet_for: Seconds = 30.0
-    latest_interval: Seconds = 1.0
+    # 0 (the default): every event that is its device's newest updates the
+    # latest tables (several in one chunk still coalesce to the newest). Above
+    # 0, a noisy device's unchanged-state updates go out at most this often:
+    # fewer writes, but the device's newest ts/value may never reach the
+    # latest tables, and after a restart a late event can show an older state
+    # until the device's next event (README, known limits).
+    latest_interval: Seconds = 0.0
     # Events whose timestamp is this much older than their arrival are
     # back-fill (a device catching up, or the broker replaying a backlog after
     # an outage): they bypass sampling entirely and are all kept, so a burst of

@@ -22,3 +22,6 @@ class Event:
     sent_at_ms: float | None
     event_id: int
     write_ts: int
+    # No ts, and the broker says it may have sent it before (MQTT DUP): its
+    # receive-time stamp says nothing of its age (gateway/store/latest.py).
+    untimed_redelivery: bool = False

@@ -22,18 +22,23 @@ def event_identity(
     value: str | float | None,
     metrics: dict[str, float],
     tags: dict[str, str],
+    *,
+    micros: int | None = None,
 ) -> tuple[int, int]:
     """(event_id, write timestamp in µs) for an event's content.
 
     event_id is a signed 64-bit hash of everything the event says, so a
     redelivered copy maps to the same raw-telemetry row. The write timestamp is
-    the event time in microseconds plus a deterministic tie-break below the
-    millisecond (0..999 from the hash), so two different events of one device in
-    the same millisecond still resolve the same way in every table.
+    the event time in microseconds: exact when the time says its microseconds
+    (``micros``, 0..999 below the millisecond), else the millisecond plus a
+    deterministic tie-break (0..999 from the hash), so two different events of
+    one device in the same millisecond still resolve the same way in every table.
     """
-    canonical = orjson.dumps(
-        [tenant, device_id, ts_ms, state, value, metrics, tags], option=orjson.OPT_SORT_KEYS
-    )
+    fields: list[object] = [tenant, device_id, ts_ms, state, value, metrics, tags]
+    if micros is not None:
+        fields.append(micros)  # two events a few µs apart are two rows
+    canonical = orjson.dumps(fields, option=orjson.OPT_SORT_KEYS)
     digest = hashlib.blake2b(canonical, digest_size=8).digest()
     event_id = int.from_bytes(digest, "big", signed=True)
-    return event_id, ts_ms * 1000 + (event_id % 1000)
+    below_ms = event_id % 1000 if micros is None else micros
+    return event_id, ts_ms * 1000 + below_ms

@@ -584,7 +584,7 @@ def test_defaults() -> None:
     config = SamplingConfig()
     assert config.enabled
     assert (config.noisy_above, config.target_rate, config.quiet_below) == (5.0, 1.0, 2.0)
-    assert (config.half_life, config.quiet_for, config.latest_interval) == (5.0, 30.0, 1.0)
+    assert (config.half_life, config.quiet_for, config.latest_interval) == (5.0, 30.0, 0.0)
     assert config.max_devices == 100_000
     assert config.important == []
     assert config.overrides == []
@@ -629,3 +629,27 @@ def test_config_is_frozen() -> None:
     config = SamplingConfig()
     with pytest.raises(ValidationError):
         config.noisy_above = 10.0
+
+
+def test_a_late_event_is_not_a_state_change_and_changes_are_judged_by_event_time() -> None:
+    sampler = _sampler(FakeClock())
+    topic = _topic(TENANT, "d1")
+    assert sampler.decide(TENANT, "d1", topic, "on", {}, ts=100).reason == "state_change"
+    assert sampler.decide(TENANT, "d1", topic, "off", {}, ts=300).reason == "state_change"
+    # Older than the newest: whatever its state, it changes nothing.
+    assert sampler.decide(TENANT, "d1", topic, "on", {}, ts=200).reason != "state_change"
+    # Judged against the newest event (off), not the last to arrive (on).
+    assert sampler.decide(TENANT, "d1", topic, "on", {}, ts=400).reason == "state_change"
+
+
+def test_arrival_time_given_by_the_caller_is_what_the_rate_is_measured_in() -> None:
+    """A backlog handed over in a burst (the spool draining) keeps the rate it
+    arrived at: one message a second is not noisy, however fast it is decided."""
+    clock = FakeClock()  # never moves
+    sampler = _sampler(clock)
+    topic = _topic(TENANT, "d1")
+    verdicts = [
+        sampler.decide(TENANT, "d1", topic, "on", {}, ts=i, now=1000.0 + i) for i in range(120)
+    ]
+    assert all(v.keep_raw for v in verdicts)
+    assert not sampler.noisy(TENANT)

@@ -117,10 +117,11 @@ class Decoder:
         except ValidationError as exc:
             raise _reason(exc) from None
 
+        micros: int | None = None  # below the millisecond, when the ts says
         if data.ts is None:
             ts_ms, from_receive = received_ms, True
         else:
-            ts_ms, from_receive = self._timestamp(data.ts), False
+            (ts_ms, micros), from_receive = self._timestamp(data.ts), False
             if ts_ms < self._min_ms:
                 hint = " (epoch seconds instead of milliseconds?)" if ts_ms > 0 else ""
                 raise DecodeError(
@@ -148,6 +149,7 @@ class Decoder:
             value_text if value_text is not None else value_num,
             metrics,
             tags,
+            micros=micros,
         )
         return Event(
             tenant=tenant,
@@ -183,10 +185,13 @@ class Decoder:
             raise DecodeError("invalid_msgpack", f"not valid MessagePack: {why}") from None
 
     @staticmethod
-    def _timestamp(ts: int | str) -> int:
+    def _timestamp(ts: int | str) -> tuple[int, int | None]:
+        """Epoch ms, and the microseconds below the millisecond when the time
+        has more than three fractional digits (else None)."""
         if isinstance(ts, int):
-            return ts
-        if not _RFC3339.match(ts):
+            return ts, None
+        match = _RFC3339.match(ts)
+        if not match:
             raise DecodeError(
                 "invalid_ts", f"ts {ts!r} is neither epoch milliseconds nor an RFC 3339 time"
             )
@@ -200,7 +205,10 @@ class Decoder:
         if parsed.tzinfo is None:
             raise DecodeError("invalid_ts", f"ts {ts!r} has no UTC offset (RFC 3339 needs one)")
         # Exact integer arithmetic: float timestamps can land 1 ms short.
-        return (parsed - _EPOCH) // _ONE_MS
+        since = parsed - _EPOCH
+        fraction = match.group(1) or ""
+        micros = since.microseconds % 1000 if len(fraction) > 4 else None
+        return since // _ONE_MS, micros
 
 
 def _kind(payload: bytes, content_type: str | None) -> str:

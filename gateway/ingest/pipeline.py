@@ -111,9 +111,24 @@ class Classifier:
             return Item(delivery, None, rejection(delivery, tenant, device, exc.reason, exc.detail))
         if event.ts_from_receive:
             self._stats.no_ts += 1
+            if delivery.redelivered:
+                # Its receive time says nothing of its age: it goes behind every
+                # timed write of the device (gateway/store/latest.py).
+                event.untimed_redelivery = True
+                event.write_ts %= 1000
         if delivery.received_ms - event.ts_ms > self._backfill_ms:
             return Item(delivery, event, None, _BACKFILL)
-        verdict = self._sampler.decide(tenant, device, delivery.topic, event.state, event.metrics)
+        # Judged at the message's arrival time: a backlog drained from the spool
+        # keeps the rate it arrived at, and does not look noisy.
+        verdict = self._sampler.decide(
+            tenant,
+            device,
+            delivery.topic,
+            event.state,
+            event.metrics,
+            event.write_ts,
+            delivery.received_ms / 1000,
+        )
         if verdict.reject_reason is not None:
             self._stats.quota_by_tenant.add(tenant)
             self._stats.quota_rejected += 1
@@ -233,7 +248,7 @@ class Pipeline:
     async def _write_chunk(self, chunk: list[Item]) -> None:
         events = [item.event for item in chunk if item.event is not None]
         over: list[Event] = []
-        late: dict[int, int] = {}
+        stale: set[int] = set()
         if events:
             new = await self._latest.new_states(events)
             if new:
@@ -241,8 +256,9 @@ class Pipeline:
                 # not cover a new state: let them land before registering it.
                 await self._sink.drain()
                 await self._latest.register(new)
-            over, late = await self._latest.prepare_chunk(events)
+            over, stale = await self._latest.prepare_chunk(events)
         over_ids = {id(e) for e in over}
+        skip = over_ids | stale
         # Latest-table writes are last-write-wins by event time, so of several
         # events of one device in a chunk only the newest needs them (its
         # writes shadow the others'). Devices with a state-less event in the
@@ -251,13 +267,14 @@ class Pipeline:
         stateless: set[tuple[str, str]] = set()
         for item in chunk:
             e = item.event
-            if e is None or id(e) in over_ids or not item.verdict.update_latest:
+            if e is None or id(e) in skip or not item.verdict.update_latest:
                 continue
             key = (e.tenant, e.device_id)
             if e.state is None:
                 stateless.add(key)
             current = newest.get(key)
-            if current is None or e.write_ts > current.write_ts:
+            # Ties (a tie-break collision) go to the larger event id, as in latest.py.
+            if current is None or (e.write_ts, e.event_id) > (current.write_ts, current.event_id):
                 newest[key] = e
         writes: list[Write] = []
         stats = self._stats
@@ -276,8 +293,12 @@ class Pipeline:
             if event is not None:
                 key = (event.tenant, event.device_id)
                 verdict = item.verdict
-                if verdict.update_latest and (newest[key] is event or key in stateless):
-                    mine = self._latest.writes(event, pending, late.get(id(event)))
+                if (
+                    verdict.update_latest
+                    and id(event) not in stale
+                    and (newest[key] is event or key in stateless)
+                ):
+                    mine = self._latest.writes(event, pending)
                 else:
                     mine = []
                     stats.coalesced += 1

@@ -139,6 +139,7 @@ class Delivery:
     content_type: str | None
     received_ms: int
     ack: Done
+    redelivered: bool = False  # the MQTT DUP flag: the broker may have sent it before
 
 
 # Called on the event loop for every message, in receive order. It must not
@@ -337,6 +338,7 @@ class Receiver:
                     content_type=content_type,
                     received_ms=int(time.time() * 1000),
                     ack=tracker.track(message.mid, message.qos),
+                    redelivered=bool(message.dup),
                 )
             )
 

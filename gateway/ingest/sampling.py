@@ -3,7 +3,9 @@
 For every decoded event :meth:`Sampler.decide` returns a :class:`Verdict`:
 whether to write its raw-telemetry row (``keep_raw``), whether to update the
 device's latest-event tables (``update_latest``), and why (``reason``). It is
-pure logic: no I/O, and time comes from an injected clock.
+pure logic: no I/O. Time is the message's receive time (wall clock, seconds)
+when the caller gives it, so a backlog drained from the spool is judged at
+the rate it arrived, not the rate it is drained; else the injected clock.
 
 How it decides:
 
@@ -20,15 +22,17 @@ How it decides:
   it is empty the tenant's ordinary events are dropped (reason ``tenant_rate``).
   With ``max_devices_per_tenant``, events of devices beyond the quota are
   rejected (``reject_reason="quota"``); devices already admitted keep working.
-* Latest-table updates of noisy devices, and of events dropped by the tenant
-  rate, are coalesced to one per ``latest_interval`` seconds per device;
-  always-kept events (below) update them at once.
+* With ``latest_interval`` above 0 (it is 0 by default: off), latest-table
+  updates of noisy devices, and of events dropped by the tenant rate, are
+  coalesced to one per ``latest_interval`` seconds per device; always-kept
+  events (below) update them at once.
 
 Promises:
 
 * Never sampled out (neither by device sampling nor by the tenant rate): the
-  first event of a device the sampler does not know, an event whose state
-  differs from the last state the sampler saw for the device, the first event
+  first event of a device the sampler does not know, an event newer (by event
+  time) than the device's newest state-bearing event whose state differs from
+  that event's, the first event
   after a device becomes noisy or quiet again, and an event that an
   ``important`` rule marks (a metric beyond a threshold, or back from beyond
   it). These always have ``update_latest=True``. Only the device quota can
@@ -83,7 +87,7 @@ class NoisyDevice:
     device_id: str
     observed_rate: float  # msg/s, the estimate now
     kept_rate: float  # msg/s of kept raw events, same estimator
-    since: float  # clock time it became noisy
+    since: float  # clock time (wall clock by default) it became noisy
     sampled_out: int  # events not kept since it became noisy
 
 
@@ -153,6 +157,7 @@ class _Device:
         "kept_acc",
         "last",
         "latest_at",
+        "newest_ts",
         "noisy",
         "noisy_above",
         "quiet_since",
@@ -160,6 +165,7 @@ class _Device:
         "since",
         "slot",
         "state",
+        "state_ts",
         "target",
         "topic",
     )
@@ -174,7 +180,9 @@ class _Device:
         self.kept_acc = 0.0
         self.last = now
         self.latest_at = -math.inf
-        self.state: str | None = None
+        self.state: str | None = None  # that of the newest state-bearing event
+        self.state_ts = -1  # its write timestamp
+        self.newest_ts = -1  # the newest event's write timestamp
         self.noisy = False
         self.since = 0.0
         self.quiet_since: float | None = None
@@ -186,7 +194,7 @@ class _Device:
 class Sampler:
     """Decides, per event, what is written. Not thread-safe; one per pipeline."""
 
-    def __init__(self, config: SamplingConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: SamplingConfig, clock: Callable[[], float] = time.time) -> None:
         self._config = config
         self._clock = clock
         self._enabled = config.enabled
@@ -270,9 +278,19 @@ class Sampler:
         topic: str,
         state: str | None,
         metrics: Mapping[str, float],
+        ts: int | None = None,
+        now: float | None = None,
     ) -> Verdict:
-        """The verdict for one event of ``device_id``, published on ``topic``."""
-        now = self._clock()
+        """The verdict for one event of ``device_id``, published on ``topic``.
+
+        ``ts`` orders the device's events (the event's write timestamp): an
+        event older than the device's newest is late, cannot change the latest
+        tables, and is never taken for a state change (None: events in arrival
+        order). ``now`` is when the
+        message arrived (seconds); the clock's time when None.
+        """
+        if now is None:
+            now = self._clock()
         ten = self._tenant(tenant, now)
         devices = self._devices
         key = (tenant, device_id)
@@ -293,12 +311,18 @@ class Sampler:
             if evicted is not None:
                 self._forget(*evicted)
             changed = True
+            late = False
             dt = 0.0
+            if ts is None:
+                ts = 0
         else:
             if topic != dev.topic:
                 self._resolve(dev, ten.params, topic)
-            changed = state is not None and state != dev.state
-            # An injected clock may step back: treat that as simultaneous.
+            if ts is None:
+                ts = dev.newest_ts + 1
+            late = ts < dev.newest_ts
+            changed = state is not None and ts > dev.state_ts and state != dev.state
+            # A clock may step back: treat that as simultaneous.
             dt = max(now - dev.last, 0.0)
 
         lam = self._lam
@@ -311,8 +335,11 @@ class Sampler:
         est = before + self._half_lam
         last = dev.last
         dev.last = now
-        if state is not None:
+        if not late:
+            dev.newest_ts = ts
+        if state is not None and ts >= dev.state_ts:
             dev.state = state
+            dev.state_ts = ts
 
         transition = False
         if self._enabled:
@@ -373,7 +400,9 @@ class Sampler:
         else:
             verdict = self._ordinary(ten, dev, now)
             keep = verdict.keep_raw
-            if verdict.update_latest:
+            if verdict.update_latest and not late:
+                # A late event's latest-table writes change nothing (they are
+                # older): they don't count as the device's latest update.
                 dev.latest_at = now
             if keep:
                 ten.kept += 1
@@ -389,7 +418,8 @@ class Sampler:
         # telemetry yields to it under the tenant's rate.
         if ten.max_rate is not None:
             self._take_token(ten, now)
-        dev.latest_at = now
+        if not late:
+            dev.latest_at = now
         ten.kept += 1
         dev.kept_acc = dev.kept_acc * decay + lam
         return verdict

@@ -46,9 +46,16 @@ CREATE TABLE IF NOT EXISTS spool (
     received_ms  INTEGER NOT NULL,
     topic        TEXT NOT NULL,
     content_type TEXT,
-    payload      BLOB NOT NULL
+    payload      BLOB NOT NULL,
+    redelivered  INTEGER NOT NULL DEFAULT 0
 )
 """
+
+# Spools written before the DUP flag was kept get the column (false) on open.
+_ADD_REDELIVERED = "ALTER TABLE spool ADD COLUMN redelivered INTEGER NOT NULL DEFAULT 0"
+
+# (received_ms, topic, content_type, payload[, redelivered])
+Appended = tuple[int, str, str | None, bytes] | tuple[int, str, str | None, bytes, bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +65,7 @@ class Record:
     topic: str
     content_type: str | None
     payload: bytes
+    redelivered: bool = False
 
 
 class Spool:
@@ -106,8 +114,9 @@ class Spool:
     async def wait_for_room(self) -> None:
         await self._room.wait()
 
-    async def append(self, records: Sequence[tuple[int, str, str | None, bytes]]) -> list[int]:
-        """Commit (received_ms, topic, content_type, payload) records; their seqs."""
+    async def append(self, records: Sequence[Appended]) -> list[int]:
+        """Commit (received_ms, topic, content_type, payload[, redelivered])
+        records; their seqs."""
         seqs: list[int] = await self._call(self._append, list(records))
         self.depth += len(records)
         self.bytes += sum(len(r[3]) for r in records)
@@ -150,6 +159,9 @@ class Spool:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=FULL")
         db.execute(_SCHEMA)
+        columns = {row[1] for row in db.execute("PRAGMA table_info(spool)")}
+        if "redelivered" not in columns:
+            db.execute(_ADD_REDELIVERED)
         count, size, oldest = db.execute(
             "SELECT count(*), coalesce(sum(length(payload)), 0), min(received_ms) FROM spool"
         ).fetchone()
@@ -161,7 +173,7 @@ class Spool:
             self._db.close()
             self._db = None
 
-    def _append(self, records: list[tuple[int, str, str | None, bytes]]) -> list[int]:
+    def _append(self, records: list[Appended]) -> list[int]:
         db = self._db
         assert db is not None
         db.execute("BEGIN IMMEDIATE")
@@ -169,9 +181,9 @@ class Spool:
             seqs = []
             for record in records:
                 cursor = db.execute(
-                    "INSERT INTO spool (received_ms, topic, content_type, payload) "
-                    "VALUES (?, ?, ?, ?)",
-                    record,
+                    "INSERT INTO spool (received_ms, topic, content_type, payload, redelivered) "
+                    "VALUES (?, ?, ?, ?, ?)",
+                    record if len(record) == 5 else (*record, False),
                 )
                 assert cursor.lastrowid is not None
                 seqs.append(cursor.lastrowid)
@@ -185,11 +197,11 @@ class Spool:
         db = self._db
         assert db is not None
         rows = db.execute(
-            "SELECT seq, received_ms, topic, content_type, payload FROM spool "
+            "SELECT seq, received_ms, topic, content_type, payload, redelivered FROM spool "
             "WHERE seq > ? ORDER BY seq LIMIT ?",
             (after, limit),
         ).fetchall()
-        return [Record(*row) for row in rows]
+        return [Record(r[0], r[1], r[2], r[3], r[4], bool(r[5])) for r in rows]
 
     def _delete(self, seqs: list[int]) -> None:
         db = self._db
@@ -282,7 +294,9 @@ class SpoolSource:
                 self._stats.spool_full_waits += 1
                 await spool.wait_for_room()
             batch, self._inbox = self._inbox, []
-            await spool.append([(d.received_ms, d.topic, d.content_type, d.payload) for d in batch])
+            await spool.append(
+                [(d.received_ms, d.topic, d.content_type, d.payload, d.redelivered) for d in batch]
+            )
             for delivery in batch:
                 delivery.ack.done()
             self._spooled.set()
@@ -310,6 +324,7 @@ class SpoolSource:
                         record.content_type,
                         record.received_ms,
                         _Deleted(self, record.seq, len(record.payload)),
+                        record.redelivered,
                     )
                 )
                 last = record.seq

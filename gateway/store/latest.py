@@ -18,14 +18,26 @@ Promises and bounds:
   every later event's deletes cover it. A tenant may know at most
   ``pipeline.max_states_per_tenant`` states; an event with one more is rejected
   (reason ``too_many_states``).
-* The one case the deletes cannot cover: an *old* event into state S arriving
-  after a *newer* event of the same device was processed before S was known.
-  For events older than S's registration (plus the allowed clock skew) the
-  writer looks up the device's newest state-bearing write and, if it is newer
-  and in another state, also deletes D from S at that newer timestamp. The
-  lookup is an in-memory LRU of each device's newest write seen by this
-  process (``pipeline.device_cache_size`` devices); only a device not seen
-  since start-up costs one read of latest_events_by_device.
+* Three cases the deletes cannot cover, all of an event E older than the
+  device's newest event N: (a) E's state S became known after N was written,
+  so N's deletes missed S; (b) N's deletes are older than the table's
+  ``gc_grace_seconds`` and compaction may have purged them; (c) E has no
+  ``ts`` and is a redelivery (MQTT DUP), so its receive-time stamp says nothing
+  of its age (the pipeline gives it the lowest write timestamp: epoch plus the
+  tie-break, behind every timed write).
+* E is *doubtful* when its time is before S's registration plus the allowed
+  clock skew, before now minus ``gc_grace_seconds`` (less the skew and an
+  hour), or when (c) holds. For a doubtful event the writer needs the device's
+  newest state-bearing write for sure: from memory if this process has read it
+  since start-up, else by one read of latest_events_by_device (merged with
+  what this process wrote since).
+* E's latest-table writes are skipped (counted as ``stale_latest``) when a
+  newer write is known: for a doubtful event, for sure; for any event, when
+  this process has seen a newer one for the device (sampling may have
+  coalesced that one's writes away, so the older one must not overwrite the
+  tables). Its raw row is written as usual. The memory is an LRU of
+  ``pipeline.device_cache_size`` devices; a forgotten device costs one read at
+  its next doubtful event.
 * Other gateway instances may register states; known states are re-read every
   ``pipeline.states_refresh`` seconds. Between two refreshes an instance can
   miss a brand-new state in its deletes (documented in the README).
@@ -55,6 +67,17 @@ from .write_session import UNSET, Prepared, WriteSession
 log = logging.getLogger(__name__)
 
 MAX_TENANTS = 10_000
+# Kept clear of gc_grace_seconds: a delete older than the grace minus this may
+# be purged by the time a late event's insert lands.
+GC_MARGIN_MS = 3_600_000
+
+
+@dataclass(slots=True)
+class _Newest:
+    write_ts: int  # of the device's newest state-bearing write known
+    state: str
+    sure: bool  # read from Cassandra (and kept up to date) since start-up
+    event_id: int = 0  # of that write's event, when this process saw it (0: read back)
 
 
 def state_bucket(device_id: str, buckets: int) -> int:
@@ -86,7 +109,8 @@ class LatestState:
         self._tenants: LRU[str, _TenantStates] = LRU(
             max(MAX_TENANTS, config.pipeline.batch_max_events)
         )
-        self._newest: LRU[tuple[str, str], tuple[int, str]] = LRU(config.pipeline.device_cache_size)
+        self._newest: LRU[tuple[str, str], _Newest] = LRU(config.pipeline.device_cache_size)
+        self._safe_ms = 0  # set by prepare(): gc_grace_seconds less skew and margin
 
     async def prepare(self, session: WriteSession) -> None:
         self._insert_state = await session.prepare(
@@ -117,6 +141,13 @@ class LatestState:
             "SELECT state, WRITETIME(state) AS wt FROM {keyspace}.latest_events_by_device "
             "WHERE tenant = ? AND device_id = ?"
         )
+        gc_grace = await session.prepare(
+            "SELECT gc_grace_seconds FROM system_schema.tables "
+            "WHERE keyspace_name = ? AND table_name = 'latest_events_by_state'"
+        )
+        rows = await self._requests.execute(gc_grace, (session.keyspace,))
+        grace_ms = int(rows[0]["gc_grace_seconds"]) * 1000 if rows else 0
+        self._safe_ms = grace_ms - self._skew_ms - GC_MARGIN_MS
 
     async def new_states(self, events: list[Event]) -> list[tuple[str, str]]:
         """The (tenant, state) pairs of these events that are not known yet.
@@ -140,57 +171,86 @@ class LatestState:
             if state not in known.states:
                 await self._register_state(tenant, state, known)
 
-    async def prepare_chunk(self, events: list[Event]) -> tuple[list[Event], dict[int, int]]:
+    async def prepare_chunk(self, events: list[Event]) -> tuple[list[Event], set[int]]:
         """After :meth:`register`: the events whose state is over the tenant's
-        budget, and for late events the extra delete timestamps (by id(event))."""
+        budget, and the ids of events whose latest-table writes must be skipped
+        (older than the device's newest; module docstring)."""
         over: list[Event] = []
-        extra: dict[int, int] = {}
-        unknown: list[Event] = []
+        stale: set[int] = set()
+        horizon = int(time.time() * 1000) - self._safe_ms
+        to_read: dict[tuple[str, str], None] = {}
         for event in events:
             if event.state is None:
                 continue
             known = await self._known(event.tenant)
-            if event.state not in known.states:
+            registered = known.states.get(event.state)
+            if registered is None:
                 over.append(event)
                 continue
+            if (
+                event.ts_ms < registered + self._skew_ms
+                or event.ts_ms < horizon
+                or event.untimed_redelivery
+            ):
+                key = (event.tenant, event.device_id)
+                entry = self._newest.peek(key)
+                if entry is None or not entry.sure:
+                    to_read[key] = None
+        if to_read:
+            await self._read_newest(list(to_read))
+        over_ids = {id(e) for e in over}
+        for event in events:
+            if event.state is None or id(event) in over_ids:
+                continue
             key = (event.tenant, event.device_id)
-            newest = self._newest.get(key)
-            if event.ts_ms < known.states[event.state] + self._skew_ms:
-                # Possibly older than an event processed before this state was
-                # known (module docstring). What this process has seen answers
-                # it; a device not seen since start-up needs one read.
-                if newest is None:
-                    unknown.append(event)
-                elif newest[0] > event.write_ts and newest[1] != event.state:
-                    extra[id(event)] = newest[0]
-            self._remember(key, event.write_ts, event.state, newest)
-        if unknown:
-            self._stats.late_state_checks += len(unknown)
-            rows = await asyncio.gather(
-                *(
-                    self._requests.execute(self._newest_state, (e.tenant, e.device_id))
-                    for e in unknown
-                )
-            )
-            for event, found in zip(unknown, rows, strict=True):
-                if found and found[0]["wt"] is not None:
-                    newest_state, newest_ts = found[0]["state"], found[0]["wt"]
-                    if newest_ts > event.write_ts and newest_state != event.state:
-                        extra[id(event)] = newest_ts
-                    key = (event.tenant, event.device_id)
-                    self._remember(key, newest_ts, newest_state, self._newest.get(key))
-        return over, extra
+            entry = self._newest.get(key)
+            # A newer event seen by this process (or, for a doubtful event,
+            # known for sure) makes this one's latest writes moot at best, and
+            # harmful when the newer one's were coalesced away.
+            if entry is not None and entry.write_ts == event.write_ts and entry.event_id:
+                if event.event_id < entry.event_id:
+                    stale.add(id(event))  # a tie lost: see below
+                    self._stats.stale_latest += 1
+                    continue
+                if event.event_id > entry.event_id:
+                    # Two events of the device with one write timestamp (a
+                    # collision of the tie-break): the larger event id wins,
+                    # whatever the order. The loser may be written already, and
+                    # a tombstone wins a tie, so the winner goes one µs later.
+                    event.write_ts += 1
+                    self._stats.tie_breaks += 1
+            if entry is not None and entry.write_ts > event.write_ts:
+                stale.add(id(event))
+                self._stats.stale_latest += 1
+                continue
+            if entry is None:
+                self._newest.put(key, _Newest(event.write_ts, event.state, False, event.event_id))
+            elif event.write_ts > entry.write_ts:
+                entry.write_ts, entry.state = event.write_ts, event.state
+                entry.event_id = event.event_id
+        return over, stale
 
-    def _remember(
-        self, key: tuple[str, str], write_ts: int, state: str, current: tuple[int, str] | None
-    ) -> None:
-        """Newest state-bearing write per device seen by this process (bounded LRU)."""
-        if current is None or write_ts > current[0]:
-            self._newest.put(key, (write_ts, state))
-        else:
-            self._newest.touch(key)
+    async def _read_newest(self, keys: list[tuple[str, str]]) -> None:
+        """The newest state-bearing write of these devices, for sure: Cassandra's,
+        merged with what this process has written since."""
+        self._stats.late_state_checks += len(keys)
+        rows = await asyncio.gather(
+            *(self._requests.execute(self._newest_state, key) for key in keys)
+        )
+        for key, found in zip(keys, rows, strict=True):
+            entry = self._newest.peek(key)
+            if found and found[0]["wt"] is not None:
+                wt, state = int(found[0]["wt"]), found[0]["state"]
+                if entry is None:
+                    entry = _Newest(wt, state, True)
+                elif wt > entry.write_ts:
+                    entry.write_ts, entry.state = wt, state
+            elif entry is None:
+                entry = _Newest(-1, "", True)  # nothing stored, nothing seen yet
+            entry.sure = True
+            self._newest.put(key, entry)
 
-    def writes(self, event: Event, pending: Pending, late_delete_ts: int | None) -> list[Write]:
+    def writes(self, event: Event, pending: Pending) -> list[Write]:
         tenant, device = event.tenant, event.device_id
         ts = event.write_ts
         out = [
@@ -246,15 +306,6 @@ class LatestState:
                         pending,
                     )
                 )
-        if late_delete_ts is not None:
-            out.append(
-                Write(
-                    ("state", tenant, event.state, bucket),
-                    self._delete_state,
-                    (late_delete_ts, tenant, event.state, bucket, device),
-                    pending,
-                )
-            )
         return out
 
     async def _known(self, tenant: str) -> _TenantStates:

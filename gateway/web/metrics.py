@@ -468,7 +468,17 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
     (
         "gateway_late_state_checks_total",
         "late_state_checks",
-        "Reads done for old events into recently known states.",
+        "Reads of a device's newest write, for doubtful old events.",
+    ),
+    (
+        "gateway_write_ts_ties_total",
+        "tie_breaks",
+        "Two events of one device with the same write timestamp, settled by event id.",
+    ),
+    (
+        "gateway_stale_latest_total",
+        "stale_latest",
+        "Doubtful old events whose latest-table writes were skipped: the device has a newer one.",
     ),
 )
 

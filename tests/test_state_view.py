@@ -1,0 +1,358 @@
+"""The state view stays exact: each case that once broke it, reproduced on the
+real broker and Cassandra (issue: the state view, exact under every order).
+
+Every test ends by checking the product's promise for the devices involved:
+the device is in exactly one state partition, the state of its newest event,
+and latest_events_by_device holds that event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from gateway.identity import event_identity
+from gateway.ingest.spool import Spool
+from gateway.store.database import Database, connect
+
+from .helpers import (
+    ROOT,
+    as_ms,
+    base_env,
+    device_row,
+    make_config,
+    proxy,
+    publish,
+    run_cli,
+    running_gateway,
+    state_rows,
+    telemetry_keys,
+    topic,
+)
+
+
+async def states_of(db: Database, tenant: str, device: str, states: list[str]) -> list[str]:
+    """The state partitions the device is in (it must be exactly one)."""
+    return [s for s in states if device in await state_rows(db, tenant, s)]
+
+
+def msg(tenant: str, device: str, **event: Any) -> tuple[str, bytes]:
+    return topic(tenant, device), orjson.dumps(event)
+
+
+async def test_noisy_device_late_event_does_not_hide_the_newest(db: Database, tenant: str) -> None:
+    """Case 2: a late event must not become 'the state the sampler compares to'."""
+    n = int(time.time() * 1000) - 20_000
+    burst = [msg(tenant, "lamp", ts=n + i, state="on") for i in range(60)]
+    tail = [
+        msg(tenant, "lamp", ts=n + 100, state="off"),
+        msg(tenant, "lamp", ts=n + 50, state="on"),  # late
+        msg(tenant, "lamp", ts=n + 200, state="on"),  # the newest
+    ]
+    async with running_gateway(make_config()) as gw:  # default sampling
+        await publish(burst)
+        await gw.wait_handled(60)
+        assert gw.stats.sampled_out > 0, "the burst should have made the device noisy"
+        await publish(tail)
+        await gw.wait_handled(63)
+    assert await states_of(db, tenant, "lamp", ["on", "off"]) == ["on"]
+    row = await device_row(db, tenant, "lamp")
+    assert row.state == "on"
+    assert as_ms(row.ts) == n + 200
+
+
+async def test_spool_backlog_keeps_its_arrival_rate(
+    db: Database, tenant: str, tmp_path: Path
+) -> None:
+    """Case 3: a quiet device's spooled backlog, drained in a burst, is not sampled out."""
+    path = tmp_path / "spool.sqlite"
+    start = int(time.time() * 1000) - 120_000
+    records = []
+    for i in range(120):  # one message a second for two minutes, acknowledged into the spool
+        received = start + i * 1000
+        topic_, payload = msg(tenant, "meter", ts=received, state="on", value=i)
+        records.append((received, topic_, None, payload))
+    async with Spool(path, 10_000, 10**8) as spool:
+        await spool.append(records)
+    config = make_config(GATEWAY_SPOOL__ENABLED="true", GATEWAY_SPOOL__PATH=str(path))
+    async with running_gateway(config) as gw:
+        assert gw.stats.spool is not None
+        await gw.wait_for(lambda s: s.spool.depth == 0 and s.in_flight == 0, deadline=60)
+        assert gw.stats.sampled_out == 0
+    assert len(await telemetry_keys(db, tenant, "meter")) == 120
+
+
+async def test_late_event_into_a_new_state_after_a_restart(db: Database, tenant: str) -> None:
+    """Case 4: after a restart the late-state check must not trust a cache entry
+    that holds an event older than the device's newest."""
+    config = make_config(GATEWAY_LIMITS__MAX_FUTURE_SKEW="1s")
+    t1 = int(time.time() * 1000)
+    async with running_gateway(config) as gw:
+        await publish([msg(tenant, "door", ts=t1, state="closed")])
+        await gw.wait_handled(1)
+        await asyncio.sleep(1.5)  # past 'closed''s registration plus the skew
+        t3 = int(time.time() * 1000)
+        await publish([msg(tenant, "door", ts=t3, state="open")])  # the newest
+        await gw.wait_handled(2)
+    # A new process: nothing remembered.
+    async with running_gateway(config) as gw:
+        # Older than the newest, not late for 'closed': remembered without a read.
+        await publish([msg(tenant, "door", ts=t3 - 500, state="closed")])
+        await gw.wait_handled(1)
+        # Older than the newest, into a state registered after the newest was written.
+        await publish([msg(tenant, "door", ts=t3 - 250, state="forced")])
+        await gw.wait_handled(2)
+    assert await states_of(db, tenant, "door", ["closed", "open", "forced"]) == ["open"]
+    assert (await device_row(db, tenant, "door")).state == "open"
+
+
+def _nodetool(*args: str) -> None:
+    result = subprocess.run(
+        ["bash", str(ROOT / "cassandra" / "cassandra.sh"), "nodetool", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+async def test_purged_tombstones_do_not_let_a_late_event_back(tenant: str) -> None:
+    """Case 5: once gc_grace_seconds has passed and compaction purged the
+    deletes, a late old event must not bring an old state back. The test
+    keyspace of its own has gc_grace_seconds = 0 so that this happens now."""
+    keyspace = "gateway_gcgrace"
+    env = {"GATEWAY_CASSANDRA__KEYSPACE": keyspace}
+    result = run_cli("schema", "apply", env=base_env(**env))
+    assert result.returncode == 0, result.stderr
+    # The late-state check (events older than their state's registration plus
+    # the skew) would catch this case anyway: keep the events clear of it.
+    config = make_config(GATEWAY_LIMITS__MAX_FUTURE_SKEW="1s", **env)
+    async with connect(config.cassandra) as db:
+        await db.execute(
+            f"ALTER TABLE {keyspace}.latest_events_by_state WITH gc_grace_seconds = 0", ()
+        )
+        t0 = int(time.time() * 1000)
+        async with running_gateway(config) as gw:
+            await publish([msg(tenant, "valve", ts=t0, state="open")])
+            await gw.wait_handled(1)
+            await asyncio.sleep(2)
+            await publish([msg(tenant, "valve", ts=t0 + 2000, state="shut")])
+            await gw.wait_handled(2)
+        await asyncio.sleep(1.5)  # the deletes are now older than gc_grace_seconds (0)
+        await asyncio.to_thread(_nodetool, "flush", keyspace)
+        await asyncio.to_thread(_nodetool, "compact", keyspace, "latest_events_by_state")
+        async with running_gateway(config) as gw:
+            await publish([msg(tenant, "valve", ts=t0 + 1500, state="open")])  # late
+            await gw.wait_handled(1)
+        assert await states_of(db, tenant, "valve", ["open", "shut"]) == ["shut"]
+
+
+async def test_redelivered_event_without_ts_does_not_beat_a_newer_one(
+    db: Database, tenant: str
+) -> None:
+    """Case 6: an event without ts is stamped on arrival; its redelivered copy
+    (after a gateway that could not write it stopped) must not be stamped anew
+    and win over an event that really is newer."""
+    client_id = f"nots-{tenant}"
+    async with proxy() as p:
+        config = make_config(
+            GATEWAY_CASSANDRA__PORT=str(p.port),
+            GATEWAY_CASSANDRA__GIVE_UP_AFTER="3",
+            GATEWAY_MQTT__CLIENT_ID=client_id,
+        )
+        try:
+            async with running_gateway(config) as gw:
+                await p.cut()
+                await publish([msg(tenant, "fan", state="on")])  # no ts: stamped now
+                await gw.wait_for(lambda s: s.received >= 1)
+                await asyncio.sleep(0.2)
+                newer = int(time.time() * 1000)
+                await publish([msg(tenant, "fan", ts=newer, state="off")])
+                await gw.wait_for(lambda s: s.received >= 2)
+                async with asyncio.timeout(60):
+                    await gw.task
+        except BaseExceptionGroup:
+            pass  # gave up: nothing was acknowledged, the broker keeps both
+    await asyncio.sleep(0.5)
+    config = make_config(GATEWAY_MQTT__CLIENT_ID=client_id)
+    async with running_gateway(config) as gw:
+        await gw.wait_handled(2)
+    assert await states_of(db, tenant, "fan", ["on", "off"]) == ["off"]
+    assert (await device_row(db, tenant, "fan")).state == "off"
+
+
+def _rfc3339(ms_: int, micros: int) -> str:
+    base = datetime(1970, 1, 1, tzinfo=UTC) + timedelta(milliseconds=ms_, microseconds=micros)
+    return base.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+async def test_sub_millisecond_digits_order_two_events(db: Database, tenant: str) -> None:
+    """Case 7: two events in one millisecond, told apart by their microseconds:
+    the later one wins, whatever the hash tie-break below the millisecond says."""
+    t = int(time.time() * 1000) - 5000
+    # Find values for which the hash tie-break alone would order them wrongly.
+    for i in range(10_000):
+        older = {"ts": _rfc3339(t, 100), "state": "off", "value": f"a{i}"}
+        newer = {"ts": _rfc3339(t, 900), "state": "on", "value": f"b{i}"}
+        _, w_old = event_identity(tenant, "blind", t, "off", older["value"], {}, {})
+        _, w_new = event_identity(tenant, "blind", t, "on", newer["value"], {}, {})
+        if w_old > w_new:
+            break
+    else:
+        raise AssertionError("no inverted pair found")
+    async with running_gateway(make_config()) as gw:
+        await publish([msg(tenant, "blind", **newer), msg(tenant, "blind", **older)])
+        await gw.wait_handled(2)
+    assert await states_of(db, tenant, "blind", ["on", "off"]) == ["on"]
+    assert (await device_row(db, tenant, "blind")).state == "on"
+
+
+def _colliding_pair(tenant: str, device: str, t: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Two events of the device in millisecond ``t``, one 'on' and one 'off',
+    with the same write timestamp (their hash tie-breaks collide); the one with
+    the larger event id second."""
+    seen: dict[tuple[int, str], tuple[int, dict[str, Any]]] = {}
+    for i in range(100_000):  # the birthday bound: a collision within a few dozen tries
+        event = {"ts": t, "state": ("on", "off")[i % 2], "value": f"v{i}"}
+        event_id, write_ts = event_identity(
+            tenant, device, t, event["state"], event["value"], {}, {}
+        )
+        other_state = "off" if event["state"] == "on" else "on"
+        other = seen.get((write_ts, other_state))
+        if other is not None:
+            first = (other[0], other[1])
+            second = (event_id, event)
+            low, high = sorted((first, second), key=lambda pair: pair[0])
+            return low[1], high[1]
+        seen[(write_ts, event["state"])] = (event_id, event)
+    raise AssertionError("no colliding pair found")
+
+
+@pytest.mark.parametrize("winner_first", [False, True])
+async def test_colliding_tie_breaks_settle_on_the_larger_event_id(
+    db: Database, tenant: str, winner_first: bool
+) -> None:
+    """Case 8: two events of one device in one millisecond whose hash
+    tie-breaks collide (one write timestamp): whatever the order, the one with
+    the larger event id is the device's state, in both tables."""
+    loser, winner = _colliding_pair(tenant, "pump", int(time.time() * 1000) - 5000)
+    order = [winner, loser] if winner_first else [loser, winner]
+    async with running_gateway(make_config()) as gw:
+        for i, event in enumerate(order, start=1):
+            await publish([msg(tenant, "pump", **event)])
+            await gw.wait_handled(i)
+    assert await states_of(db, tenant, "pump", ["on", "off"]) == [winner["state"]]
+    assert (await device_row(db, tenant, "pump")).state == winner["state"]
+
+
+# --- the property: any order, any mix, a restart in the middle ----------------
+
+STATES = ("on", "off", "alarm")
+
+
+@dataclass(frozen=True)
+class Ev:
+    device: str
+    ts_ms: int | None  # None: no ts, stamped on arrival
+    state: str
+    value: str
+
+    def payload(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"state": self.state, "value": self.value}
+        if self.ts_ms is not None:
+            body["ts"] = self.ts_ms
+        return body
+
+    def write_ts(self, tenant: str) -> int:
+        assert self.ts_ms is not None
+        return event_identity(tenant, self.device, self.ts_ms, self.state, self.value, {}, {})[1]
+
+
+@st.composite
+def fleets(draw: st.DrawFn) -> tuple[list[Ev], list[int], list[int], int]:
+    """Events of a few devices (a noisy burst, same-millisecond pairs, events
+    without ts), the order they are published in (with duplicates), where the
+    publishing pauses until the gateway has handled what it got, and at which
+    of those pauses the gateway restarts."""
+    base = int(time.time() * 1000) - 20_000  # recent: sampling applies, no back-fill
+    events: list[Ev] = []
+    for d in range(draw(st.integers(1, 4))):
+        device = f"d{d}"
+        if draw(st.booleans()):  # a noisy burst: 40 events within 40 ms
+            state = draw(st.sampled_from(STATES))
+            events += [Ev(device, base + i, state, f"{device}-burst{i}") for i in range(40)]
+        for k in range(draw(st.integers(1, 10))):
+            t = base + draw(st.integers(0, 15_000))
+            events.append(Ev(device, t, draw(st.sampled_from(STATES)), f"{device}-{k}"))
+            if draw(st.booleans()):  # another event in the same millisecond
+                events.append(Ev(device, t, draw(st.sampled_from(STATES)), f"{device}-{k}b"))
+        if draw(st.booleans()):
+            events.append(Ev(device, None, draw(st.sampled_from(STATES)), f"{device}-nots"))
+    order = list(range(len(events)))
+    order += draw(st.lists(st.sampled_from(order), max_size=len(events) // 2))  # duplicates
+    order = draw(st.permutations(order))
+    pauses = sorted(draw(st.sets(st.integers(1, max(1, len(order) - 1)), max_size=6)))
+    restart = draw(st.integers(0, len(pauses)))
+    return events, order, pauses, restart
+
+
+def _newest_states(events: list[Ev], order: list[int], tenant: str) -> dict[str, str]:
+    """The state of each device's newest event: a message without ts is the
+    newest at its arrival (the last such message published wins), else the
+    highest write timestamp."""
+    newest: dict[str, str] = {}
+    untimed = {events[i].device: events[i].state for i in order if events[i].ts_ms is None}
+    timed: dict[str, Ev] = {}
+    for e in events:
+        if e.ts_ms is not None and (
+            e.device not in timed or e.write_ts(tenant) > timed[e.device].write_ts(tenant)
+        ):
+            timed[e.device] = e
+    for device in {e.device for e in events}:
+        newest[device] = untimed[device] if device in untimed else timed[device].state
+    return newest
+
+
+@pytest.mark.slow
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(fleet=fleets())
+async def test_every_device_ends_in_the_state_of_its_newest_event(
+    db: Database, fleet: tuple[list[Ev], list[int], list[int], int]
+) -> None:
+    events, order, pauses, restart = fleet
+    tenant = f"prop{uuid.uuid4().hex[:12]}"
+    # Two different events of one device with one write timestamp (a hash
+    # tie-break collision, 1 in 1,000 per same-millisecond pair) are the case
+    # this model does not settle; see the README's known limits.
+    stamps = {(e.device, e.write_ts(tenant)): e for e in events if e.ts_ms is not None}
+    assume(len(stamps) == len({e for e in events if e.ts_ms is not None}))
+    messages = [msg(tenant, events[i].device, **events[i].payload()) for i in order]
+    cuts = [0, *pauses, len(messages)]
+    groups = [messages[a:b] for a, b in itertools.pairwise(cuts)]
+    for run in (groups[:restart], groups[restart:]):
+        async with running_gateway(make_config()) as gw:
+            handled = 0
+            for group in run:
+                await publish(group)
+                handled += len(group)
+                await gw.wait_handled(handled)
+    for device, state in _newest_states(events, order, tenant).items():
+        assert await states_of(db, tenant, device, list(STATES)) == [state], device
+        assert (await device_row(db, tenant, device)).state == state, device
