@@ -102,6 +102,7 @@ class Stats:
     hot_partitions: int = 0  # partitions over the hot threshold, once per window
     untracked_writes: int = 0  # writes to partitions beyond hot_partitions.max_tracked
     late_state_checks: int = 0  # reads of a device's newest write, for doubtful old events
+    deletes_saved: int = 0  # same-state events that needed no deletes (their last write's cover)
     tie_breaks: int = 0  # two events of a device with one write timestamp: the larger id won
     stale_latest: int = 0  # doubtful events older than the device's newest: latest writes skipped
     spool: Any = None  # the Spool in spool mode (depth, bytes, oldest_age())

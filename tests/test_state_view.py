@@ -258,6 +258,27 @@ async def test_colliding_tie_breaks_settle_on_the_larger_event_id(
     assert (await device_row(db, tenant, "pump")).state == winner["state"]
 
 
+async def test_same_state_events_write_no_deletes_and_changes_still_move_the_device(
+    db: Database, tenant: str
+) -> None:
+    """Deletes only on a change (case 1's refreshed tombstones): a steady device
+    writes no deletes after its first event, and a change still moves it."""
+    t = int(time.time() * 1000) - 10_000
+    config = make_config(GATEWAY_SAMPLING__ENABLED="false")
+    async with running_gateway(config) as gw:
+        for i, state in enumerate(["ok", "alarm", "ok", "ok", "ok"], start=1):
+            await publish([msg(tenant, "smoke", ts=t + i, state=state)])
+            await gw.wait_handled(i)
+        assert gw.stats.deletes_saved == 2  # the last two "ok"
+    assert await states_of(db, tenant, "smoke", ["ok", "alarm"]) == ["ok"]
+    # A new process starts with a full set of deletes for each device.
+    async with running_gateway(config) as gw:
+        await publish([msg(tenant, "smoke", ts=t + 10, state="alarm")])
+        await gw.wait_handled(1)
+        assert gw.stats.deletes_saved == 0
+    assert await states_of(db, tenant, "smoke", ["ok", "alarm"]) == ["alarm"]
+
+
 # --- the property: any order, any mix, a restart in the middle ----------------
 
 STATES = ("on", "off", "alarm")

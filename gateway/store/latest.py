@@ -43,6 +43,14 @@ Promises and bounds:
   miss a brand-new state in its deletes (documented in the README).
 * Events without a state update latest_events_by_device only (the device stays
   in the state partition it was in).
+* Deletes only on a change. The deletes into every other state are written by
+  the first event of a device after start-up (or after its memory entry was
+  evicted) and by every event whose state differs from the last one this
+  process wrote for the device; an event in the same state writes only its
+  inserts. So a steady device leaves no fresh tombstones, and those of real
+  changes expire after ``gc_grace_seconds``. Safe under failures: a write that
+  fails is retried until it lands or the gateway stops, and after a restart
+  every device starts again with a full set of deletes.
 * The per-tenant cache of states holds at most MAX_TENANTS tenants (LRU); an
   evicted tenant is simply re-read.
 """
@@ -78,6 +86,9 @@ class _Newest:
     state: str
     sure: bool  # read from Cassandra (and kept up to date) since start-up
     event_id: int = 0  # of that write's event, when this process saw it (0: read back)
+    # The state of the newest latest-table write this process has sent for the
+    # device (None: none since start-up): while it stays, no deletes are needed.
+    written: str | None = None
 
 
 def state_bucket(device_id: str, buckets: int) -> int:
@@ -291,6 +302,14 @@ class LatestState:
                 pending,
             )
         )
+        entry = self._newest.peek((tenant, device))
+        if entry is not None:
+            if entry.written == event.state:
+                # Same state as this process's last write for the device, whose
+                # deletes cover every other state: nothing to delete again.
+                self._stats.deletes_saved += 1
+                return out
+            entry.written = event.state
         tenant_states = self._tenants.peek(tenant)
         # prepare_chunk loaded it, and a chunk (pipeline.batch_max_events) holds
         # fewer tenants than MAX_TENANTS, so it cannot have been evicted since.

@@ -471,6 +471,11 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
         "Reads of a device's newest write, for doubtful old events.",
     ),
     (
+        "gateway_latest_deletes_saved_total",
+        "deletes_saved",
+        "Events in their device's last written state: no deletes written for them.",
+    ),
+    (
         "gateway_write_ts_ties_total",
         "tie_breaks",
         "Two events of one device with the same write timestamp, settled by event id.",
