@@ -13,7 +13,7 @@ export STATE_DIR ?= $(CURDIR)/.state
 SIM_DEVICES ?= 50
 SIM_RATE ?= 20
 
-.PHONY: help venv up down status run test lint schema bench clean
+.PHONY: help venv up down status run test lint schema bench bench-models clean
 
 help:
 	@echo "make run     set up everything, run the gateway in the foreground with a small simulated fleet"
@@ -72,3 +72,8 @@ clean: down
 bench: up
 	@$(VPY) -c "import matplotlib" 2>/dev/null || $(VPY) -m pip install -q -e '.[bench]'
 	$(VPY) bench/run.py $(BENCH_ARGS)
+
+# The state-view data models (issue: the state view), measured on the real
+# Cassandra: the article's Solutions 1-5 plus SAI. Writes bench/results/models.json.
+bench-models: up
+	$(VPY) bench/models.py $(BENCH_ARGS)
