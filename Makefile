@@ -18,6 +18,8 @@ SIM_RATE ?= 20
 help:
 	@echo "make run     set up everything, run the gateway in the foreground with a small simulated fleet"
 	@echo "make test    set up everything and run the tests against the real broker and Cassandra"
+	@echo "make test-quick  the same without the fault tests (which restart the services) and slow ones"
+	@echo "make bench-models  measure the state-view data models (about 30 min)"
 	@echo "make up      start Mosquitto and Cassandra (installs/resolves what is missing), apply the schema"
 	@echo "make down    stop the Mosquitto and Cassandra processes this project started"
 	@echo "make status  show what is running"
