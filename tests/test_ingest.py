@@ -11,6 +11,8 @@ import asyncio
 import random
 import re
 import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -144,6 +146,27 @@ async def test_history_across_buckets_and_msgpack(db: Database, tenant: str, dri
     assert result.returncode == 0, result.stderr
     got = orjson.loads(result.stdout)
     assert [row["value"] for row in got] == [float(i) for i in reversed(range(8))]
+    # A reader that goes away (`| head`) ends the command quietly, as other tools do.
+    code, err = await asyncio.to_thread(_history_into_a_closed_pipe, tenant, "m1")
+    assert code == 141, err
+    assert "Traceback" not in err, err
+    assert "BrokenPipe" not in err, err
+
+
+def _history_into_a_closed_pipe(tenant: str, device: str) -> tuple[int, str]:
+    """`gateway history` whose stdout reader has gone: exit code and stderr."""
+    args = ["history", "--tenant", tenant, device, "--since", "2021-05-01T00:00:00Z"]
+    with subprocess.Popen(
+        [sys.executable, "-m", "gateway", *args],
+        env=base_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as proc:
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        return proc.wait(timeout=60), err
 
 
 # ---------------------------------------------------------------- convergence

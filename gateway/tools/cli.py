@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -389,6 +390,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return uvloop.run(coro)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`gateway history ... | head`): stop quietly, as
+        # other command-line tools do, and keep Python from complaining at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (GatewayError, BaseExceptionGroup) as exc:
         # Errors raised inside a TaskGroup arrive wrapped in a group.
         errors = _gateway_errors(exc)
