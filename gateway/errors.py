@@ -41,5 +41,9 @@ class SchemaError(GatewayError):
     """The schema could not be applied, or is missing."""
 
 
+class QueryError(GatewayError):
+    """A read Cassandra refused; the message says why and what to change."""
+
+
 class BrokerError(GatewayError):
     """The MQTT broker could not be reached or refused us."""

@@ -20,6 +20,7 @@ from typing import Any
 
 import orjson
 import pytest
+from cassandra.concurrent import execute_concurrent_with_args
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -377,3 +378,25 @@ async def test_every_device_ends_in_the_state_of_its_newest_event(
     for device, state in _newest_states(events, order, tenant).items():
         assert await states_of(db, tenant, device, list(STATES)) == [state], device
         assert (await device_row(db, tenant, device)).state == state, device
+
+
+@pytest.mark.slow
+async def test_a_state_unreadable_for_tombstones_says_why_and_what_to_change(
+    db: Database, tenant: str
+) -> None:
+    """Case 1, what is left of it: with one bucket, more recent departures from
+    a state than Cassandra's tombstone_failure_threshold (100,000) make the
+    state unreadable. The CLI then says so and names the setting, no traceback."""
+    delete = db.session.prepare(
+        f"DELETE FROM {db.keyspace}.latest_events_by_state "
+        "WHERE tenant = ? AND state = 'alarm' AND bucket = 0 AND device_id = ?"
+    )
+    departed = [(tenant, f"d{i:06d}") for i in range(100_001)]
+    await asyncio.to_thread(
+        execute_concurrent_with_args, db.session, delete, departed, concurrency=256
+    )
+    result = await asyncio.to_thread(run_cli, "devices", "--tenant", tenant, "--state", "alarm")
+    assert result.returncode == 1, result.stderr
+    assert f"tenants.{tenant}.state_buckets" in result.stderr
+    assert "tombstone_failure_threshold" in result.stderr
+    assert "Traceback" not in result.stderr

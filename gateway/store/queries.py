@@ -15,8 +15,15 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from cassandra import ReadFailure
+
 from ..config import MAX_BUCKET_SECONDS, Config
+from ..errors import QueryError
 from .database import Database
+
+# The failure code a replica gives for a read that met more deleted rows than
+# its tombstone_failure_threshold (native protocol v5, READ_FAILURE reasons).
+READ_TOO_MANY_TOMBSTONES = 0x0001
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +77,25 @@ async def devices_in_state(
         f"SELECT device_id, ts, value, value_num FROM {db.keyspace}.latest_events_by_state "
         "WHERE tenant = %s AND state = %s AND bucket = %s"
     )
-    parts = await asyncio.gather(*(db.execute(query, (tenant, state, b)) for b in range(buckets)))
+    try:
+        parts = await asyncio.gather(
+            *(db.execute(query, (tenant, state, b)) for b in range(buckets))
+        )
+    except ReadFailure as exc:
+        codes = set((exc.error_code_map or {}).values())
+        # Protocol v4 (what the CLI speaks) gives no reason code; v5 does.
+        if codes and READ_TOO_MANY_TOMBSTONES not in codes:
+            raise
+        cause = (
+            "a partition holds more deleted rows (devices that left the state within "
+            "gc_grace_seconds) than the tombstone_failure_threshold"
+        )
+        raise QueryError(
+            f"Cassandra failed to read state {state!r} of tenant {tenant!r}"
+            + (f": {cause}" if codes else f", most likely because {cause}")
+            + f". Spread the state over more partitions with tenants.{tenant}.state_buckets "
+            f'(now {buckets}; README, "The state view: which model, by measurement")'
+        ) from None
     rows = [
         LatestRow(r.device_id, r.ts, _value(r.value, r.value_num)) for part in parts for r in part
     ]
