@@ -113,23 +113,25 @@ class Gateway:
     async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> Stats:
         """Run until ``stop`` is set; returns the counters."""
         async with asyncio.TaskGroup() as tasks:
-            writer = tasks.create_task(self._pipeline.write_loop())
+            # The tasks that feed and drain the queue; in spool mode they are
+            # cancelled at stop (what they hold stays spooled).
+            feeding = [tasks.create_task(self._pipeline.write_loop())]
             if self._spool is not None:
                 spool = self._spool
                 tasks.create_task(spool.append())
-                tasks.create_task(spool.feed())
+                feeding.append(tasks.create_task(spool.feed()))
                 tasks.create_task(spool.delete())
                 handler = spool.accept
             else:
                 handler = self._pipeline.accept
-            tasks.create_task(self._receive(handler, stop, writer))
+            tasks.create_task(self._receive(handler, stop, feeding))
             tasks.create_task(self._status(stop))
             tasks.create_task(self._signal_ready(stop, ready))
         log.info("stopped: %s", self.stats.summary())
         return self.stats
 
     async def _receive(
-        self, handler: Handler, stop: asyncio.Event, writer: asyncio.Task[None]
+        self, handler: Handler, stop: asyncio.Event, feeding: list[asyncio.Task[None]]
     ) -> None:
         try:
             await self._receiver.run(handler, stop)
@@ -138,13 +140,18 @@ class Gateway:
                 self._pipeline.close()
             else:
                 self._spool.close()
-                await self._stop_spooled_writes(writer)
+                await self._stop_spooled_writes(feeding)
 
-    async def _stop_spooled_writes(self, writer: asyncio.Task[None]) -> None:
+    async def _stop_spooled_writes(self, feeding: list[asyncio.Task[None]]) -> None:
         """Spool mode, stopping: finish the writes under way if they complete within
         the deadline, else drop them; their messages are still in the spool and are
         read again at the next start (the writes are idempotent)."""
         assert self._spool is not None
+        writer, *feed = feeding
+        for task in feed:
+            # It may wait for room in a full queue: stop it now, not at the
+            # deadline; the record it was handing over is still spooled.
+            task.cancel()
         try:
             async with asyncio.timeout(self._shutdown_deadline):
                 while not self._pipeline.idle:  # noqa: ASYNC110 - derived; polled only at stop
