@@ -101,10 +101,10 @@ class Stats:
     coalesced: int = 0  # events whose latest-table writes a newer event in the chunk made moot
     hot_partitions: int = 0  # partitions over the hot threshold, once per window
     untracked_writes: int = 0  # writes to partitions beyond hot_partitions.max_tracked
-    late_state_checks: int = 0  # reads of a device's newest write, for doubtful old events
+    newest_reads: int = 0  # reads of a device's newest write (once per device per start-up)
     deletes_saved: int = 0  # same-state events that needed no deletes (their last write's cover)
     tie_breaks: int = 0  # two events of a device with one write timestamp: the larger id won
-    stale_latest: int = 0  # doubtful events older than the device's newest: latest writes skipped
+    stale_latest: int = 0  # events older than the device's newest write: latest writes skipped
     spool: Any = None  # the Spool in spool mode (depth, bytes, oldest_age())
     spool_full_waits: int = 0  # times the spool was full: acks and reads paused
     throttled_s: float = 0.0  # time with mqtt.receive_maximum messages unacknowledged

@@ -631,13 +631,15 @@ def test_config_is_frozen() -> None:
         config.noisy_above = 10.0
 
 
-def test_a_late_event_is_not_a_state_change_and_changes_are_judged_by_event_time() -> None:
+def test_state_changes_are_judged_by_event_time_not_arrival() -> None:
     sampler = _sampler(FakeClock())
     topic = _topic(TENANT, "d1")
     assert sampler.decide(TENANT, "d1", topic, "on", {}, ts=100).reason == "state_change"
     assert sampler.decide(TENANT, "d1", topic, "off", {}, ts=300).reason == "state_change"
-    # Older than the newest: whatever its state, it changes nothing.
-    assert sampler.decide(TENANT, "d1", topic, "on", {}, ts=200).reason != "state_change"
+    # A late event in another state is a real transition seen out of order:
+    # its raw row is kept; it does not become "the device's state".
+    assert sampler.decide(TENANT, "d1", topic, "on", {}, ts=200).keep_raw
+    assert sampler.decide(TENANT, "d1", topic, "off", {}, ts=250).reason != "state_change"
     # Judged against the newest event (off), not the last to arrive (on).
     assert sampler.decide(TENANT, "d1", topic, "on", {}, ts=400).reason == "state_change"
 

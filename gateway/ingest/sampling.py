@@ -321,7 +321,10 @@ class Sampler:
             if ts is None:
                 ts = dev.newest_ts + 1
             late = ts < dev.newest_ts
-            changed = state is not None and ts > dev.state_ts and state != dev.state
+            # Against the newest state-bearing event, by event time. A late event
+            # in another state is a real transition seen out of order: its raw
+            # row is kept (its latest-table writes are skipped as stale).
+            changed = state is not None and state != dev.state and ts != dev.state_ts
             # A clock may step back: treat that as simultaneous.
             dt = max(now - dev.last, 0.0)
 

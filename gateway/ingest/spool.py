@@ -255,6 +255,7 @@ class SpoolSource:
         self._to_delete: list[tuple[int, int]] = []
         self._delete_ready = asyncio.Event()
         self._closing = False
+        self._closed = asyncio.Event()
         self._writes_stopped = asyncio.Event()
 
     def accept(self, delivery: Delivery) -> None:
@@ -268,6 +269,7 @@ class SpoolSource:
         """No more deliveries: append what the inbox holds, stop feeding.
         What is spooled stays spooled until the next start."""
         self._closing = True
+        self._closed.set()
         self._inbox_ready.set()
         self._spooled.set()
 
@@ -289,10 +291,8 @@ class SpoolSource:
                 if self._closing:
                     return
                 continue
-            if spool.full:
-                self._flow.pause_reading()  # the broker keeps the rest until there is room
-                self._stats.spool_full_waits += 1
-                await spool.wait_for_room()
+            if not await self._room():
+                return  # stopping while full: the inbox is unacknowledged, redelivered later
             batch, self._inbox = self._inbox, []
             await spool.append(
                 [(d.received_ms, d.topic, d.content_type, d.payload, d.redelivered) for d in batch]
@@ -300,10 +300,26 @@ class SpoolSource:
             for delivery in batch:
                 delivery.ack.done()
             self._spooled.set()
-            if not spool.full:
-                self._flow.resume_reading()
+            # Full now: nothing more can arrive while reads are paused, so wait
+            # for room here, then read again.
+            if not await self._room():
+                return
+            self._flow.resume_reading()
             if self._inbox:
                 self._inbox_ready.set()
+
+    async def _room(self) -> bool:
+        """Wait until the spool has room (True), or the source is closed (False)."""
+        if not self.spool.full:
+            return True
+        self._flow.pause_reading()  # the broker keeps the rest until there is room
+        self._stats.spool_full_waits += 1
+        room = asyncio.ensure_future(self.spool.wait_for_room())
+        closed = asyncio.ensure_future(self._closed.wait())
+        await asyncio.wait((room, closed), return_when=asyncio.FIRST_COMPLETED)
+        room.cancel()
+        closed.cancel()
+        return not self.spool.full
 
     async def feed(self) -> None:
         last = 0

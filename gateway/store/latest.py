@@ -18,26 +18,17 @@ Promises and bounds:
   every later event's deletes cover it. A tenant may know at most
   ``pipeline.max_states_per_tenant`` states; an event with one more is rejected
   (reason ``too_many_states``).
-* Three cases the deletes cannot cover, all of an event E older than the
-  device's newest event N: (a) E's state S became known after N was written,
-  so N's deletes missed S; (b) N's deletes are older than the table's
-  ``gc_grace_seconds`` and compaction may have purged them; (c) E has no
-  ``ts`` and is a redelivery (MQTT DUP), so its receive-time stamp says nothing
-  of its age (the pipeline gives it the lowest write timestamp: epoch plus the
-  tie-break, behind every timed write).
-* E is *doubtful* when its time is before S's registration plus the allowed
-  clock skew, before now minus ``gc_grace_seconds`` (less the skew and an
-  hour), or when (c) holds. For a doubtful event the writer needs the device's
-  newest state-bearing write for sure: from memory if this process has read it
-  since start-up, else by one read of latest_events_by_device (merged with
-  what this process wrote since).
-* E's latest-table writes are skipped (counted as ``stale_latest``) when a
-  newer write is known: for a doubtful event, for sure; for any event, when
-  this process has seen a newer one for the device (sampling may have
-  coalesced that one's writes away, so the older one must not overwrite the
-  tables). Its raw row is written as usual. The memory is an LRU of
-  ``pipeline.device_cache_size`` devices; a forgotten device costs one read at
-  its next doubtful event.
+* The writer knows each device's newest state-bearing write for sure: one
+  read of latest_events_by_device the first time it meets the device since
+  start-up (or since the device left its memory, an LRU of
+  ``pipeline.device_cache_size`` devices), merged with what this process
+  writes after. An event older than that newest write writes nothing to the
+  latest tables (counted as ``stale_latest``); its raw row is written as
+  usual. This covers what the deletes alone cannot: an old event into a state
+  that became known after the newer event was written (its deletes missed
+  it), an old event arriving after ``gc_grace_seconds`` let compaction purge
+  the newer event's deletes, and a redelivered event without ``ts`` (MQTT
+  DUP), which the pipeline places behind every timed write.
 * Other gateway instances may register states; known states are re-read every
   ``pipeline.states_refresh`` seconds. Between two refreshes an instance can
   miss a brand-new state in its deletes (documented in the README).
@@ -46,11 +37,12 @@ Promises and bounds:
 * Deletes only on a change. The deletes into every other state are written by
   the first event of a device after start-up (or after its memory entry was
   evicted) and by every event whose state differs from the last one this
-  process wrote for the device; an event in the same state writes only its
-  inserts. So a steady device leaves no fresh tombstones, and those of real
-  changes expire after ``gc_grace_seconds``. Safe under failures: a write that
-  fails is retried until it lands or the gateway stops, and after a restart
-  every device starts again with a full set of deletes.
+  process wrote for the device, which is its newest for sure; an event in the
+  same state writes only its inserts. So a steady device leaves no fresh
+  tombstones, and those of real changes expire after ``gc_grace_seconds``.
+  Safe under failures: a write that fails is retried until it lands or the
+  gateway stops, and after a restart every device starts again with a full
+  set of deletes.
 * The per-tenant cache of states holds at most MAX_TENANTS tenants (LRU); an
   evicted tenant is simply re-read.
 """
@@ -75,9 +67,6 @@ from .write_session import UNSET, Prepared, WriteSession
 log = logging.getLogger(__name__)
 
 MAX_TENANTS = 10_000
-# Kept clear of gc_grace_seconds: a delete older than the grace minus this may
-# be purged by the time a late event's insert lands.
-GC_MARGIN_MS = 3_600_000
 
 
 @dataclass(slots=True)
@@ -116,12 +105,13 @@ class LatestState:
         self._stats = stats
         self._max_states = config.pipeline.max_states_per_tenant
         self._refresh = config.pipeline.states_refresh
-        self._skew_ms = int(config.limits.max_future_skew * 1000)
         self._tenants: LRU[str, _TenantStates] = LRU(
             max(MAX_TENANTS, config.pipeline.batch_max_events)
         )
-        self._newest: LRU[tuple[str, str], _Newest] = LRU(config.pipeline.device_cache_size)
-        self._safe_ms = 0  # set by prepare(): gc_grace_seconds less skew and margin
+        # At least a chunk's devices, so none is forgotten within prepare_chunk.
+        self._newest: LRU[tuple[str, str], _Newest] = LRU(
+            max(config.pipeline.device_cache_size, config.pipeline.batch_max_events)
+        )
 
     async def prepare(self, session: WriteSession) -> None:
         self._insert_state = await session.prepare(
@@ -152,13 +142,6 @@ class LatestState:
             "SELECT state, WRITETIME(state) AS wt FROM {keyspace}.latest_events_by_device "
             "WHERE tenant = ? AND device_id = ?"
         )
-        gc_grace = await session.prepare(
-            "SELECT gc_grace_seconds FROM system_schema.tables "
-            "WHERE keyspace_name = ? AND table_name = 'latest_events_by_state'"
-        )
-        rows = await self._requests.execute(gc_grace, (session.keyspace,))
-        grace_ms = int(rows[0]["gc_grace_seconds"]) * 1000 if rows else 0
-        self._safe_ms = grace_ms - self._skew_ms - GC_MARGIN_MS
 
     async def new_states(self, events: list[Event]) -> list[tuple[str, str]]:
         """The (tenant, state) pairs of these events that are not known yet.
@@ -185,28 +168,21 @@ class LatestState:
     async def prepare_chunk(self, events: list[Event]) -> tuple[list[Event], set[int]]:
         """After :meth:`register`: the events whose state is over the tenant's
         budget, and the ids of events whose latest-table writes must be skipped
-        (older than the device's newest; module docstring)."""
+        (older than the device's newest write; module docstring)."""
         over: list[Event] = []
         stale: set[int] = set()
-        horizon = int(time.time() * 1000) - self._safe_ms
         to_read: dict[tuple[str, str], None] = {}
         for event in events:
             if event.state is None:
                 continue
             known = await self._known(event.tenant)
-            registered = known.states.get(event.state)
-            if registered is None:
+            if event.state not in known.states:
                 over.append(event)
                 continue
-            if (
-                event.ts_ms < registered + self._skew_ms
-                or event.ts_ms < horizon
-                or event.untimed_redelivery
-            ):
-                key = (event.tenant, event.device_id)
-                entry = self._newest.peek(key)
-                if entry is None or not entry.sure:
-                    to_read[key] = None
+            key = (event.tenant, event.device_id)
+            entry = self._newest.peek(key)
+            if entry is None or not entry.sure:
+                to_read[key] = None
         if to_read:
             await self._read_newest(list(to_read))
         over_ids = {id(e) for e in over}
@@ -215,9 +191,8 @@ class LatestState:
                 continue
             key = (event.tenant, event.device_id)
             entry = self._newest.get(key)
-            # A newer event seen by this process (or, for a doubtful event,
-            # known for sure) makes this one's latest writes moot at best, and
-            # harmful when the newer one's were coalesced away.
+            # A newer write makes this one's latest writes moot at best, and
+            # harmful when its deletes missed a state or were purged.
             if entry is not None and entry.write_ts == event.write_ts and entry.event_id:
                 if event.event_id < entry.event_id:
                     stale.add(id(event))  # a tie lost: see below
@@ -244,7 +219,7 @@ class LatestState:
     async def _read_newest(self, keys: list[tuple[str, str]]) -> None:
         """The newest state-bearing write of these devices, for sure: Cassandra's,
         merged with what this process has written since."""
-        self._stats.late_state_checks += len(keys)
+        self._stats.newest_reads += len(keys)
         rows = await asyncio.gather(
             *(self._requests.execute(self._newest_state, key) for key in keys)
         )
@@ -255,7 +230,10 @@ class LatestState:
                 if entry is None:
                     entry = _Newest(wt, state, True)
                 elif wt > entry.write_ts:
+                    # Someone else's write, newer than this process's: forget
+                    # what this process wrote (its event and its deletes).
                     entry.write_ts, entry.state = wt, state
+                    entry.event_id, entry.written = 0, None
             elif entry is None:
                 entry = _Newest(-1, "", True)  # nothing stored, nothing seen yet
             entry.sure = True
@@ -303,7 +281,7 @@ class LatestState:
             )
         )
         entry = self._newest.peek((tenant, device))
-        if entry is not None:
+        if entry is not None and entry.sure:
             if entry.written == event.state:
                 # Same state as this process's last write for the device, whose
                 # deletes cover every other state: nothing to delete again.

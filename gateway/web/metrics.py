@@ -466,9 +466,9 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
     ("gateway_chunks_total", "chunks", "Groups of messages the writer took off the queue."),
     ("gateway_states_registered_total", "states_registered", "States newly registered."),
     (
-        "gateway_late_state_checks_total",
-        "late_state_checks",
-        "Reads of a device's newest write, for doubtful old events.",
+        "gateway_newest_reads_total",
+        "newest_reads",
+        "Reads of a device's newest write (once per device per start-up or eviction).",
     ),
     (
         "gateway_latest_deletes_saved_total",
@@ -483,7 +483,7 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
     (
         "gateway_stale_latest_total",
         "stale_latest",
-        "Doubtful old events whose latest-table writes were skipped: the device has a newer one.",
+        "Events older than their device's newest write: latest-table writes skipped.",
     ),
 )
 
