@@ -235,7 +235,14 @@ async def open_gateway(
         flow: Flow = receiver if spool is None else NoFlow()
         pipeline = Pipeline(config, classifier, latest, telemetry, rejects, sink, stats, flow)
         source = (
-            SpoolSource(spool, pipeline, receiver, stats, config.pipeline.batch_max_events)
+            SpoolSource(
+                spool,
+                pipeline,
+                receiver,
+                stats,
+                config.pipeline.batch_max_events,
+                config.pipeline.queue_size,
+            )
             if spool is not None
             else None
         )

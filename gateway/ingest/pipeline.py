@@ -175,10 +175,6 @@ class Pipeline:
         return self._queue.qsize()
 
     @property
-    def room(self) -> int:
-        return self._queue.maxsize - self._queue.qsize()
-
-    @property
     def idle(self) -> bool:
         """Nothing queued and no Cassandra request in flight."""
         return self._queue.empty() and self._sink.idle

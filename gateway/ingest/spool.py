@@ -241,7 +241,13 @@ class SpoolSource:
     """
 
     def __init__(
-        self, spool: Spool, pipeline: Pipeline, flow: Flow, stats: Stats, batch: int
+        self,
+        spool: Spool,
+        pipeline: Pipeline,
+        flow: Flow,
+        stats: Stats,
+        batch: int,
+        queue_size: int,
     ) -> None:
         self.spool = spool
         self._pipeline = pipeline
@@ -249,7 +255,7 @@ class SpoolSource:
         self._stats = stats
         self._batch = batch
         self._inbox: list[Delivery] = []
-        self._inbox_limit = max(1, pipeline.room)
+        self._inbox_limit = queue_size
         self._inbox_ready = asyncio.Event()
         self._spooled = asyncio.Event()
         self._to_delete: list[tuple[int, int]] = []

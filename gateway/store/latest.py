@@ -72,7 +72,6 @@ MAX_TENANTS = 10_000
 @dataclass(slots=True)
 class _Newest:
     write_ts: int  # of the device's newest state-bearing write known
-    state: str
     sure: bool  # read from Cassandra (and kept up to date) since start-up
     event_id: int = 0  # of that write's event, when this process saw it (0: read back)
     # The state of the newest latest-table write this process has sent for the
@@ -210,10 +209,9 @@ class LatestState:
                 self._stats.stale_latest += 1
                 continue
             if entry is None:
-                self._newest.put(key, _Newest(event.write_ts, event.state, False, event.event_id))
+                self._newest.put(key, _Newest(event.write_ts, False, event.event_id))
             elif event.write_ts > entry.write_ts:
-                entry.write_ts, entry.state = event.write_ts, event.state
-                entry.event_id = event.event_id
+                entry.write_ts, entry.event_id = event.write_ts, event.event_id
         return over, stale
 
     async def _read_newest(self, keys: list[tuple[str, str]]) -> None:
@@ -226,16 +224,15 @@ class LatestState:
         for key, found in zip(keys, rows, strict=True):
             entry = self._newest.peek(key)
             if found and found[0]["wt"] is not None:
-                wt, state = int(found[0]["wt"]), found[0]["state"]
+                wt = int(found[0]["wt"])
                 if entry is None:
-                    entry = _Newest(wt, state, True)
+                    entry = _Newest(wt, True)
                 elif wt > entry.write_ts:
                     # Someone else's write, newer than this process's: forget
                     # what this process wrote (its event and its deletes).
-                    entry.write_ts, entry.state = wt, state
-                    entry.event_id, entry.written = 0, None
+                    entry.write_ts, entry.event_id, entry.written = wt, 0, None
             elif entry is None:
-                entry = _Newest(-1, "", True)  # nothing stored, nothing seen yet
+                entry = _Newest(-1, True)  # nothing stored, nothing seen yet
             entry.sure = True
             self._newest.put(key, entry)
 
@@ -319,9 +316,9 @@ class LatestState:
             self._tenants.put(tenant, known)
         return known
 
-    async def _register_state(self, tenant: str, state: str, known: _TenantStates) -> bool:
+    async def _register_state(self, tenant: str, state: str, known: _TenantStates) -> None:
         if len(known.states) >= self._max_states:
-            return False
+            return  # over the budget: its events are rejected (prepare_chunk)
         now_ms = int(time.time() * 1000)
         rows = await self._requests.execute(self._register, (tenant, state, now_ms))
         applied = rows[0]
@@ -332,7 +329,6 @@ class LatestState:
         log.info(
             "tenant %r: new state %r (the tenant now has %d)", tenant, state, len(known.states)
         )
-        return True
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
