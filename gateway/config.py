@@ -358,6 +358,11 @@ class ApiConfig(_Model):
     enabled: bool = True
     host: str = "127.0.0.1"
     port: int = Field(default=9108, ge=0, le=65535)  # 0: any free port
+    # Read tokens of the HTTP API (gateway/web/tokens.py), written by `gateway
+    # token add/revoke`: ids, tenants and sha256 hashes, never the tokens.
+    # Relative paths are from the working directory, as spool.path; give the
+    # server and the `gateway token` commands the same absolute path.
+    tokens_file: Path = Path("gateway-tokens.jsonl")
 
 
 # -- [sampling] (gateway/ingest/sampling.py) ---------------------------------

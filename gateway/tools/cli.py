@@ -1,8 +1,9 @@
 """Command line: ``gateway run | schema apply | check | devices | device | history |
-rejected | simulate``. The only place that configures logging and reads argv.
+rejected | simulate | token add/list/revoke``. The only place that configures
+logging and reads argv.
 
-Exit codes: 0 success, 1 runtime failure (service unreachable, write refused),
-2 usage or configuration error.
+Exit codes: 0 success, 1 runtime failure (service unreachable, write refused,
+nothing found), 2 usage or configuration error.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from ..ingest.receive import mqtt_client
 from ..store import queries, schema
 from ..store.database import connect
 from ..units import parse_duration
+from ..web import tokens
 from . import check
 from .simulate import FleetSpec, publish
 
@@ -123,6 +125,26 @@ def _parser() -> argparse.ArgumentParser:
     noi.add_argument("--tenant", required=True)
     noi.add_argument("--json", action="store_true")
 
+    tok = sub.add_parser(
+        "token", parents=[common], help="read tokens of the HTTP API (api.tokens_file)"
+    )
+    tok_sub = tok.add_subparsers(dest="token_command", required=True, metavar="ACTION")
+    add = tok_sub.add_parser(
+        "add",
+        parents=[common],
+        help="make a read token; it is printed once, as the last line of the output",
+    )
+    scope = add.add_mutually_exclusive_group(required=True)
+    scope.add_argument("--tenant", type=_checked(tokens.check_tenant), help="the tenant it reads")
+    scope.add_argument("--admin", action="store_true", help="a token that reads every tenant")
+    add.add_argument(
+        "--label", type=_checked(tokens.check_label), default="", help="who or what it is for"
+    )
+    lst = tok_sub.add_parser("list", parents=[common], help="the tokens (never their secrets)")
+    lst.add_argument("--json", action="store_true")
+    rev = tok_sub.add_parser("revoke", parents=[common], help="revoke a token by its id")
+    rev.add_argument("token_id", metavar="ID", help="the id `gateway token list` shows")
+
     sim = sub.add_parser(
         "simulate", parents=[common], help="publish events from a simulated device fleet"
     )
@@ -135,6 +157,18 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--duration", type=float, help="stop after this many seconds")
     sim.add_argument("--seed", type=int, default=1)
     return parser
+
+
+def _checked(check: Callable[[str], str]) -> Callable[[str], str]:
+    """An argparse type from a checker raising ValueError: the error names the argument."""
+
+    def parse(text: str) -> str:
+        try:
+            return check(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
 
 
 def _time_arg(text: str | None, default: datetime) -> datetime:
@@ -310,6 +344,33 @@ def _noisy(config: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def _token(config: Config, args: argparse.Namespace) -> int:
+    # Only this prints a token, and only to stdout: never logged.
+    store = tokens.TokenStore(config.api.tokens_file.absolute())
+    if args.token_command == "add":
+        new = store.add(tenant=args.tenant, admin=args.admin, label=args.label)
+        scope = "every tenant (admin)" if args.admin else f"tenant {args.tenant!r}"
+        print(
+            f"Token for {scope} (id {new.info.id}), its hash stored in {store.path}. "
+            "It is shown once; store it now:"
+        )
+        print(new.token)
+    elif args.token_command == "revoke":
+        info = store.revoke(args.token_id)
+        scope = "*admin*" if info.tenant is None else repr(info.tenant)
+        print(f"token {info.id} ({scope}) revoked; a running server refuses it within a second")
+    else:
+        infos = store.list()
+        if args.json:
+            _print_json([info.as_json() for info in infos])
+            return 0
+        for info in infos:
+            tenant = "*admin*" if info.tenant is None else info.tenant
+            print(f"{info.id}\t{tenant}\t{info.label}\t{info.as_json()['created']}")
+        print(f"({len(infos)} tokens in {store.path})", file=sys.stderr)
+    return 0
+
+
 async def _forget_session(config: Config) -> int:
     # A session whose client never returns keeps queueing every matching
     # message (until persistent_client_expiration): end it explicitly.
@@ -372,12 +433,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "simulate": lambda: _simulate(config, args),
         "forget-session": lambda: _forget_session(config),
     }
-    if args.command == "noisy":
+    if args.command in ("noisy", "token"):
         try:
-            return _noisy(config, args)
+            return _noisy(config, args) if args.command == "noisy" else _token(config, args)
         except GatewayError as exc:
             print(f"gateway: {exc}", file=sys.stderr)
-            return 1
+            return 2 if isinstance(exc, ConfigError) else 1
     if args.command == "schema":
         if args.schema_command == "print":
             for name, stmt in schema.statements(config.cassandra):
