@@ -36,6 +36,7 @@ from .store.hot import HotPartitions
 from .store.latest import LatestState
 from .store.rejects import Rejects
 from .store.requests import Requests
+from .store.rotate import StateRotation
 from .store.schema import missing_from
 from .store.sink import Sink
 from .store.telemetry import Telemetry
@@ -58,6 +59,7 @@ class Gateway:
         requests: Requests,
         sink: Sink,
         pipeline: Pipeline,
+        rotation: StateRotation,
         sampler: Sampler,
         spool: SpoolSource | None,
         shutdown_deadline: float,
@@ -68,6 +70,7 @@ class Gateway:
         self._requests = requests
         self._sink = sink
         self._pipeline = pipeline
+        self._rotation = rotation
         self._sampler = sampler
         self._spool = spool
         self._shutdown_deadline = shutdown_deadline
@@ -126,9 +129,24 @@ class Gateway:
                 handler = self._pipeline.accept
             tasks.create_task(self._receive(handler, stop, feeding))
             tasks.create_task(self._status(stop))
+            tasks.create_task(self._rotate(stop))
             tasks.create_task(self._signal_ready(stop, ready))
         log.info("stopped: %s", self.stats.summary())
         return self.stats
+
+    async def _rotate(self, stop: asyncio.Event) -> None:
+        """State-partition rotations (store/rotate.py) until ``stop``: one cut
+        short here is finished after the next start."""
+        rotating = asyncio.create_task(self._rotation.run())
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({rotating, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (rotating, stopping):
+                task.cancel()
+            await asyncio.gather(rotating, stopping, return_exceptions=True)
+        if rotating.done() and not rotating.cancelled() and rotating.exception() is not None:
+            raise rotating.exception()  # type: ignore[misc]
 
     async def _receive(
         self, handler: Handler, stop: asyncio.Event, feeding: list[asyncio.Task[None]]
@@ -216,8 +234,9 @@ async def open_gateway(
             Sink(requests, config.pipeline, config.cassandra.max_in_flight, hot, stats)
         )
         latest = LatestState(requests, config, stats)
+        rotation = StateRotation(requests, latest, config, stats)
         rejects = Rejects(config, stats)
-        for writer in (latest, telemetry, rejects):
+        for writer in (latest, rotation, telemetry, rejects):
             await writer.prepare(session)
         sampler = Sampler(config.sampling)
         classifier = Classifier(config, sampler, stats)
@@ -233,7 +252,9 @@ async def open_gateway(
             log.info("spool %s: %d messages waiting", config.spool.path, spool.depth)
         # In spool mode the spool source, not the pipeline, holds the broker back.
         flow: Flow = receiver if spool is None else NoFlow()
-        pipeline = Pipeline(config, classifier, latest, telemetry, rejects, sink, stats, flow)
+        pipeline = Pipeline(
+            config, classifier, latest, rotation, telemetry, rejects, sink, stats, flow
+        )
         source = (
             SpoolSource(
                 spool,
@@ -253,6 +274,7 @@ async def open_gateway(
             requests=requests,
             sink=sink,
             pipeline=pipeline,
+            rotation=rotation,
             sampler=sampler,
             spool=source,
             shutdown_deadline=shutdown_deadline,

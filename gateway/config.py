@@ -57,6 +57,8 @@ def _split_list(value: object) -> object:
 # Bounded: a month covers every timeout and interval; longer spans (session
 # expiry, TTL) say so with their own bound.
 Duration = Annotated[float, BeforeValidator(parse_duration), Field(gt=0, le=31 * 86400)]
+# A duration that may be zero.
+Wait = Annotated[float, BeforeValidator(parse_duration), Field(ge=0, le=3600)]
 MAX_TTL_SECONDS = 20 * 365 * 86400
 LongDuration = Annotated[float, BeforeValidator(parse_duration), Field(gt=0, le=20 * 365 * 86400)]
 Port = Annotated[int, Field(ge=1, le=65535)]
@@ -254,9 +256,21 @@ class PipelineConfig(_Model):
     # the number of states per tenant is bounded; past it, events with a new
     # state are rejected with reason "too_many_states".
     max_states_per_tenant: int = Field(default=32, ge=2, le=1024)
-    # Re-read the states each tenant knows this often (other gateway instances
-    # may add states).
-    states_refresh: Duration = 60.0
+    # Re-read the states each tenant knows, and its state partitions'
+    # generations, this often (other gateway instances may add states or
+    # rotate partitions).
+    states_refresh: Duration = 10.0
+    # State generations (gateway/store/rotate.py): a state partition is copied
+    # into a fresh generation, and the old one dropped, once this many devices
+    # have been deleted from it (and at least half as many as it holds), so
+    # its tombstones never reach Cassandra's tombstone_warn_threshold (1000
+    # per read). 0 turns rotation off.
+    rotate_after_deletes: int = Field(default=500, ge=0, le=50_000)
+    # How long a rotation waits between announcing the next generation and
+    # copying into it: every gateway instance must have re-read the
+    # generations (states_refresh) and dual-write by then. None: states_refresh
+    # plus 2 s. A single gateway instance may use 0.
+    rotation_wait: Wait | None = None
     # How many (device, time bucket) raw-telemetry partitions are remembered as
     # already indexed; past it the oldest are forgotten and indexed again.
     partition_cache_size: int = Field(default=100_000, ge=100, le=10_000_000)

@@ -42,7 +42,12 @@ class SchemaError(GatewayError):
 
 
 class QueryError(GatewayError):
-    """A read Cassandra refused; the message says why and what to change."""
+    """A read that cannot be answered: Cassandra refused it (the message says
+    why and what to change), or a parameter is bad (``parameter`` names it)."""
+
+    def __init__(self, message: str, parameter: str | None = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
 
 
 class BrokerError(GatewayError):

@@ -104,6 +104,10 @@ class Stats:
     newest_reads: int = 0  # reads of a device's newest write (once per device per start-up)
     deletes_saved: int = 0  # same-state events that needed no deletes (their last write's cover)
     tie_breaks: int = 0  # two events of a device with one write timestamp: the larger id won
+    rotations: int = 0  # state partitions copied into a fresh generation (store/rotate.py)
+    rotation_rows: int = 0  # live rows those rotations copied
+    rotation_failures: int = 0  # rotation steps that failed and will be retried
+    generations_dropped: int = 0  # old generations deleted after a rotation
     stale_latest: int = 0  # events older than the device's newest write: latest writes skipped
     spool: Any = None  # the Spool in spool mode (depth, bytes, oldest_age())
     spool_full_waits: int = 0  # times the spool was full: acks and reads paused

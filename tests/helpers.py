@@ -36,6 +36,7 @@ from paho.mqtt.properties import Properties
 from gateway import app
 from gateway.config import Config, load_config
 from gateway.stats import Stats
+from gateway.store import queries
 from gateway.store.database import Database
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -306,14 +307,19 @@ def as_ms(ts: datetime) -> int:
 
 
 async def state_rows(db: Database, tenant: str, state: str, buckets: int = 1) -> dict[str, Any]:
+    """The rows of every bucket of (tenant, state), in the generation readers read."""
     rows: dict[str, Any] = {}
+    gens = await queries.state_generations(db, tenant, state)
     for bucket in range(buckets):
         found = await db.execute(
-            f"SELECT device_id, ts, value, value_num FROM {db.keyspace}.latest_events_by_state "
-            "WHERE tenant = %s AND state = %s AND bucket = %s",
-            (tenant, state, bucket),
+            f"SELECT device_id, ts, value, tags FROM {db.keyspace}.latest_events_by_state "
+            "WHERE tenant = %s AND state = %s AND bucket = %s AND gen = %s",
+            (tenant, state, bucket, gens.get(bucket, 0)),
         )
-        rows |= {r.device_id: r for r in found}
+        rows |= {
+            r.device_id: queries.StateRow(r.device_id, r.ts, orjson.loads(r.value), dict(r.tags))
+            for r in found
+        }
     return rows
 
 

@@ -100,7 +100,7 @@ async def test_reference_example_in_order(db: Database, tenant: str, driver: str
     result = run_cli("devices", "--tenant", tenant, "--state", "on", "--json")
     assert result.returncode == 0, result.stderr
     assert orjson.loads(result.stdout) == [
-        {"device_id": D1, "ts": "2021-01-01T03:33:33.000Z", "value": "event 1-3"}
+        {"device_id": D1, "ts": "2021-01-01T03:33:33.000Z", "value": "event 1-3", "tags": {}}
     ]
     result = run_cli("devices", "--tenant", tenant, "--state", "off", "--json")
     assert [d["device_id"] for d in orjson.loads(result.stdout)] == [D2, D3]

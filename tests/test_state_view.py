@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import subprocess
 import time
 import uuid
@@ -26,6 +27,7 @@ from hypothesis import strategies as st
 
 from gateway.identity import event_identity
 from gateway.ingest.spool import Spool
+from gateway.store import queries
 from gateway.store.database import Database, connect
 
 from .helpers import (
@@ -368,8 +370,13 @@ async def test_every_device_ends_in_the_state_of_its_newest_event(
     messages = [msg(tenant, events[i].device, **events[i].payload()) for i in order]
     cuts = [0, *pauses, len(messages)]
     groups = [messages[a:b] for a, b in itertools.pairwise(cuts)]
+    # Partitions rotate into new generations after every two deletes, while
+    # the events arrive (store/rotate.py): the copies must not change the answer.
+    rotating = make_config(
+        GATEWAY_PIPELINE__ROTATE_AFTER_DELETES="2", GATEWAY_PIPELINE__ROTATION_WAIT="0"
+    )
     for run in (groups[:restart], groups[restart:]):
-        async with running_gateway(make_config()) as gw:
+        async with running_gateway(rotating) as gw:
             handled = 0
             for group in run:
                 await publish(group)
@@ -389,7 +396,7 @@ async def test_a_state_unreadable_for_tombstones_says_why_and_what_to_change(
     state unreadable. The CLI then says so and names the setting, no traceback."""
     delete = db.session.prepare(
         f"DELETE FROM {db.keyspace}.latest_events_by_state "
-        "WHERE tenant = ? AND state = 'alarm' AND bucket = 0 AND device_id = ?"
+        "WHERE tenant = ? AND state = 'alarm' AND bucket = 0 AND gen = 0 AND device_id = ?"
     )
     departed = [(tenant, f"d{i:06d}") for i in range(100_001)]
     await asyncio.to_thread(
@@ -400,3 +407,68 @@ async def test_a_state_unreadable_for_tombstones_says_why_and_what_to_change(
     assert f"tenants.{tenant}.state_buckets" in result.stderr
     assert "tombstone_failure_threshold" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+TRACE_READ = re.compile(r"Read (\d+) live rows and (\d+) tombstone cells")
+
+
+async def _traced_state_read(db: Database, tenant: str, state: str) -> tuple[int, int]:
+    """(live rows, tombstone cells) the replica read for the state's partition
+    in the generation readers read, from Cassandra's own tracing."""
+    gens = await queries.state_generations(db, tenant, state)
+
+    def read() -> tuple[int, int]:
+        result = db.session.execute(
+            f"SELECT device_id FROM {db.keyspace}.latest_events_by_state "
+            "WHERE tenant = %s AND state = %s AND bucket = 0 AND gen = %s",
+            (tenant, state, gens.get(0, 0)),
+            trace=True,
+        )
+        trace = result.get_query_trace(max_wait_sec=10)
+        for event in trace.events:
+            found = TRACE_READ.search(event.description)
+            if found:
+                return int(found[1]), int(found[2])
+        raise AssertionError(
+            f"no read summary in the trace: {[e.description for e in trace.events]}"
+        )
+
+    return await asyncio.to_thread(read)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rotate_after", [0, 200])
+async def test_a_rare_state_stays_cheap_to_read_after_every_device_left_it(
+    db: Database, tenant: str, rotate_after: int
+) -> None:
+    """Case 1, scaled down: 3,000 devices enter "alarm", all leave it, one comes
+    back. Without rotation (0) the alarm partition holds a tombstone per
+    departed device; with it, the read steps over at most about
+    rotate_after_deletes of them, whatever the tenant's history."""
+    devices = [f"d{i:05d}" for i in range(3000)]
+    t = int(time.time() * 1000) - 60_000
+    config = make_config(
+        GATEWAY_PIPELINE__ROTATE_AFTER_DELETES=str(rotate_after),
+        GATEWAY_PIPELINE__ROTATION_WAIT="0",
+        GATEWAY_SAMPLING__ENABLED="false",
+    )
+    async with running_gateway(config) as gw:
+        await publish([msg(tenant, d, ts=t, state="alarm") for d in devices])
+        await publish([msg(tenant, d, ts=t + 1000, state="ok") for d in devices])
+        await publish([msg(tenant, devices[7], ts=t + 2000, state="alarm")])
+        await gw.wait_handled(2 * len(devices) + 1)
+        if rotate_after:
+            # The rotations the departures called for have all been switched.
+            await gw.wait_for(lambda s: s.rotations >= 1 and s.generations_dropped >= 1)
+            await gw.wait_for(lambda s: s.rotations >= s.generations_dropped)
+    live, tombstones = await _traced_state_read(db, tenant, "alarm")
+    assert live == 1
+    if rotate_after:
+        assert tombstones <= 2 * rotate_after, tombstones
+    else:
+        assert tombstones >= len(devices) - 1, tombstones  # the case, reproduced
+    alarm = await queries.devices_in_state(db, make_config(), tenant, "alarm")
+    assert [r.device_id for r in alarm] == [devices[7]]
+    ok = await queries.devices_in_state(db, make_config(), tenant, "ok")
+    assert len(ok) == len(devices) - 1
+    assert devices[7] not in {r.device_id for r in ok}

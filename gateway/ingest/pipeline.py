@@ -31,6 +31,7 @@ from ..event import Event
 from ..stats import Stats
 from ..store.latest import LatestState
 from ..store.rejects import Rejection, Rejects
+from ..store.rotate import StateRotation
 from ..store.sink import Pending, Sink, Write
 from ..store.telemetry import Telemetry
 from .decode import Decoder
@@ -150,6 +151,7 @@ class Pipeline:
         config: Config,
         classifier: Classifier,
         latest: LatestState,
+        rotation: StateRotation,
         telemetry: Telemetry,
         rejects: Rejects,
         sink: Sink,
@@ -159,6 +161,7 @@ class Pipeline:
         self._max_states = config.pipeline.max_states_per_tenant
         self._classify = classifier.classify
         self._latest = latest
+        self._rotation = rotation
         self._telemetry = telemetry
         self._rejects = rejects
         self._sink = sink
@@ -253,6 +256,12 @@ class Pipeline:
                 await self._sink.drain()
                 await self._latest.register(new)
             over, stale = await self._latest.prepare_chunk(events)
+            if self._latest.due:
+                # State partitions to rotate into a fresh generation
+                # (store/rotate.py): the writes in flight land first, so the
+                # copy sees every one that went to the old generation only.
+                await self._sink.drain()
+                await self._rotation.begin_due()
         over_ids = {id(e) for e in over}
         skip = over_ids | stale
         # Latest-table writes are last-write-wins by event time, so of several

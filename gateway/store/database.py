@@ -46,10 +46,20 @@ class Database:
         self.config = config
         self.keyspace = config.keyspace
         self._loop = asyncio.get_running_loop()
+        self._prepared: dict[str, PreparedStatement] = {}
 
     def prepare(self, cql: str) -> PreparedStatement:
         # Blocks on the network: call it from an executor thread (start-up only).
         return self.session.prepare(cql.replace("{keyspace}", self.keyspace))
+
+    async def prepared(self, cql: str) -> PreparedStatement:
+        """``cql`` prepared once per connection (the read side's hot queries);
+        the set of statements is fixed by the code, so the cache is bounded."""
+        found = self._prepared.get(cql)
+        if found is None:
+            found = await self._loop.run_in_executor(None, self.prepare, cql)
+            self._prepared[cql] = found
+        return found
 
     def execute(
         self,

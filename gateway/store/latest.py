@@ -43,6 +43,15 @@ Promises and bounds:
   Safe under failures: a write that fails is retried until it lands or the
   gateway stops, and after a restart every device starts again with a full
   set of deletes.
+* State generations (rotate.py). Each (tenant, state, bucket) partition is
+  written in its current generation, and in the next one too while a
+  rotation copies it. This module routes the writes and counts, per
+  partition, the deletes sent into it and an estimate of its live rows; a
+  partition whose deletes reach ``pipeline.rotate_after_deletes`` (and half
+  its live rows) is *due*, and the pipeline hands the due ones to
+  :class:`~gateway.store.rotate.StateRotation` after letting the writes in
+  flight land. The generations are re-read with the states, every
+  ``pipeline.states_refresh``.
 * The per-tenant cache of states holds at most MAX_TENANTS tenants (LRU); an
   evicted tenant is simply re-read.
 """
@@ -55,6 +64,9 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import orjson
 
 from ..config import Config
 from ..event import Event
@@ -79,14 +91,38 @@ class _Newest:
     written: str | None = None
 
 
+def state_value(text: str | None, num: float | None) -> str:
+    """An event's value as latest_events_by_state stores it: JSON, never null."""
+    return orjson.dumps(text if text is not None else num).decode()
+
+
 def state_bucket(device_id: str, buckets: int) -> int:
     """Stable across processes and versions (unlike hash())."""
     return zlib.crc32(device_id.encode()) % buckets if buckets > 1 else 0
 
 
+PartKey = tuple[str, str, int]  # (tenant, state, bucket)
+
+
+@dataclass(slots=True)
+class Part:
+    """A state partition's generations, as this process knows them."""
+
+    gen: int = 0
+    next_gen: int | None = None  # set while a rotation copies gen into it
+    live: int = 0  # estimated rows: those the last rotation copied, +entries -departures
+    deletes: int = 0  # deletes this process sent into gen since it learnt it
+    rotating_since: datetime | None = None  # when next_gen was set (from Cassandra)
+    retired_gen: int | None = None  # left by a rotation, still to be dropped
+
+    def gens(self) -> tuple[int, ...]:
+        return (self.gen,) if self.next_gen is None else (self.gen, self.next_gen)
+
+
 @dataclass(slots=True)
 class _TenantStates:
     states: dict[str, int]  # state -> registered_at (epoch ms)
+    parts: dict[tuple[str, int], Part] = field(default_factory=dict)  # (state, bucket)
     loaded_at: float = field(default_factory=time.monotonic)
 
 
@@ -95,6 +131,7 @@ class LatestState:
     _delete_state: Prepared
     _insert_device: Prepared
     _select_states: Prepared
+    _select_parts: Prepared
     _register: Prepared
     _newest_state: Prepared
 
@@ -104,6 +141,11 @@ class LatestState:
         self._stats = stats
         self._max_states = config.pipeline.max_states_per_tenant
         self._refresh = config.pipeline.states_refresh
+        self._rotate_after = config.pipeline.rotate_after_deletes
+        # Partitions due for a rotation, or found mid-rotation or with a
+        # generation to drop in Cassandra: rotate.py takes them (bounded by
+        # the partitions of the cached tenants).
+        self.due: dict[PartKey, None] = {}
         self._tenants: LRU[str, _TenantStates] = LRU(
             max(MAX_TENANTS, config.pipeline.batch_max_events)
         )
@@ -115,13 +157,17 @@ class LatestState:
     async def prepare(self, session: WriteSession) -> None:
         self._insert_state = await session.prepare(
             "INSERT INTO {keyspace}.latest_events_by_state "
-            "(tenant, state, bucket, device_id, ts, value, value_num) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
-            timestamps=(4,),
+            "(tenant, state, bucket, gen, device_id, ts, value, tags) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
+            timestamps=(5,),
         )
         self._delete_state = await session.prepare(
             "DELETE FROM {keyspace}.latest_events_by_state USING TIMESTAMP ? "
-            "WHERE tenant = ? AND state = ? AND bucket = ? AND device_id = ?"
+            "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ? AND device_id = ?"
+        )
+        self._select_parts = await session.prepare(
+            "SELECT state, bucket, gen, next_gen, rotating_since, live, retired_gen "
+            "FROM {keyspace}.state_partitions WHERE tenant = ?"
         )
         self._insert_device = await session.prepare(
             "INSERT INTO {keyspace}.latest_events_by_device "
@@ -260,61 +306,105 @@ class LatestState:
         if event.state is None:
             return out
         bucket = state_bucket(device, self._config.tenant(tenant).state_buckets)
-        out.append(
-            Write(
-                ("state", tenant, event.state, bucket),
-                self._insert_state,
-                (
-                    tenant,
-                    event.state,
-                    bucket,
-                    device,
-                    event.ts_ms,
-                    event.value_text,
-                    event.value_num,
-                    ts,
-                ),
-                pending,
+        tenant_states = self._tenants.peek(tenant)
+        # prepare_chunk loaded it, and a chunk (pipeline.batch_max_events) holds
+        # fewer tenants than MAX_TENANTS, so it cannot have been evicted since.
+        assert tenant_states is not None
+        part = self._part(tenant_states, event.state, bucket)
+        value = state_value(event.value_text, event.value_num)
+        for gen in part.gens():
+            out.append(
+                Write(
+                    ("state", tenant, event.state, bucket, gen),
+                    self._insert_state,
+                    (
+                        tenant,
+                        event.state,
+                        bucket,
+                        gen,
+                        device,
+                        event.ts_ms,
+                        value,
+                        event.tags,
+                        ts,
+                    ),
+                    pending,
+                )
             )
-        )
         entry = self._newest.peek((tenant, device))
+        previous: str | None = None
         if entry is not None and entry.sure:
             if entry.written == event.state:
                 # Same state as this process's last write for the device, whose
                 # deletes cover every other state: nothing to delete again.
                 self._stats.deletes_saved += 1
                 return out
-            entry.written = event.state
-        tenant_states = self._tenants.peek(tenant)
-        # prepare_chunk loaded it, and a chunk (pipeline.batch_max_events) holds
-        # fewer tenants than MAX_TENANTS, so it cannot have been evicted since.
-        assert tenant_states is not None
-        known = tenant_states.states
-        for other in known:
-            if other != event.state:
+            previous, entry.written = entry.written, event.state
+        part.live += 1
+        for other in tenant_states.states:
+            if other == event.state:
+                continue
+            left = self._part(tenant_states, other, bucket)
+            if other == previous:
+                left.live -= 1
+            left.deletes += 1
+            if self._rotate_after and left.deletes >= max(self._rotate_after, left.live // 2):
+                self.due[(tenant, other, bucket)] = None
+            for gen in left.gens():
                 out.append(
                     Write(
-                        ("state", tenant, other, bucket),
+                        ("state", tenant, other, bucket, gen),
                         self._delete_state,
-                        (ts, tenant, other, bucket, device),
+                        (ts, tenant, other, bucket, gen, device),
                         pending,
                     )
                 )
         return out
+
+    @staticmethod
+    def _part(tenant_states: _TenantStates, state: str, bucket: int) -> Part:
+        part = tenant_states.parts.get((state, bucket))
+        if part is None:
+            part = tenant_states.parts[(state, bucket)] = Part()
+        return part
+
+    def part(self, key: PartKey) -> Part | None:
+        """What this process knows of a partition (None: its tenant is not cached)."""
+        tenant, state, bucket = key
+        known = self._tenants.peek(tenant)
+        return None if known is None else self._part(known, state, bucket)
 
     async def _known(self, tenant: str) -> _TenantStates:
         known = self._tenants.get(tenant)
         if known is not None and time.monotonic() - known.loaded_at < self._refresh:
             return known
         rows = await self._requests.execute(self._select_states, (tenant,))
-        states = {row["state"]: _epoch_ms(row["registered_at"]) for row in rows}
+        states = {row["state"]: epoch_ms(row["registered_at"]) for row in rows}
+        parts = await self._requests.execute(self._select_parts, (tenant,))
         if known is not None:
             known.states.update(states)
             known.loaded_at = time.monotonic()
         else:
             known = _TenantStates(states)
             self._tenants.put(tenant, known)
+        for row in parts:
+            self._learn(tenant, known, row)
         return known
+
+    def _learn(self, tenant: str, known: _TenantStates, row: dict[str, Any]) -> None:
+        """Merge a state_partitions row into what this process knows: Cassandra
+        is the truth, and generations only go up."""
+        part = self._part(known, row["state"], row["bucket"])
+        gen, next_gen = row["gen"] or 0, row["next_gen"]
+        if gen > part.gen:
+            part.gen, part.next_gen, part.deletes = gen, next_gen, 0
+            part.live = row["live"] or 0
+        elif gen == part.gen and next_gen is not None:
+            part.next_gen = next_gen
+        part.rotating_since = row["rotating_since"] if part.next_gen is not None else None
+        part.retired_gen = row["retired_gen"]
+        if part.next_gen is not None or part.retired_gen is not None:
+            self.due[(tenant, row["state"], row["bucket"])] = None
 
     async def _register_state(self, tenant: str, state: str, known: _TenantStates) -> None:
         if len(known.states) >= self._max_states:
@@ -323,7 +413,7 @@ class LatestState:
         rows = await self._requests.execute(self._register, (tenant, state, now_ms))
         applied = rows[0]
         # Lightweight transaction: another instance may have registered it first.
-        registered = now_ms if applied["[applied]"] else _epoch_ms(applied["registered_at"])
+        registered = now_ms if applied["[applied]"] else epoch_ms(applied["registered_at"])
         known.states[state] = registered
         self._stats.states_registered += 1
         log.info(
@@ -334,7 +424,7 @@ class LatestState:
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
-def _epoch_ms(value: object) -> int:
+def epoch_ms(value: object) -> int:
     """A read-back timestamp (naive UTC from one driver, aware from the other)
     as epoch ms, exactly (float seconds * 1000 could truncate one short)."""
     if isinstance(value, datetime):

@@ -10,10 +10,14 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import heapq
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
+
+import orjson
 
 from cassandra import ReadFailure
 
@@ -69,37 +73,216 @@ def _value(text: str | None, num: float | None) -> str | float | None:
     return text if text is not None else num
 
 
-async def devices_in_state(
-    db: Database, config: Config, tenant: str, state: str
-) -> list[LatestRow]:
-    buckets = config.tenant(tenant).state_buckets
-    query = (
-        f"SELECT device_id, ts, value, value_num FROM {db.keyspace}.latest_events_by_state "
-        "WHERE tenant = %s AND state = %s AND bucket = %s"
-    )
+@dataclass(frozen=True, slots=True)
+class StateRow:
+    """A device in a state: its latest event's time and value, and its tags."""
+
+    device_id: str
+    ts: datetime
+    value: Any
+    tags: dict[str, str]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "device_id": self.device_id,
+            "ts": iso(self.ts),
+            "value": self.value,
+            "tags": self.tags,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class DevicePage:
+    devices: list[StateRow]
+    next_cursor: str | None  # opaque; None: no more
+    scanned: int  # rows read (more than len(devices) when a tag filter skips some)
+
+
+MAX_PAGE = 1000
+# Rows one page request may read while a tag filter skips rows; when it runs
+# out, the page comes back short with a cursor to go on from.
+SCAN_BUDGET = 10_000
+_TOP = "\U0010ffff"  # sorts after every UTF-8 text that starts with a given prefix
+
+
+def _bad(parameter: str, detail: str) -> QueryError:
+    return QueryError(f"{parameter}: {detail}", parameter=parameter)
+
+
+def encode_cursor(bucket: int, after: str) -> str:
+    raw = orjson.dumps([bucket, after])
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str, buckets: int) -> tuple[int, str]:
     try:
-        parts = await asyncio.gather(
-            *(db.execute(query, (tenant, state, b)) for b in range(buckets))
-        )
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        bucket, after = orjson.loads(raw)
+    except (ValueError, TypeError, binascii.Error):
+        raise _bad("cursor", "not a cursor this server gave out") from None
+    if not isinstance(bucket, int) or not isinstance(after, str) or not 0 <= bucket < buckets:
+        raise _bad("cursor", "not a cursor this server gave out (or state_buckets changed)")
+    return bucket, after
+
+
+def parse_tag(tag: str) -> tuple[str, str]:
+    key, sep, value = tag.partition(":")
+    if not sep or not key:
+        raise _bad("tag", f"expected KEY:VALUE, e.g. floor:3 (got {tag!r})")
+    return key, value
+
+
+async def state_generations(db: Database, tenant: str, state: str) -> dict[int, int]:
+    """bucket -> the generation readers read (absent: 0); store/rotate.py."""
+    stmt = await db.prepared(
+        f"SELECT bucket, gen FROM {db.keyspace}.state_partitions WHERE tenant = ? AND state = ?"
+    )
+    return {r.bucket: r.gen or 0 for r in await db.execute(stmt, (tenant, state))}
+
+
+async def devices_page(
+    db: Database,
+    config: Config,
+    tenant: str,
+    state: str,
+    *,
+    limit: int = 100,
+    cursor: str | None = None,
+    prefix: str = "",
+    tag: tuple[str, str] | None = None,
+) -> DevicePage:
+    """One page of the devices in ``state``, by bucket, then device id.
+
+    A cursor names the bucket and the last device id given out, so paging
+    goes on across buckets and across a rotation (generations keep device
+    ids). ``prefix`` limits device ids (a clustering range, not a filter);
+    ``tag`` keeps rows whose tags hold KEY with VALUE (read, then filtered,
+    within SCAN_BUDGET rows per page).
+    """
+    if not 1 <= limit <= MAX_PAGE:
+        raise _bad("limit", f"must be between 1 and {MAX_PAGE} (got {limit})")
+    buckets = config.tenant(tenant).state_buckets
+    bucket, after = decode_cursor(cursor, buckets) if cursor else (0, "")
+    gens = await state_generations(db, tenant, state)
+    upper = prefix + _TOP if prefix else None
+    base = (
+        f"SELECT device_id, ts, value, tags FROM {db.keyspace}.latest_events_by_state "
+        "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ? "
+    )
+    out: list[StateRow] = []
+    scanned = 0
+    while bucket < buckets:
+        lower_op, lower = (">", after) if after >= prefix else (">=", prefix)
+        cql = base + f"AND device_id {lower_op} ? " + ("AND device_id < ? " if upper else "")
+        want = limit - len(out) if tag is None else min(MAX_PAGE, SCAN_BUDGET - scanned)
+        stmt = await db.prepared(cql + "LIMIT ?")
+        params: list[Any] = [tenant, state, bucket, gens.get(bucket, 0), lower]
+        if upper:
+            params.append(upper)
+        rows = await _read_state(db, stmt, (*params, want), tenant, state, buckets)
+        scanned += len(rows)
+        for r in rows:
+            tags = dict(r.tags or {})
+            if tag is None or tags.get(tag[0]) == tag[1]:
+                out.append(StateRow(r.device_id, r.ts, _json(r.value), tags))
+            after = r.device_id
+            if len(out) == limit:
+                break
+        if len(out) == limit:
+            more = rows and (after != rows[-1].device_id or len(rows) == want)
+            return DevicePage(
+                out, encode_cursor(bucket, after) if more else _next(bucket, buckets), scanned
+            )
+        if len(rows) == want:
+            if tag is not None and scanned >= SCAN_BUDGET:
+                return DevicePage(out, encode_cursor(bucket, after), scanned)
+            continue  # more in this bucket
+        bucket, after = bucket + 1, ""
+    return DevicePage(out, None, scanned)
+
+
+def _next(bucket: int, buckets: int) -> str | None:
+    """The cursor of the start of the next bucket (None: that was the last)."""
+    return encode_cursor(bucket + 1, "") if bucket + 1 < buckets else None
+
+
+def _json(value: str | None) -> Any:
+    if value is None:
+        return None
+    try:
+        return orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return value
+
+
+async def _read_state(
+    db: Database, stmt: Any, params: tuple[Any, ...], tenant: str, state: str, buckets: int
+) -> list[Any]:
+    try:
+        return list(await db.execute(stmt, params))
     except ReadFailure as exc:
         codes = set((exc.error_code_map or {}).values())
         # Protocol v4 (what the CLI speaks) gives no reason code; v5 does.
         if codes and READ_TOO_MANY_TOMBSTONES not in codes:
             raise
         cause = (
-            "a partition holds more deleted rows (devices that left the state within "
-            "gc_grace_seconds) than the tombstone_failure_threshold"
+            "a partition holds more deleted rows (devices that left the state) than "
+            "the tombstone_failure_threshold"
         )
         raise QueryError(
             f"Cassandra failed to read state {state!r} of tenant {tenant!r}"
             + (f": {cause}" if codes else f", most likely because {cause}")
-            + f". Spread the state over more partitions with tenants.{tenant}.state_buckets "
-            f'(now {buckets}; README, "The state view: which model, by measurement")'
+            + ". The gateway rotates state partitions to keep them few "
+            "(pipeline.rotate_after_deletes; is it 0?); spreading the state over more "
+            f"partitions with tenants.{tenant}.state_buckets (now {buckets}) helps too "
+            '(README, "The state view: which model, by measurement")'
         ) from None
-    rows = [
-        LatestRow(r.device_id, r.ts, _value(r.value, r.value_num)) for part in parts for r in part
-    ]
-    return sorted(rows, key=lambda r: r.device_id)
+
+
+async def devices_in_state(db: Database, config: Config, tenant: str, state: str) -> list[StateRow]:
+    """Every device in ``state``, by device id (the CLI's full list)."""
+    rows: list[StateRow] = []
+    cursor: str | None = None
+    while True:
+        page = await devices_page(db, config, tenant, state, limit=MAX_PAGE, cursor=cursor)
+        rows += page.devices
+        if page.next_cursor is None:
+            return sorted(rows, key=lambda r: r.device_id)
+        cursor = page.next_cursor
+
+
+async def state_counts(db: Database, config: Config, tenant: str) -> list[tuple[str, int]]:
+    """(state, devices) for every state the tenant has used, most devices first."""
+    states = await db.execute(
+        await db.prepared(f"SELECT state FROM {db.keyspace}.tenant_states WHERE tenant = ?"),
+        (tenant,),
+    )
+    buckets = config.tenant(tenant).state_buckets
+    count = await db.prepared(
+        f"SELECT COUNT(*) AS n FROM {db.keyspace}.latest_events_by_state "
+        "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ?"
+    )
+
+    async def one(state: str) -> tuple[str, int]:
+        gens = await state_generations(db, tenant, state)
+        parts = await asyncio.gather(
+            *(
+                _read_state(db, count, (tenant, state, b, gens.get(b, 0)), tenant, state, buckets)
+                for b in range(buckets)
+            )
+        )
+        return state, sum(rows[0].n for rows in parts)
+
+    found = await asyncio.gather(*(one(r.state) for r in states))
+    return sorted(found, key=lambda sc: (-sc[1], sc[0]))
+
+
+async def tenants(db: Database, limit: int = 1000) -> list[str]:
+    """Tenants that have used a state (for admin tokens), at most ``limit``."""
+    rows = await db.execute(
+        f"SELECT DISTINCT tenant FROM {db.keyspace}.tenant_states LIMIT {int(limit)}"
+    )
+    return sorted(r.tenant for r in rows)
 
 
 async def latest_event(db: Database, tenant: str, device_id: str) -> LatestRow | None:

@@ -3,22 +3,33 @@
 Every statement is ``CREATE ... IF NOT EXISTS``; ``{keyspace}`` and
 ``{replication}`` are filled in from the config. Running ``gateway schema apply``
 twice changes nothing. ``missing_from`` tells ``gateway check`` and ``run`` what is absent.
+
+One change cannot be made by ``IF NOT EXISTS``: ``latest_events_by_state``
+gained a ``gen`` column in its partition key (state generations,
+gateway/store/rotate.py). ``apply`` refuses a keyspace with the old layout
+and names the way out, ``gateway schema migrate``: it drops the old table,
+creates the new one and refills it from ``latest_events_by_device`` (the truth
+it was derived from), keeping each row's write timestamp.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from ..config import CassandraConfig
 from ..errors import SchemaError
 from .database import Database
+from .latest import state_bucket, state_value
 
 log = logging.getLogger(__name__)
 
 REQUIRED_TABLES = (
     "tenant_states",
+    "state_partitions",
     "latest_events_by_state",
     "latest_events_by_device",
     "telemetry",
@@ -60,6 +71,12 @@ def statements(config: CassandraConfig, directory: Path | None = None) -> list[t
 
 async def apply(db: Database, directory: Path | None = None) -> int:
     """Run every statement; returns how many ran. Waits for schema agreement."""
+    if await old_state_layout(db):
+        raise SchemaError(
+            f"{db.keyspace}.latest_events_by_state has the layout from before state "
+            "generations (no gen column). Run `gateway schema migrate` once: it rebuilds "
+            "the table from latest_events_by_device (stop the gateways first)"
+        )
     done = 0
     for name, stmt in statements(db.config, directory):
         try:
@@ -75,3 +92,67 @@ def missing_from(keyspace: str, tables: set[str] | None) -> list[str]:
     if tables is None:
         return [f"keyspace {keyspace}"]
     return [t for t in REQUIRED_TABLES if t not in tables]
+
+
+async def old_state_layout(db: Database) -> bool:
+    """Whether latest_events_by_state exists without its ``gen`` column."""
+    rows = await db.execute(
+        "SELECT column_name FROM system_schema.columns "
+        "WHERE keyspace_name = %s AND table_name = 'latest_events_by_state'",
+        (db.keyspace,),
+    )
+    columns = {r.column_name for r in rows}
+    return bool(columns) and "gen" not in columns
+
+
+async def migrate(
+    db: Database, state_buckets: Callable[[str], int], progress: Callable[[int], None]
+) -> int:
+    """Rebuild latest_events_by_state in the generation layout from
+    latest_events_by_device; returns the rows written. Idempotent: a second
+    run (or one after an interruption) writes the same rows again.
+    ``state_buckets`` gives a tenant's ``state_buckets`` setting."""
+    if await old_state_layout(db):
+        await db.execute(f"DROP TABLE {db.keyspace}.latest_events_by_state")
+    await apply(db)
+    insert = await asyncio.get_running_loop().run_in_executor(
+        None,
+        db.prepare,
+        f"INSERT INTO {db.keyspace}.latest_events_by_state "
+        "(tenant, state, bucket, gen, device_id, ts, value, tags) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
+    )
+    gens = {
+        (r.tenant, r.state, r.bucket): r.gen or 0
+        for r in await db.execute(
+            f"SELECT tenant, state, bucket, gen FROM {db.keyspace}.state_partitions"
+        )
+    }
+    buckets: dict[str, int] = {}
+    written = 0
+    after = -(2**63)
+    page = (
+        f"SELECT token(tenant, device_id) AS t, tenant, device_id, state, ts, value, "
+        f"value_num, tags, WRITETIME(state) AS wt FROM {db.keyspace}.latest_events_by_device "
+        "WHERE token(tenant, device_id) > %s LIMIT 2000"
+    )
+    while True:
+        rows = await db.execute(page, (after,))
+        if not rows:
+            return written
+        after = rows[-1].t
+        writes: list[tuple[object, ...]] = []
+        for r in rows:
+            if r.state is None or r.wt is None:
+                continue
+            if r.tenant not in buckets:
+                buckets[r.tenant] = state_buckets(r.tenant)
+            bucket = state_bucket(r.device_id, buckets[r.tenant])
+            gen = gens.get((r.tenant, r.state, bucket), 0)
+            value = state_value(r.value, r.value_num)
+            values = (r.tenant, r.state, bucket, gen, r.device_id, r.ts, value)
+            writes.append((*values, r.tags or {}, r.wt))
+        for start in range(0, len(writes), 64):
+            await asyncio.gather(*(db.execute(insert, w) for w in writes[start : start + 64]))
+        written += len(writes)
+        progress(written)
