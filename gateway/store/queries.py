@@ -371,3 +371,51 @@ async def history(
 def _ms(ts: datetime) -> int:
     aware = ts if ts.tzinfo else ts.replace(tzinfo=UTC)
     return int(aware.timestamp() * 1000)
+
+
+@dataclass(frozen=True, slots=True)
+class RejectedRow:
+    received_at: datetime
+    topic: str
+    device_id: str | None
+    reason: str
+    detail: str
+    payload_size: int | None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "received_at": iso(self.received_at),
+            "topic": self.topic,
+            "device_id": self.device_id,
+            "reason": self.reason,
+            "detail": self.detail,
+            "payload_size": self.payload_size,
+        }
+
+
+MAX_REJECTED_HOURS = 7 * 24  # the table's TTL: nothing older is kept
+
+
+async def rejected(
+    db: Database, tenant: str, since: datetime, limit: int = 1000
+) -> list[RejectedRow]:
+    """The tenant's rejected messages since ``since`` (at most 7 days back),
+    newest first, at most ``limit``: one partition per hour, newest hour first."""
+    hour = 3_600_000
+    now_ms = int(datetime.now(UTC).timestamp() * 1000)
+    since_ms = max(_ms(since), now_ms - MAX_REJECTED_HOURS * hour)
+    stmt = await db.prepared(
+        f"SELECT received_at, topic, device_id, reason, detail, payload_size "
+        f"FROM {db.keyspace}.rejected_messages "
+        "WHERE tenant = ? AND hour_start = ? AND received_at >= ? LIMIT ?"
+    )
+    out: list[RejectedRow] = []
+    start = now_ms - now_ms % hour
+    while start + hour > since_ms and len(out) < limit:
+        rows = await db.execute(stmt, (tenant, start, since_ms, limit - len(out)))
+        out += [
+            RejectedRow(r.received_at, r.topic, r.device_id, r.reason, r.detail, r.payload_size)
+            for r in rows
+        ]
+        start -= hour
+    return out

@@ -81,6 +81,11 @@ def _parser() -> argparse.ArgumentParser:
         help="create the keyspace and tables (idempotent)",
     )
     sch_sub.add_parser("print", parents=[common], help="print the CQL that apply would run")
+    sch_sub.add_parser(
+        "migrate",
+        parents=[common],
+        help="rebuild latest_events_by_state in the generation layout (once; gateways stopped)",
+    )
 
     sub.add_parser(
         "check",
@@ -110,7 +115,10 @@ def _parser() -> argparse.ArgumentParser:
 
     rej = sub.add_parser("rejected", parents=[common], help="recently rejected messages and why")
     rej.add_argument("--tenant", default="", help="tenant ('' for topics that named none)")
-    rej.add_argument("--hours", type=int, default=1, help="how many hours back (default 1)")
+    rej.add_argument(
+        "--hours", type=_hours, default=1, help="how many hours back (default 1, at most 168)"
+    )
+    rej.add_argument("--limit", type=int, default=1000, help="at most this many (default 1000)")
     rej.add_argument("--json", action="store_true")
 
     sub.add_parser(
@@ -223,6 +231,28 @@ async def _run(config: Config) -> int:
     return 0
 
 
+def _hours(text: str) -> int:
+    hours = int(text)
+    if not 1 <= hours <= queries.MAX_REJECTED_HOURS:
+        raise argparse.ArgumentTypeError(
+            f"between 1 and {queries.MAX_REJECTED_HOURS} (rejected messages are kept 7 days)"
+        )
+    return hours
+
+
+async def _schema_migrate(config: Config) -> int:
+    def progress(rows: int) -> None:
+        print(f"\rschema migrate: {rows} state rows rebuilt", end="", file=sys.stderr, flush=True)
+
+    async with connect(config.cassandra) as db:
+        rows = await schema.migrate(db, lambda t: config.tenant(t).state_buckets, progress)
+    print(file=sys.stderr)
+    print(
+        f"schema migrate: latest_events_by_state rebuilt from latest_events_by_device ({rows} rows)"
+    )
+    return 0
+
+
 async def _schema_apply(config: Config) -> int:
     async with connect(config.cassandra, keyspace=False) as db:
         count = await schema.apply(db)
@@ -284,31 +314,11 @@ async def _history(config: Config, args: argparse.Namespace) -> int:
 
 
 async def _rejected(config: Config, args: argparse.Namespace) -> int:
-    hour = 3_600_000
-    now_ms = int(time.time() * 1000)
-    out = []
+    since = datetime.now(UTC) - timedelta(hours=args.hours)
     async with connect(config.cassandra) as db:
-        for h in range(args.hours):
-            start = now_ms - now_ms % hour - h * hour
-            rows = await db.execute(
-                f"SELECT received_at, topic, reason, detail, payload_size "
-                f"FROM {db.keyspace}.rejected_messages WHERE tenant = %s AND hour_start = %s",
-                (args.tenant, start),
-            )
-            out.extend(rows)
+        out = await queries.rejected(db, args.tenant, since, limit=args.limit)
     if args.json:
-        _print_json(
-            [
-                {
-                    "received_at": queries.iso(r.received_at),
-                    "topic": r.topic,
-                    "reason": r.reason,
-                    "detail": r.detail,
-                    "payload_size": r.payload_size,
-                }
-                for r in out
-            ]
-        )
+        _print_json([r.as_json() for r in out])
     else:
         for r in out:
             print(f"{queries.iso(r.received_at)}\t{r.reason}\t{r.topic}\t{r.detail}")
@@ -444,7 +454,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name, stmt in schema.statements(config.cassandra):
                 print(f"-- {name}\n{stmt};\n")
             return 0
-        coro: Coroutine[Any, Any, int] = _schema_apply(config)
+        coro: Coroutine[Any, Any, int] = (
+            _schema_migrate(config) if args.schema_command == "migrate" else _schema_apply(config)
+        )
     else:
         coro = commands[args.command]()
     try:

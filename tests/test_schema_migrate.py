@@ -1,0 +1,74 @@
+"""`gateway schema migrate`: a keyspace from before state generations is
+refused by `schema apply`, with the way out named, and rebuilt by `migrate`
+from latest_events_by_device, write timestamps kept."""
+
+from __future__ import annotations
+
+import uuid
+
+from cassandra.cluster import Cluster
+
+from .helpers import base_env, make_config, run_cli
+
+# latest_events_by_state as round 1 created it.
+OLD_TABLE = """
+CREATE TABLE {ks}.latest_events_by_state (
+    tenant text, state text, bucket int, device_id text,
+    ts timestamp, value text, value_num double,
+    PRIMARY KEY ((tenant, state, bucket), device_id))
+"""
+
+
+def test_an_old_state_table_is_refused_then_migrated() -> None:
+    keyspace = f"gateway_migrate_{uuid.uuid4().hex[:8]}"
+    env = base_env(GATEWAY_CASSANDRA__KEYSPACE=keyspace)
+    config = make_config(GATEWAY_CASSANDRA__KEYSPACE=keyspace)
+    cluster = Cluster(config.cassandra.contact_points, port=config.cassandra.port)
+    session = cluster.connect()
+    try:
+        assert run_cli("schema", "apply", env=env).returncode == 0
+        session.execute(f"DROP TABLE {keyspace}.latest_events_by_state")
+        session.execute(OLD_TABLE.format(ks=keyspace))
+        insert = (
+            f"INSERT INTO {keyspace}.latest_events_by_device "
+            "(tenant, device_id, state, ts, value, value_num, tags) "
+            "VALUES (%s, %s, %s, %s, %s, %s, %s) USING TIMESTAMP %s"
+        )
+        session.execute(
+            insert, ("acme", "door-1", "open", 1_000, None, 3.5, {"floor": "3"}, 1_000_000)
+        )
+        session.execute(insert, ("acme", "door-2", "shut", 2_000, "x", None, None, 2_000_000))
+        session.execute(insert, ("acme", "meter", None, 3_000, None, 1.0, None, 3_000_000))
+
+        refused = run_cli("schema", "apply", env=env)
+        assert refused.returncode != 0
+        assert "gateway schema migrate" in refused.stderr
+        assert "Traceback" not in refused.stderr
+
+        migrated = run_cli("schema", "migrate", env=env)
+        assert migrated.returncode == 0, migrated.stderr
+        assert "2 rows" in migrated.stdout
+
+        rows = {
+            r.device_id: r
+            for r in session.execute(
+                f"SELECT device_id, state, value, tags, WRITETIME(ts) AS wt "
+                f"FROM {keyspace}.latest_events_by_state"
+            )
+        }
+        assert set(rows) == {"door-1", "door-2"}
+        assert (rows["door-1"].state, rows["door-1"].value, rows["door-1"].wt) == (
+            "open",
+            "3.5",
+            1_000_000,
+        )
+        assert dict(rows["door-1"].tags) == {"floor": "3"}
+        assert (rows["door-2"].value, rows["door-2"].wt) == ('"x"', 2_000_000)
+
+        assert run_cli("schema", "apply", env=env).returncode == 0  # now the new layout
+        listed = run_cli("devices", "--tenant", "acme", "--state", "open", "--json", env=env)
+        assert listed.returncode == 0, listed.stderr
+        assert '"door-1"' in listed.stdout
+    finally:
+        session.execute(f"DROP KEYSPACE IF EXISTS {keyspace}")
+        cluster.shutdown()
