@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
 from .config import Config
@@ -41,8 +41,8 @@ from .store.schema import missing_from
 from .store.sink import Sink
 from .store.telemetry import Telemetry
 from .store.write_session import WriteSession, open_write_session
-from .web.metrics import NoisyRate, gateway_metrics
-from .web.server import serve
+from .web.metrics import NoisyRate, gateway_registry
+from .web.server import build_app, serve
 
 log = logging.getLogger(__name__)
 
@@ -280,20 +280,12 @@ async def open_gateway(
             shutdown_deadline=shutdown_deadline,
         )
         if config.api.enabled:
-            metrics = gateway_metrics(stats, noisy=gateway.noisy_rates, spool=spool)
-
-            def noisy(params: Mapping[str, str]) -> list[dict[str, object]]:
-                return gateway.noisy(params.get("tenant", ""))
-
-            await stack.enter_async_context(
-                serve(
-                    config.api.host,
-                    config.api.port,
-                    metrics.render,
-                    gateway.health,
-                    routes={"/noisy": noisy},
-                )
+            app = build_app(
+                metrics=gateway_registry(stats, noisy=gateway.noisy_rates, spool=spool),
+                health=gateway.health,
+                noisy=gateway.noisy,
             )
+            await stack.enter_async_context(serve(app, config.api.host, config.api.port))
         yield gateway
 
 

@@ -1,43 +1,75 @@
-"""The gateway's HTTP server: /metrics, /healthz and JSON routes, no dependencies.
+"""The gateway's HTTP side: one aiohttp application, served on the gateway's own loop.
 
-Serves, over plain HTTP/1.1 with ``Connection: close`` (one request per
-connection):
+:func:`build_app` makes the :class:`aiohttp.web.Application`; :func:`serve` runs
+it (``AppRunner`` + ``TCPSite``, in-process, on the running event loop: no
+thread, no second loop, no signal handlers taken) while inside. Routes:
 
-    GET /metrics   Prometheus text exposition format 0.0.4, from ``render_metrics()``
-    GET /healthz   {"status": "ok"|"degraded", "checks": {...}}; 200 if healthy, else 503
+    GET /metrics         Prometheus text format 0.0.4 (``generate_latest`` of the
+                         registry from ``gateway/web/metrics.py``)
+    GET /healthz         {"status": "ok"|"degraded", "checks": {...}}; 200 if healthy, else 503
+    GET /noisy?tenant=T  the tenant's noisy devices (JSON list), for ``gateway noisy``
 
-Anything else: 404 for an unknown path, 405 (``Allow: GET``) for another
-method on a known path, 400 for a malformed request line.
+aiohttp's router answers 404 for an unknown path and 405 (with ``Allow``) for
+another method on a known one; ``GET`` routes answer ``HEAD`` too. Under
+``/api`` every error (4xx, 5xx, our 503) is JSON ``{"error": code, "detail":
+sentence}``; elsewhere it is short text. An ``HTTPException`` raised with a JSON
+body passes through unchanged.
 
-Bounds, so a scraper (or anything else that finds the port) cannot hurt the
-gateway's event loop:
+**Adding routes** (the read API, the static page): pass callables in
+``build_app(..., extra=[add_api, add_page])``. Each is called once as
+``fn(app)`` before the application is frozen and may add routes
+(``app.router.add_get``), a sub-application (``app.add_subapp("/api/v1",
+api)``, whose own middlewares then apply to it alone), startup/cleanup hooks
+or ``app[web.AppKey(...)]`` values. The bounds below and the JSON errors cover
+whatever it adds. Dependencies go in through closures, never module globals.
 
-* The request line plus headers may be at most 8 KiB; more gets 431. Request
-  bodies are never read.
-* The whole request head must arrive within 5 s of the connection being
-  accepted (slowloris); otherwise 408 and the connection is closed. Writing the
-  response has the same deadline.
-* At most 32 connections are served at once (a semaphore). A connection beyond
-  that is answered 503 (``Retry-After: 1``) at once and closed: refused, not
-  queued, so a flood cannot pile up waiting handlers.
-* After an error response the server reads and discards what the client still
-  sends (at most 64 KiB, at most 1 s) before closing, so the client sees the
-  response rather than a TCP reset.
+**Bounds, and where each comes from** (defaults in :class:`Limits`):
 
-``render_metrics`` and ``health`` run on the event loop and must be cheap and
-non-blocking. If one raises, the request gets a 500 with a short text body and
-one warning is logged; the server keeps serving.
+* Request head (aiohttp's parser, via ``handler_args``): request line at most
+  ``max_line_size`` (8190) bytes, each header at most ``max_field_size`` (8190),
+  at most ``max_headers`` (64) headers; more is answered 400 and the connection
+  closed. Request bodies: a handler that reads one gets 413 past
+  ``client_max_size`` (64 KiB, aiohttp); our routes never read bodies, and an
+  unread body is drained for at most ``lingering_time`` (1 s, aiohttp) before
+  the connection is closed.
+* Slow and idle clients (aiohttp's ``keepalive_timeout``, 5 s): since aiohttp
+  3.14.4 the timer starts when the connection is accepted, so a connection
+  whose first request head is not complete within 5 s is closed, and so is one
+  idle for 5 s after a response; dribbling bytes does not extend it. aiohttp
+  has no separate header-read deadline and answers nothing (the old server
+  sent 408): the connection is just closed. There is no deadline on *writing* a
+  response: a client that stops reading holds one response's bytes until TCP
+  gives up or the gateway stops.
+* Concurrency (ours, :func:`_admission`): aiohttp accepts every connection and
+  has no cap of its own (its maintainers leave that to the application), so a
+  middleware lets at most ``max_requests`` (32) requests be handled at once
+  and answers the next 503 with ``Retry-After: 1`` and ``Connection: close``,
+  refused rather than queued. It bounds handlers (the read API's Cassandra
+  queries), not idle sockets: those are bounded in time by
+  ``keepalive_timeout``, in number only by the OS.
+* Logs: aiohttp's protocol errors (bad requests) and failing handlers log
+  through ``gateway.web.http``, at most one record per message per 10 s. The
+  per-request access log is off.
+* Stopping (aiohttp's ``AppRunner.cleanup``): the listener closes first, idle
+  connections are closed, requests under way get ``shutdown_timeout`` (2 s)
+  to finish and are then cancelled.
+
+Handlers run on the event loop and must be cheap and non-blocking. If one
+raises, the request gets a 500 and one warning is logged; serving goes on.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
-import urllib.parse
-from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager, suppress
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+
+import orjson
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+from prometheus_client import CollectorRegistry, generate_latest
 
 from ..errors import ConfigError
 from .metrics import METRICS_CONTENT_TYPE
@@ -45,228 +77,261 @@ from .metrics import METRICS_CONTENT_TYPE
 log = logging.getLogger(__name__)
 
 JSON_CONTENT_TYPE = "application/json"
-TEXT_CONTENT_TYPE = "text/plain; charset=utf-8"
+API_PREFIX = "/api"
 
-MAX_HEADER_BYTES = 8 * 1024
-READ_TIMEOUT = 5.0
-MAX_CONNECTIONS = 32
-LINGER_BYTES = 64 * 1024
-LINGER_SECONDS = 1.0
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Health = Callable[[], tuple[bool, dict[str, object]]]
+Noisy = Callable[[str], list[dict[str, object]]]
+AddRoutes = Callable[[web.Application], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The HTTP side's bounds (see the module docstring for what enforces each)."""
+
+    max_line_size: int = 8190
+    max_field_size: int = 8190
+    max_headers: int = 64
+    client_max_size: int = 64 * 1024
+    keepalive_timeout: float = 5.0
+    lingering_time: float = 1.0
+    max_requests: int = 32
+
 
 # --------------------------------------------------------------------------
-# HTTP server
+# Logs a client can provoke: rate-limited
 
-_REASONS = {
-    200: "OK",
-    400: "Bad Request",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    408: "Request Timeout",
-    431: "Request Header Fields Too Large",
-    500: "Internal Server Error",
-    503: "Service Unavailable",
+
+class _OncePer(logging.Filter):
+    """At most one record per message template per ``interval`` seconds."""
+
+    def __init__(self, interval: float) -> None:
+        super().__init__()
+        self.interval = interval
+        self._last: dict[object, float] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = time.monotonic()
+        last = self._last.get(record.msg)
+        if last is not None and now - last < self.interval:
+            return False
+        if len(self._last) > 100:  # templates are few; bounded anyway
+            self._last.clear()
+        self._last[record.msg] = now
+        return True
+
+
+http_log = logging.getLogger(f"{__package__}.http")
+http_log.addFilter(_OncePer(10.0))
+
+
+# --------------------------------------------------------------------------
+# Errors and admission
+
+
+def _is_api(request: web.Request) -> bool:
+    path = request.path
+    return path == API_PREFIX or path.startswith(f"{API_PREFIX}/")
+
+
+# Fixed, not derived from the reason phrase (Python 3.13 renamed 413's, for one).
+_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "too_large",
+    500: "internal_error",
+    503: "unavailable",
 }
 
-_PATHS = ("/metrics", "/healthz")
+
+def _code(status: int, reason: str) -> str:
+    """``Method Not Allowed`` → ``method_not_allowed`` for statuses not in ``_CODES``."""
+    return _CODES.get(status) or "_".join(reason.lower().replace("-", " ").split())
 
 
-@dataclass(slots=True)
-class _Response:
-    status: int
-    body: bytes
-    content_type: str = TEXT_CONTENT_TYPE
-    headers: tuple[tuple[str, str], ...] = ()
+def error_response(
+    request: web.Request,
+    status: int,
+    detail: str,
+    *,
+    code: str | None = None,
+    headers: Iterable[tuple[str, str]] = (),
+) -> web.Response:
+    """An error answer: JSON ``{"error", "detail"}`` under /api, short text elsewhere."""
+    response = web.Response(status=status, headers={"Cache-Control": "no-store"})
+    for name, value in headers:
+        response.headers[name] = value
+    if _is_api(request):
+        body = {"error": code or _code(status, response.reason), "detail": detail}
+        response.body = orjson.dumps(body)
+        response.content_type = JSON_CONTENT_TYPE
+    else:
+        response.text = f"{detail}\n"
+    return response
 
 
-def _text(status: int, text: str, *headers: tuple[str, str]) -> _Response:
-    return _Response(status, text.encode(), TEXT_CONTENT_TYPE, headers)
+_NOT_COPIED = ("Content-Type", "Content-Length")
+_DETAILS = {
+    404: "no such path: {path}",
+    405: "{method} is not allowed on {path}",
+}
 
 
-class _HeadTooLarge(Exception):
-    pass
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """HTTP errors in the JSON shape under /api; an unexpected error is a 500, logged."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400 or not _is_api(request) or exc.content_type == JSON_CONTENT_TYPE:
+            raise
+        default = exc.text is None or exc.text == f"{exc.status}: {exc.reason}"
+        template = _DETAILS.get(exc.status)
+        if default and template:
+            detail = template.format(method=request.method, path=request.path)
+        else:
+            detail = exc.text or exc.reason
+        keep = [(k, v) for k, v in exc.headers.items() if k not in _NOT_COPIED]
+        return error_response(request, exc.status, detail, headers=keep)
+    except Exception:
+        http_log.warning("%s %s failed", request.method, request.path, exc_info=True)
+        return error_response(request, 500, "internal server error")
 
 
-class _Server:
-    def __init__(
-        self,
-        render_metrics: Callable[[], str],
-        health: Callable[[], tuple[bool, dict[str, object]]],
-        read_timeout: float,
-        max_connections: int,
-        max_header_bytes: int,
-        routes: Mapping[str, Callable[[Mapping[str, str]], object]],
-    ) -> None:
-        self.render_metrics = render_metrics
-        self.routes = dict(routes)
-        self.health = health
-        self.read_timeout = read_timeout
-        self.max_header_bytes = max_header_bytes
-        self.slots = asyncio.Semaphore(max_connections)
-        self.handlers: set[asyncio.Task[None]] = set()
-        self.closing = False
+def _admission(max_requests: int) -> Middleware:
+    """At most ``max_requests`` handled at once; beyond, 503 at once (refused, not queued)."""
+    active = 0
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self.handlers.add(task)
-        answered = False  # otherwise (error, timeout, cancelled): reset the connection
-        try:
-            if self.closing:
-                return
-            if self.slots.locked():  # no await between this check and the acquire below
-                await self._send(reader, writer, _text(503, "busy\n", ("Retry-After", "1")))
-            else:
-                async with self.slots:
-                    response = await self._respond(reader)
-                    await self._send(reader, writer, response)
-            answered = True
-        except (ConnectionError, TimeoutError, asyncio.IncompleteReadError) as exc:
-            log.debug("HTTP connection ended: %r", exc)
-        except Exception:
-            log.warning("HTTP handler failed", exc_info=True)
-        finally:
-            self.handlers.discard(task)
-            if answered:
-                writer.close()
-                try:
-                    async with asyncio.timeout(self.read_timeout):
-                        await writer.wait_closed()
-                except TimeoutError:
-                    writer.transport.abort()
-                except Exception as exc:  # the peer reset; nothing to do
-                    log.debug("HTTP close: %r", exc)
-            else:
-                writer.transport.abort()
-
-    async def _respond(self, reader: asyncio.StreamReader) -> _Response:
-        try:
-            async with asyncio.timeout(self.read_timeout):
-                request_line = await self._read_head(reader)
-        except TimeoutError:
-            return _text(408, "request timeout\n")
-        except _HeadTooLarge:
-            return _text(431, f"request head over {self.max_header_bytes} bytes\n")
-        parts = request_line.split(" ")
-        if len(parts) != 3 or not parts[2].startswith("HTTP/1.") or not parts[0].isalpha():
-            return _text(400, "bad request\n")
-        method, target, _ = parts
-        path, _, query = target.partition("?")
-        if path not in _PATHS and path not in self.routes:
-            return _text(404, "not found\n")
-        if method != "GET":
-            return _text(405, "method not allowed\n", ("Allow", "GET"))
-        try:
-            if path == "/metrics":
-                return _Response(200, self.render_metrics().encode(), METRICS_CONTENT_TYPE)
-            if path in self.routes:
-                params = dict(urllib.parse.parse_qsl(query))
-                result = self.routes[path](params)
-                return _Response(
-                    200, json.dumps(result, default=str, sort_keys=True).encode(), JSON_CONTENT_TYPE
-                )
-            ok, checks = self.health()
-            body = {"status": "ok" if ok else "degraded", "checks": checks}
-            return _Response(
-                200 if ok else 503,
-                json.dumps(body, default=str, sort_keys=True).encode(),
-                JSON_CONTENT_TYPE,
+    @web.middleware
+    async def admission(request: web.Request, handler: Handler) -> web.StreamResponse:
+        nonlocal active
+        if active >= max_requests:
+            response = error_response(
+                request,
+                503,
+                f"busy: {max_requests} requests under way, retry shortly",
+                code="busy",
+                headers=[("Retry-After", "1")],
             )
-        except Exception:
-            log.warning("GET %s failed", path, exc_info=True)
-            return _text(500, "internal server error\n")
+            response.force_close()
+            return response
+        active += 1
+        try:
+            return await handler(request)
+        finally:
+            active -= 1
 
-    async def _read_head(self, reader: asyncio.StreamReader) -> str:
-        """The request line, once the whole head (up to the empty line) is read."""
-        total = 0
-        request_line: bytes | None = None
-        while True:
-            try:
-                line = await reader.readuntil(b"\n")
-            except asyncio.LimitOverrunError:
-                raise _HeadTooLarge from None
-            total += len(line)
-            if total > self.max_header_bytes:
-                raise _HeadTooLarge
-            if line in (b"\r\n", b"\n"):
-                if request_line is not None:
-                    return request_line.decode("latin-1").rstrip("\r\n")
-                continue  # RFC 9112 2.2: ignore empty lines before the request line
-            if request_line is None:
-                request_line = line
-
-    async def _send(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, response: _Response
-    ) -> None:
-        head = [
-            f"HTTP/1.1 {response.status} {_REASONS[response.status]}",
-            f"Content-Type: {response.content_type}",
-            f"Content-Length: {len(response.body)}",
-            "Connection: close",
-            "Cache-Control: no-store",
-        ]
-        head.extend(f"{name}: {value}" for name, value in response.headers)
-        async with asyncio.timeout(self.read_timeout):
-            writer.write("\r\n".join(head).encode("latin-1") + b"\r\n\r\n" + response.body)
-            await writer.drain()
-        if response.status >= 400 and writer.can_write_eof():
-            # Lingering close: discard what the client still sends so that
-            # closing does not reset the connection before it reads the answer.
-            writer.write_eof()
-            discarded = 0
-            with suppress(TimeoutError):
-                async with asyncio.timeout(min(LINGER_SECONDS, self.read_timeout)):
-                    while discarded < LINGER_BYTES:
-                        chunk = await reader.read(LINGER_BYTES)
-                        if not chunk:
-                            break
-                        discarded += len(chunk)
-
-    async def close(self) -> None:
-        self.closing = True
-        handlers = list(self.handlers)
-        for task in handlers:
-            task.cancel()
-        await asyncio.gather(*handlers, return_exceptions=True)
+    return admission
 
 
-def _url(sockname: tuple[object, ...]) -> str:
-    host, port = str(sockname[0]), sockname[1]
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{port}/metrics"
+# --------------------------------------------------------------------------
+# The application
+
+
+def _json(body: object, status: int = 200) -> web.Response:
+    return web.Response(
+        status=status,
+        body=orjson.dumps(body, default=str, option=orjson.OPT_SORT_KEYS),
+        content_type=JSON_CONTENT_TYPE,
+        headers={"Cache-Control": "no-store"},
+    )
+
+
+def build_app(
+    *,
+    metrics: CollectorRegistry,
+    health: Health,
+    noisy: Noisy,
+    extra: Iterable[AddRoutes] = (),
+    limits: Limits = Limits(),
+) -> web.Application:
+    """The application: /metrics, /healthz, /noisy, then whatever each ``extra(app)`` adds."""
+    app = web.Application(
+        middlewares=[_admission(limits.max_requests), _errors],
+        client_max_size=limits.client_max_size,
+        # Keyword arguments of aiohttp's protocol (RequestHandler), applied to
+        # every connection this application is served on.
+        handler_args={
+            "max_line_size": limits.max_line_size,
+            "max_field_size": limits.max_field_size,
+            "max_headers": limits.max_headers,
+            "keepalive_timeout": limits.keepalive_timeout,
+            "lingering_time": limits.lingering_time,
+            "logger": http_log,
+            "access_log": None,
+        },
+    )
+
+    async def get_metrics(request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(metrics),
+            headers={"Content-Type": METRICS_CONTENT_TYPE, "Cache-Control": "no-store"},
+        )
+
+    async def get_health(request: web.Request) -> web.Response:
+        ok, checks = health()
+        return _json({"status": "ok" if ok else "degraded", "checks": checks}, 200 if ok else 503)
+
+    async def get_noisy(request: web.Request) -> web.Response:
+        return _json(noisy(request.query.get("tenant", "")))
+
+    app.router.add_get("/metrics", get_metrics)
+    app.router.add_get("/healthz", get_health)
+    app.router.add_get("/noisy", get_noisy)
+    for add in extra:
+        add(app)
+    return app
+
+
+# --------------------------------------------------------------------------
+# Serving
+
+
+@dataclass(frozen=True, slots=True)
+class Listening:
+    """Where :func:`serve` listens (from ``AppRunner.addresses``)."""
+
+    addresses: tuple[tuple[str, int], ...]
+
+    @property
+    def host(self) -> str:
+        return self.addresses[0][0]
+
+    @property
+    def port(self) -> int:
+        return self.addresses[0][1]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
 
 @asynccontextmanager
 async def serve(
-    host: str,
-    port: int,
-    render_metrics: Callable[[], str],
-    health: Callable[[], tuple[bool, dict[str, object]]],
-    *,
-    read_timeout: float = READ_TIMEOUT,
-    max_connections: int = MAX_CONNECTIONS,
-    max_header_bytes: int = MAX_HEADER_BYTES,
-    routes: Mapping[str, Callable[[Mapping[str, str]], object]] | None = None,
-) -> AsyncIterator[asyncio.Server]:
-    """Serve /metrics and /healthz on ``host:port`` (0: any free port) while inside.
+    app: web.Application, host: str, port: int, *, shutdown_timeout: float = 2.0
+) -> AsyncIterator[Listening]:
+    """Serve ``app`` on ``host:port`` (0: any free port) on the running loop while inside.
 
-    The bound address is in ``server.sockets``. On exit the listening socket is
-    closed and connections still being served are cancelled and closed.
+    On exit the listener closes, idle connections are closed and requests under
+    way get ``shutdown_timeout`` seconds before they are cancelled.
     """
-    state = _Server(
-        render_metrics, health, read_timeout, max_connections, max_header_bytes, routes or {}
-    )
+    # handle_signals=False (the default, spelled out): the gateway owns SIGTERM.
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=shutdown_timeout)
+    await runner.setup()
     try:
-        server = await asyncio.start_server(state.handle, host, port, limit=max_header_bytes)
-    except OSError as exc:
-        raise ConfigError(
-            f"api: cannot listen on {host}:{port} ({exc.strerror}); set api.port, "
-            "or api.enabled = false"
-        ) from None
-    try:
-        log.info("metrics on %s", _url(server.sockets[0].getsockname()))
-        yield server
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as exc:
+            raise ConfigError(
+                f"api: cannot listen on {host}:{port} ({exc.strerror}); set api.port, "
+                "or api.enabled = false"
+            ) from None
+        listening = Listening(tuple((str(a[0]), int(a[1])) for a in runner.addresses))
+        log.info("metrics on %s/metrics", listening.url)
+        yield listening
     finally:
-        server.close()
-        await state.close()
-        await server.wait_closed()
+        await runner.cleanup()
