@@ -1,0 +1,997 @@
+// The building managers' page: which devices are in which state, live.
+//
+// Plain ES2020, no framework, no build step, nothing fetched from elsewhere:
+// it is shipped inside the Python package and must work offline on an edge host.
+//
+// Live updates are conditional polling: the current view's URLs are fetched
+// about once a second with If-None-Match, so an unchanged view costs a 304 and
+// no re-render. Polling pauses while the tab is hidden.
+//
+// Data from the API is only ever put into the page as text (textContent,
+// text nodes, attributes set with setAttribute), never parsed as HTML.
+"use strict";
+
+(() => {
+  const API_BASE = new URL("api/v1/", document.baseURI);
+  const TOKEN_KEY = "gateway.token";
+  const POLL_MS = 1000;
+  const MAX_BACKOFF_MS = 8000;
+  const PAGE_SIZE = 100;
+  const HISTORY_LIMIT = 200;
+  const HISTORY_RANGE_LIMIT = 500; // the API's cap
+  const HISTORY_ROWS = 50; // rows of the history table; the chart shows all
+  const ETAG_CACHE_SIZE = 64;
+  const RANGES = { "1h": 3600e3, "24h": 86400e3, "7d": 7 * 86400e3 };
+
+  // ------------------------------------------------------------------ DOM helpers
+
+  const $ = (id) => document.getElementById(id);
+
+  function h(tag, props, ...kids) {
+    const el = document.createElement(tag);
+    setProps(el, props);
+    for (const kid of kids.flat()) if (kid != null && kid !== false) el.append(kid);
+    return el;
+  }
+
+  const SVG_NS = "http://www.w3.org/2000/svg";
+  function s(tag, props, ...kids) {
+    const el = document.createElementNS(SVG_NS, tag);
+    setProps(el, props);
+    for (const kid of kids.flat()) if (kid != null && kid !== false) el.append(kid);
+    return el;
+  }
+
+  function setProps(el, props) {
+    for (const [key, value] of Object.entries(props || {})) {
+      if (value == null || value === false) continue;
+      if (key === "text") el.textContent = String(value);
+      else if (key.startsWith("on")) el.addEventListener(key.slice(2), value);
+      else el.setAttribute(key, value === true ? "" : String(value));
+    }
+  }
+
+  function show(el, visible) {
+    el.hidden = !visible;
+  }
+
+  // ------------------------------------------------------------------ formatting
+
+  function tsMillis(ts) {
+    if (typeof ts === "number" && Number.isFinite(ts)) return ts;
+    if (typeof ts === "string") {
+      const ms = Date.parse(ts);
+      return Number.isNaN(ms) ? null : ms;
+    }
+    return null;
+  }
+
+  function isNumber(v) {
+    return typeof v === "number" && Number.isFinite(v);
+  }
+
+  function formatValue(v) {
+    if (v === null || v === undefined) return "—";
+    if (isNumber(v)) return String(Math.round(v * 1e6) / 1e6);
+    if (typeof v === "object") return JSON.stringify(v);
+    return String(v);
+  }
+
+  function sameDay(a, b) {
+    return a.getFullYear() === b.getFullYear() && a.getMonth() === b.getMonth()
+      && a.getDate() === b.getDate();
+  }
+
+  function formatTime(ms) {
+    if (ms == null) return "—";
+    const d = new Date(ms);
+    return sameDay(d, new Date()) ? d.toLocaleTimeString() : d.toLocaleString();
+  }
+
+  function formatAge(ms, now) {
+    const sec = Math.round((now - ms) / 1000);
+    if (sec < -2) return `in ${formatSpan(-sec)} (clock ahead)`;
+    if (sec <= 0) return "just now";
+    return `${formatSpan(sec)} ago`;
+  }
+
+  function formatSpan(sec) {
+    if (sec < 60) return `${sec} s`;
+    if (sec < 3600) return `${Math.floor(sec / 60)} min`;
+    if (sec < 48 * 3600) return `${Math.floor(sec / 3600)} h`;
+    return `${Math.floor(sec / 86400)} d`;
+  }
+
+  function timeEl(ts) {
+    const ms = tsMillis(ts);
+    if (ms == null) return h("span", { text: ts == null ? "—" : String(ts) });
+    const iso = new Date(ms).toISOString();
+    return h("time", { datetime: iso, title: iso, text: formatTime(ms) });
+  }
+
+  function ageEl(ts) {
+    const ms = tsMillis(ts);
+    if (ms == null) return h("span", { class: "age", text: "—" });
+    return h("span", { class: "age", "data-ts": ms, text: formatAge(ms, Date.now()) });
+  }
+
+  function updateAges() {
+    const now = Date.now();
+    for (const el of document.querySelectorAll(".age[data-ts]")) {
+      const text = formatAge(Number(el.getAttribute("data-ts")), now);
+      if (el.textContent !== text) el.textContent = text;
+    }
+  }
+
+  // A stable colour per state: well-known names get the colour people expect,
+  // others a hue from a hash of the name.
+  const KNOWN_HUES = { on: 140, ok: 140, online: 140, running: 140, idle: 210, standby: 210,
+    warning: 38, warn: 38, degraded: 38, alarm: 0, error: 0, fault: 0, critical: 0, fail: 0,
+    failed: 0 };
+  const GREY_STATES = new Set(["off", "offline", "unknown", "stopped", "closed"]);
+  function stateColor(state) {
+    const name = String(state).toLowerCase();
+    if (GREY_STATES.has(name)) return "hsl(220 8% 55%)";
+    let hue = KNOWN_HUES[name];
+    if (hue === undefined) {
+      let hash = 0;
+      for (const ch of name) hash = (hash * 31 + ch.codePointAt(0)) >>> 0;
+      hue = hash % 360;
+    }
+    return `hsl(${hue} 62% 42%)`;
+  }
+
+  function tagChips(tags, onPick) {
+    const entries = Object.entries(tags || {}).sort(([a], [b]) => a.localeCompare(b));
+    if (!entries.length) return h("span", { class: "hint", text: "—" });
+    return h("ul", { class: "tags" }, entries.map(([k, v]) => {
+      const text = `${k}:${formatValue(v)}`;
+      return h("li", null, onPick
+        ? h("button", { type: "button", class: "tag", "data-tag": text,
+          title: `Show only devices tagged ${text}`, text, onclick: (e) => {
+            e.stopPropagation();
+            onPick(text);
+          } })
+        : h("span", { class: "tag", text }));
+    }));
+  }
+
+  // ------------------------------------------------------------------ the API
+
+  class ApiError extends Error {
+    constructor(status, code, detail) {
+      super(detail);
+      this.status = status;
+      this.code = code;
+      this.detail = detail;
+    }
+
+    // The API's own words, verbatim, with the status for context.
+    describe() {
+      return this.status ? `${this.status} ${this.code}: ${this.detail}` : this.detail;
+    }
+  }
+
+  let token = sessionStorage.getItem(TOKEN_KEY);
+  let me = null; // GET /me once the token is known good
+  const etagCache = new Map(); // url -> {etag, data}; insertion order = age
+
+  function apiUrl(path, params) {
+    const url = new URL(path, API_BASE);
+    for (const [k, v] of Object.entries(params || {})) {
+      if (v !== undefined && v !== null && v !== "") url.searchParams.set(k, String(v));
+    }
+    return url.toString();
+  }
+
+  function pathOf(...segments) {
+    return segments.map(encodeURIComponent).join("/");
+  }
+
+  // GET a JSON resource. Returns {data, changed}: changed is false when the
+  // server answered 304 to our If-None-Match and the cached body still holds.
+  // A view drawn afresh must draw from the data even when it did not change.
+  async function api(path, params, signal) {
+    const url = apiUrl(path, params);
+    const cached = etagCache.get(url);
+    const headers = { Accept: "application/json" };
+    if (token) headers.Authorization = `Bearer ${token}`;
+    if (cached) headers["If-None-Match"] = cached.etag;
+    let response;
+    try {
+      // no-store: our own If-None-Match decides; the browser cache must not
+      // answer for us (nor keep data that needs a token).
+      response = await fetch(url, { headers, signal, cache: "no-store", credentials: "omit" });
+    } catch (err) {
+      if (err.name === "AbortError") throw err;
+      throw new ApiError(0, "network", "Cannot reach the gateway; retrying.");
+    }
+    if (response.status === 304 && cached) {
+      etagCache.delete(url);
+      etagCache.set(url, cached);
+      return { data: cached.data, changed: false };
+    }
+    let body = null;
+    const text = await response.text();
+    try {
+      body = text ? JSON.parse(text) : null;
+    } catch {
+      body = null;
+    }
+    if (!response.ok) {
+      const code = (body && body.error) || response.statusText || "error";
+      const detail = (body && (body.detail || body.error)) || text.slice(0, 300)
+        || `HTTP ${response.status}`;
+      throw new ApiError(response.status, code, detail);
+    }
+    if (body === null) throw new ApiError(response.status, "bad response", "The answer was not JSON.");
+    const etag = response.headers.get("ETag");
+    etagCache.delete(url);
+    if (etag) {
+      etagCache.set(url, { etag, data: body });
+      if (etagCache.size > ETAG_CACHE_SIZE) etagCache.delete(etagCache.keys().next().value);
+    }
+    return { data: body, changed: true };
+  }
+
+  // ------------------------------------------------------------------ routing
+
+  // #/                         tenant picker (or straight to the only tenant)
+  // #/t/{tenant}               state tiles
+  // #/t/{tenant}/s/{state}?prefix=&tag=&cursor=&p=   device table
+  // #/t/{tenant}/d/{device}?range=                   device detail
+  // #/t/{tenant}/rejected      rejected messages
+  function parseHash() {
+    const raw = location.hash.replace(/^#\/?/, "");
+    const q = raw.indexOf("?");
+    const path = q < 0 ? raw : raw.slice(0, q);
+    const query = new URLSearchParams(q < 0 ? "" : raw.slice(q + 1));
+    let segs;
+    try {
+      segs = path.split("/").filter(Boolean).map(decodeURIComponent);
+    } catch {
+      return { name: "home" };
+    }
+    if (segs[0] !== "t" || segs.length < 2) return { name: "home" };
+    const tenant = segs[1];
+    if (segs.length === 2) return { name: "states", tenant };
+    if (segs.length === 4 && segs[2] === "s") {
+      return { name: "devices", tenant, state: segs[3], prefix: query.get("prefix") || "",
+        tag: query.get("tag") || "", cursor: query.get("cursor") || "",
+        page: Math.max(1, Number.parseInt(query.get("p") || "1", 10) || 1) };
+    }
+    if (segs.length === 4 && segs[2] === "d") {
+      const range = query.get("range") || "";
+      return { name: "device", tenant, device: segs[3], range: range in RANGES ? range : "" };
+    }
+    if (segs.length === 3 && segs[2] === "rejected") return { name: "rejected", tenant };
+    return { name: "home" };
+  }
+
+  function href(segments, query) {
+    let out = `#/${segments.map(encodeURIComponent).join("/")}`;
+    if (query) {
+      const params = new URLSearchParams();
+      for (const [k, v] of Object.entries(query)) if (v !== "" && v != null) params.set(k, String(v));
+      const qs = params.toString();
+      if (qs) out += `?${qs}`;
+    }
+    return out;
+  }
+
+  function go(hash, { replace = false } = {}) {
+    if (location.hash === hash) return;
+    if (replace) {
+      history.replaceState(null, "", hash);
+      route();
+    } else {
+      location.hash = hash;
+    }
+  }
+
+  // ------------------------------------------------------------------ polling
+
+  let current = null; // {route, refresh(signal)}
+  let timer = null;
+  let inflight = null; // AbortController of the refresh under way
+  let generation = 0; // bumped by every route change: late answers are dropped
+  let failures = 0;
+  let lastOk = null;
+
+  function stopPolling() {
+    generation += 1;
+    clearTimeout(timer);
+    timer = null;
+    if (inflight) inflight.abort();
+    inflight = null;
+  }
+
+  async function tick() {
+    timer = null;
+    if (!current || document.hidden || inflight) return;
+    const gen = generation;
+    const controller = new AbortController();
+    inflight = controller;
+    try {
+      if (!me) {
+        // Who we are decides the breadcrumbs ("Tenants" only for several).
+        await ensureMe(controller.signal).catch((err) => {
+          if (err.name === "AbortError" || (err instanceof ApiError && err.status === 401)) throw err;
+        });
+        if (me && gen === generation) setCrumbs(current.crumbs());
+      }
+      await current.refresh(controller.signal);
+      if (gen !== generation) return;
+      failures = 0;
+      lastOk = Date.now();
+      showError(null);
+    } catch (err) {
+      if (gen !== generation || err.name === "AbortError") return;
+      if (err instanceof ApiError && err.status === 401) {
+        logOut(`Your token was not accepted (401): ${err.detail}`);
+        return;
+      }
+      failures += 1;
+      showError(err instanceof ApiError ? err.describe() : String(err));
+      if (!(err instanceof ApiError)) console.error(err);
+    } finally {
+      if (inflight === controller) inflight = null;
+    }
+    renderLive();
+    if (gen === generation && !document.hidden) {
+      const delay = failures ? Math.min(POLL_MS * 2 ** failures, MAX_BACKOFF_MS) : POLL_MS;
+      timer = setTimeout(tick, delay);
+    }
+  }
+
+  function renderLive() {
+    const live = $("live");
+    if (!current) {
+      show(live, false);
+      return;
+    }
+    show(live, true);
+    if (document.hidden) {
+      live.textContent = "paused";
+      live.className = "live paused";
+    } else if (failures) {
+      live.textContent = "reconnecting…";
+      live.className = "live down";
+    } else {
+      live.replaceChildren("live");
+      if (lastOk) {
+        live.append(h("span", { class: "live-time", text: ` · ${new Date(lastOk).toLocaleTimeString()}` }));
+      }
+      live.className = "live up";
+    }
+  }
+
+  document.addEventListener("visibilitychange", () => {
+    if (document.hidden) {
+      clearTimeout(timer);
+      timer = null;
+    } else if (current && !timer && !inflight) {
+      tick();
+    }
+    renderLive();
+  });
+
+  function showError(message) {
+    const el = $("error");
+    el.textContent = message || "";
+    show(el, Boolean(message));
+  }
+
+  // ------------------------------------------------------------------ login
+
+  function showView(name) {
+    for (const section of document.querySelectorAll("main > .view")) {
+      show(section, section.id === `view-${name}`);
+    }
+  }
+
+  function showLogin(message) {
+    stopPolling();
+    current = null;
+    renderLive();
+    showError(null);
+    setCrumbs([]);
+    show($("logout"), false);
+    showView("login");
+    document.title = "Log in · Device states";
+    $("login-message").textContent = message || "";
+    $("token").focus();
+  }
+
+  function logOut(message) {
+    token = null;
+    me = null;
+    etagCache.clear();
+    sessionStorage.removeItem(TOKEN_KEY);
+    showLogin(message);
+  }
+
+  $("login-form").addEventListener("submit", async (event) => {
+    event.preventDefault();
+    const input = $("token");
+    const value = input.value.trim().replace(/^Bearer\s+/i, "");
+    if (!value) return;
+    const button = $("login");
+    button.disabled = true;
+    $("login-message").textContent = "";
+    token = value;
+    try {
+      me = (await api("me")).data;
+    } catch (err) {
+      token = null;
+      $("login-message").textContent = err instanceof ApiError
+        ? (err.status === 401 ? `Token not accepted (401): ${err.detail}` : err.describe())
+        : String(err);
+      return;
+    } finally {
+      button.disabled = false;
+    }
+    sessionStorage.setItem(TOKEN_KEY, token);
+    input.value = "";
+    route({ focus: true });
+  });
+
+  $("logout").addEventListener("click", () => {
+    history.replaceState(null, "", "#/");
+    logOut("You are logged out.");
+  });
+
+  async function ensureMe(signal) {
+    if (!me) me = (await api("me", null, signal)).data;
+    return me;
+  }
+
+  function severalTenants() {
+    return Boolean(me && (me.admin || (me.tenants || []).length > 1));
+  }
+
+  // ------------------------------------------------------------------ chrome
+
+  function setCrumbs(items) {
+    const nav = $("crumbs");
+    const list = h("ol");
+    items.forEach(([label, link], i) => {
+      const last = i === items.length - 1;
+      list.append(h("li", null, last
+        ? h("span", { "aria-current": "page", text: label })
+        : h("a", { href: link, text: label })));
+    });
+    nav.replaceChildren(list);
+  }
+
+  function tenantCrumbs(r, ...more) {
+    const items = [];
+    if (severalTenants()) items.push(["Tenants", "#/"]);
+    items.push([r.tenant, href(["t", r.tenant])]);
+    return items.concat(more);
+  }
+
+  // Replace a list's children, keeping the element that has the focus focused.
+  function replaceKeepingFocus(parent, children) {
+    const active = document.activeElement;
+    parent.replaceChildren(...children);
+    if (active && active !== document.activeElement && active.isConnected) {
+      active.focus({ preventScroll: true });
+    }
+  }
+
+  function flash(el) {
+    el.classList.remove("changed");
+    void el.offsetWidth; // restart the animation
+    el.classList.add("changed");
+  }
+
+  // ------------------------------------------------------------------ views
+
+  function homeView() {
+    showView("tenants");
+    document.title = "Tenants · Device states";
+    let drawn = false;
+    return {
+      crumbs: () => [["Tenants", "#/"]],
+      async refresh(signal) {
+        const { data, changed } = await api("me", null, signal);
+        me = data;
+        if (!changed && drawn) return;
+        drawn = true;
+        const tenants = [...(data.tenants || [])].sort();
+        if (!data.admin && tenants.length === 1) {
+          go(href(["t", tenants[0]]), { replace: true });
+          return;
+        }
+        replaceKeepingFocus($("tenant-list"), tenants.map((t) => h("li", null,
+          h("a", { class: "tenant", href: href(["t", t]), "data-tenant": t, text: t }))));
+        show($("tenants-empty"), tenants.length === 0);
+        show($("tenant-form"), Boolean(data.admin));
+      },
+    };
+  }
+
+  $("tenant-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const name = $("tenant-name").value.trim();
+    if (name) go(href(["t", name]));
+  });
+
+  function statesView(r) {
+    showView("states");
+    $("states-title").textContent = `States of ${r.tenant}`;
+    document.title = `${r.tenant} · Device states`;
+    $("rejected-link").setAttribute("href", href(["t", r.tenant, "rejected"]));
+    $("tiles").replaceChildren();
+    $("states-meta").textContent = "";
+    show($("states-empty"), false);
+    let drawn = false;
+    return {
+      crumbs: () => tenantCrumbs(r),
+      async refresh(signal) {
+        const { data, changed } = await api(pathOf("tenants", r.tenant, "states"), null, signal);
+        if (!changed && drawn) return;
+        drawn = true;
+        renderTiles(r, data);
+      },
+    };
+  }
+
+  function renderTiles(r, data) {
+    const tiles = $("tiles");
+    const old = new Map([...tiles.querySelectorAll("a.tile")].map((a) => [a.dataset.state, a]));
+    const states = [...(data.states || [])].sort((a, b) => String(a.state).localeCompare(String(b.state)));
+    const items = states.map((st) => {
+      const count = Number(st.devices) || 0;
+      let tile = old.get(String(st.state));
+      if (!tile) {
+        tile = h("a", { class: "tile", href: href(["t", r.tenant, "s", st.state]),
+          "data-state": st.state, "data-testid": "tile" },
+        h("span", { class: "state-name", text: st.state }),
+        h("span", { class: "count", text: count }),
+        h("span", { class: "unit" }));
+        tile.style.setProperty("--state-color", stateColor(st.state));
+      } else if (tile.querySelector(".count").textContent !== String(count)) {
+        tile.querySelector(".count").textContent = String(count);
+        flash(tile);
+      }
+      tile.querySelector(".unit").textContent = count === 1 ? "device" : "devices";
+      tile.setAttribute("aria-label", `${st.state}: ${count} ${count === 1 ? "device" : "devices"}`);
+      return h("li", null, tile);
+    });
+    replaceKeepingFocus(tiles, items);
+    show($("states-empty"), states.length === 0);
+    const asOf = tsMillis(data.as_of);
+    const parts = [];
+    if (asOf != null) parts.push(`Counts as of ${formatTime(asOf)}`);
+    if (isNumber(data.cached_for_s) && data.cached_for_s > 0) {
+      parts.push(`may be up to ${data.cached_for_s} s old`);
+    }
+    $("states-meta").textContent = parts.join(", ");
+  }
+
+  // Previous-page links: the cursor that led to each page, per list, kept for
+  // the tab so "previous" works after a reload too.
+  function prevKey(r) {
+    return `gateway.prev:${JSON.stringify([r.tenant, r.state, r.prefix, r.tag])}`;
+  }
+  function prevMap(r) {
+    try {
+      return JSON.parse(sessionStorage.getItem(prevKey(r)) || "{}");
+    } catch {
+      return {};
+    }
+  }
+  function rememberPrev(r, nextCursor) {
+    const map = prevMap(r);
+    map[nextCursor] = { cursor: r.cursor, page: r.page };
+    const keys = Object.keys(map);
+    if (keys.length > 200) delete map[keys[0]];
+    sessionStorage.setItem(prevKey(r), JSON.stringify(map));
+  }
+
+  let filterTimer = null;
+
+  function devicesView(r) {
+    showView("devices");
+    $("devices-title").textContent = `Devices in state ${r.state}`;
+    $("device-caption").textContent = `Devices of ${r.tenant} in state ${r.state}`;
+    document.title = `${r.state} · ${r.tenant} · Device states`;
+    for (const [id, value] of [["prefix", r.prefix], ["tag", r.tag]]) {
+      const input = $(id);
+      if (input.value !== value && document.activeElement !== input) input.value = value;
+    }
+    $("device-rows").replaceChildren();
+    $("devices-meta").textContent = "Loading…";
+    show($("devices-empty"), false);
+    $("page-no").textContent = r.page > 1 || r.cursor ? `page ${r.page}` : "";
+    const prev = $("prev-page");
+    const next = $("next-page");
+    prev.disabled = !r.cursor;
+    next.disabled = true;
+    show($("pager"), Boolean(r.cursor));
+    let nextCursor = null;
+    const base = ["t", r.tenant, "s", r.state];
+    const filters = { prefix: r.prefix, tag: r.tag };
+    prev.onclick = () => {
+      const back = prevMap(r)[r.cursor];
+      go(href(base, back && back.cursor ? { ...filters, cursor: back.cursor, p: back.page }
+        : filters));
+    };
+    next.onclick = () => {
+      if (!nextCursor) return;
+      rememberPrev(r, nextCursor);
+      go(href(base, { ...filters, cursor: nextCursor, p: r.page + 1 }));
+    };
+    let drawn = false;
+    const pickTag = (tag) => {
+      $("tag").value = tag;
+      go(href(base, { ...filters, tag }));
+    };
+    return {
+      crumbs: () => tenantCrumbs(r, [r.state, href(base)]),
+      async refresh(signal) {
+        const { data, changed } = await api(pathOf("tenants", r.tenant, "states", r.state, "devices"),
+          { limit: PAGE_SIZE, cursor: r.cursor, prefix: r.prefix, tag: r.tag }, signal);
+        if (!changed && drawn) return;
+        drawn = true;
+        nextCursor = data.next_cursor || null;
+        next.disabled = !nextCursor;
+        show($("pager"), Boolean(r.cursor || nextCursor));
+        renderDeviceRows(r, data.devices || [], pickTag);
+      },
+    };
+  }
+
+  function renderDeviceRows(r, devices, pickTag) {
+    const tbody = $("device-rows");
+    const old = new Map([...tbody.rows].map((row) => [row.dataset.device, row]));
+    const rows = devices.map((d) => {
+      const signature = JSON.stringify([d.ts, d.value, d.tags]);
+      const existing = old.get(String(d.device_id));
+      if (existing && existing.dataset.sig === signature) return existing;
+      const link = href(["t", r.tenant, "d", d.device_id]);
+      const row = h("tr", { "data-device": d.device_id, "data-sig": signature },
+        h("th", { scope: "row", "data-label": "Device" },
+          h("a", { href: link, class: "device-link", text: d.device_id })),
+        h("td", { "data-label": "Value", class: "value", text: formatValue(d.value) }),
+        h("td", { "data-label": "Tags" }, tagChips(d.tags, pickTag)),
+        h("td", { "data-label": "Last seen" }, timeEl(d.ts)),
+        h("td", { "data-label": "Age" }, ageEl(d.ts)));
+      // The whole row opens the device (the link inside serves keyboards).
+      row.addEventListener("click", (e) => {
+        if (!e.target.closest("a, button")) go(link);
+      });
+      if (existing) flash(row);
+      return row;
+    });
+    replaceKeepingFocus(tbody, rows);
+    const filtered = r.prefix || r.tag;
+    show($("devices-empty"), devices.length === 0);
+    $("devices-empty").textContent = filtered
+      ? "No devices match." : `No devices are in state ${r.state} right now.`;
+    const shown = devices.length;
+    $("devices-meta").textContent = shown
+      ? `${shown} ${shown === 1 ? "device" : "devices"} on this page${filtered ? " (filtered)" : ""}`
+      : "";
+  }
+
+  $("filter-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    applyFilter(false);
+  });
+  $("clear-filter").addEventListener("click", () => {
+    $("prefix").value = "";
+    $("tag").value = "";
+    applyFilter(false);
+  });
+  for (const id of ["prefix", "tag"]) {
+    // Search as you type, without a history entry per keystroke.
+    $(id).addEventListener("input", () => {
+      clearTimeout(filterTimer);
+      filterTimer = setTimeout(() => applyFilter(true), 400);
+    });
+  }
+
+  function applyFilter(replace) {
+    clearTimeout(filterTimer);
+    const r = current && current.route;
+    if (!r || r.name !== "devices") return;
+    const prefix = $("prefix").value.trim();
+    const tag = $("tag").value.trim();
+    if (prefix === r.prefix && tag === r.tag) return;
+    go(href(["t", r.tenant, "s", r.state], { prefix, tag }), { replace });
+  }
+
+  let lastHistory = null; // for redrawing the chart on resize
+
+  function deviceView(r) {
+    showView("device");
+    $("device-title").textContent = r.device;
+    document.title = `${r.device} · ${r.tenant} · Device states`;
+    $("range").value = r.range;
+    $("device-latest").replaceChildren(h("p", { class: "hint", text: "Loading…" }));
+    $("chart").replaceChildren();
+    $("history-rows").replaceChildren();
+    $("history-meta").textContent = "";
+    lastHistory = null;
+    let stateCrumb = null;
+    let shown = null; // "missing" or "found": a missing device is drawn once, not every poll
+    const devicePath = pathOf("tenants", r.tenant, "devices", r.device);
+    const crumbs = () => tenantCrumbs(r, ...(stateCrumb == null ? []
+      : [[String(stateCrumb), href(["t", r.tenant, "s", stateCrumb])]]), [r.device, ""]);
+    return {
+      crumbs,
+      async refresh(signal) {
+        const params = r.range
+          // Whole minutes, so the URL (and its ETag) holds for a minute.
+          ? { since: new Date(Math.floor((Date.now() - RANGES[r.range]) / 60e3) * 60e3).toISOString(),
+            limit: HISTORY_RANGE_LIMIT }
+          : { limit: HISTORY_LIMIT };
+        const [latest, hist] = await Promise.all([
+          api(devicePath, null, signal).catch((err) => {
+            if (err instanceof ApiError && err.status === 404) return { missing: err, changed: true };
+            throw err;
+          }),
+          api(`${devicePath}/history`, params, signal),
+        ]);
+        const latestChanged = latest.missing ? shown !== "missing"
+          : latest.changed || shown !== "found";
+        if (latestChanged) {
+          renderLatest(r, latest.missing ? null : latest.data, latest.missing, shown !== null);
+          shown = latest.missing ? "missing" : "found";
+          const state = latest.missing ? null : latest.data.state;
+          if (state !== stateCrumb) {
+            stateCrumb = state;
+            setCrumbs(crumbs());
+          }
+        }
+        if (hist.changed || latestChanged || !lastHistory) {
+          lastHistory = hist.data;
+          renderHistory(hist.data);
+        }
+      },
+    };
+  }
+
+  $("range").addEventListener("change", () => {
+    const r = current && current.route;
+    if (!r || r.name !== "device") return;
+    go(href(["t", r.tenant, "d", r.device], { range: $("range").value }), { replace: true });
+  });
+
+  function renderLatest(r, d, missing, again) {
+    const box = $("device-latest");
+    if (!d) {
+      box.replaceChildren(h("p", { class: "error", "data-testid": "device-missing",
+        text: missing ? missing.describe() : "No such device." }));
+      return;
+    }
+    const badge = h("a", { class: "badge", href: href(["t", r.tenant, "s", d.state]),
+      "data-testid": "device-state", text: d.state });
+    badge.style.setProperty("--state-color", stateColor(d.state));
+    const metrics = Object.entries(d.metrics || {}).sort(([a], [b]) => a.localeCompare(b));
+    const parts = [
+      h("dl", { class: "facts" },
+        h("div", null, h("dt", { text: "State" }), h("dd", null, badge)),
+        h("div", null, h("dt", { text: "Value" }),
+          h("dd", { class: "value", "data-testid": "device-value", text: formatValue(d.value) })),
+        h("div", null, h("dt", { text: "Last seen" }), h("dd", null, timeEl(d.ts), " · ", ageEl(d.ts))),
+        h("div", null, h("dt", { text: "Tags" }), h("dd", null, tagChips(d.tags, null)))),
+      metrics.length ? h("dl", { class: "metrics", "aria-label": "Metrics" }, metrics.map(([k, v]) =>
+        h("div", null, h("dt", { text: k }), h("dd", { text: formatValue(v) })))) : null];
+    box.replaceChildren(...parts.filter(Boolean));
+    if (again) flash(box);
+  }
+
+  function renderHistory(data) {
+    const events = data.events || [];
+    renderChart($("chart"), events);
+    $("history-rows").replaceChildren(...events.slice(0, HISTORY_ROWS).map((e) => {
+      const state = h("span", { class: "dot-label", text: e.state == null ? "—" : e.state });
+      state.style.setProperty("--state-color", stateColor(e.state));
+      const metrics = Object.entries(e.metrics || {}).map(([k, v]) => `${k}=${formatValue(v)}`);
+      return h("tr", null,
+        h("td", { "data-label": "Time" }, timeEl(e.ts)),
+        h("td", { "data-label": "State" }, state),
+        h("td", { "data-label": "Value", class: "value", text: formatValue(e.value) }),
+        h("td", { class: "metrics-cell", text: metrics.join(", ") || "—" }));
+    }));
+    const more = data.next_cursor ? " (older events exist)" : "";
+    $("history-meta").textContent = events.length
+      ? `${events.length} events in the chart, newest ${Math.min(events.length, HISTORY_ROWS)} listed${more}.`
+      : "No events in this range.";
+  }
+
+  // An inline SVG: the numeric value over time (if there is one), a strip of
+  // the state over time beneath it, and a line at every change of state.
+  function renderChart(figure, events) {
+    const evs = events.map((e) => ({ ...e, ms: tsMillis(e.ts) })).filter((e) => e.ms != null)
+      .sort((a, b) => a.ms - b.ms);
+    if (!evs.length) {
+      figure.replaceChildren(h("p", { class: "hint", text: "No events to chart." }));
+      return;
+    }
+    const numeric = evs.filter((e) => isNumber(e.value));
+    const W = Math.max(280, Math.floor(figure.clientWidth || 600));
+    const padL = numeric.length ? 48 : 8;
+    const padR = 10;
+    const plotTop = 8;
+    const plotH = numeric.length ? 150 : 0;
+    const stripTop = plotTop + plotH + (numeric.length ? 8 : 0);
+    const stripH = 26;
+    const H = stripTop + stripH + 22;
+    const now = Date.now();
+    const last = evs[evs.length - 1].ms;
+    let t0 = evs[0].ms;
+    // The newest state lasts until now: draw it so, unless "now" is so far
+    // off that the history would be squeezed into a corner.
+    let t1 = Math.min(Math.max(now, last), last + (last - t0) * 0.25 + 60e3);
+    const untilNow = t1 === now;
+    if (t1 - t0 < 1000) {
+      t0 -= 30e3;
+      t1 += 30e3;
+    }
+    const x = (ms) => padL + ((ms - t0) / (t1 - t0)) * (W - padL - padR);
+
+    const changes = evs.filter((e, i) => i > 0 && e.state !== evs[i - 1].state);
+    const summary = numeric.length
+      ? `Value from ${formatTime(evs[0].ms)} to ${formatTime(last)}: ${numeric.length} readings between `
+        + `${formatValue(Math.min(...numeric.map((e) => e.value)))} and `
+        + `${formatValue(Math.max(...numeric.map((e) => e.value)))}; ${changes.length} changes of state.`
+      : `State from ${formatTime(evs[0].ms)} to ${formatTime(last)}: ${changes.length} changes of state.`;
+    const svg = s("svg", { viewBox: `0 0 ${W} ${H}`, width: W, height: H, role: "img",
+      "aria-label": summary, "data-testid": "chart-svg", "data-numeric": numeric.length > 0 });
+
+    if (numeric.length) {
+      let lo = Math.min(...numeric.map((e) => e.value));
+      let hi = Math.max(...numeric.map((e) => e.value));
+      if (hi === lo) {
+        lo -= 1;
+        hi += 1;
+      }
+      const pad = (hi - lo) * 0.08;
+      lo -= pad;
+      hi += pad;
+      const y = (v) => plotTop + (1 - (v - lo) / (hi - lo)) * plotH;
+      svg.append(
+        s("rect", { class: "plot-bg", x: padL, y: plotTop, width: W - padL - padR, height: plotH }),
+        s("text", { class: "axis", x: padL - 4, y: plotTop + 10, "text-anchor": "end",
+          text: formatValue(hi - pad) }),
+        s("text", { class: "axis", x: padL - 4, y: plotTop + plotH, "text-anchor": "end",
+          text: formatValue(lo + pad) }));
+      const d = numeric.map((e, i) => `${i ? "L" : "M"}${x(e.ms).toFixed(1)},${y(e.value).toFixed(1)}`);
+      svg.append(s("path", { class: "line", d: d.join(" ") }));
+      if (numeric.length <= 200) {
+        for (const e of numeric) {
+          svg.append(s("circle", { class: "point", cx: x(e.ms).toFixed(1), cy: y(e.value).toFixed(1),
+            r: 3.5, fill: stateColor(e.state) },
+          s("title", { text: `${formatTime(e.ms)}: ${formatValue(e.value)} (${e.state})` })));
+        }
+      }
+    }
+
+    // The state strip: each event's state lasts until the next event.
+    evs.forEach((e, i) => {
+      const start = x(e.ms);
+      const end = i + 1 < evs.length ? x(evs[i + 1].ms) : W - padR;
+      const width = Math.max(end - start, 1.5);
+      svg.append(s("rect", { class: "state-seg", x: start.toFixed(1), y: stripTop,
+        width: width.toFixed(1), height: stripH, fill: stateColor(e.state) },
+      s("title", { text: `${e.state} from ${formatTime(e.ms)}` })));
+    });
+    // Label the strip where a state's run is wide enough for its name.
+    let runStart = 0;
+    evs.forEach((e, i) => {
+      const last = i + 1 === evs.length || evs[i + 1].state !== e.state;
+      if (!last) return;
+      const a = x(evs[runStart].ms);
+      const b = i + 1 < evs.length ? x(evs[i + 1].ms) : W - padR;
+      const label = String(e.state);
+      if (b - a > label.length * 7 + 8) {
+        svg.append(s("text", { class: "seg-label", x: ((a + b) / 2).toFixed(1),
+          y: stripTop + stripH / 2 + 4, "text-anchor": "middle", text: label }));
+      }
+      runStart = i + 1;
+    });
+
+    for (const e of changes) {
+      const cx = x(e.ms).toFixed(1);
+      svg.append(s("line", { class: "change", "data-state": e.state, x1: cx, x2: cx,
+        y1: plotTop, y2: stripTop + stripH },
+      s("title", { text: `${formatTime(e.ms)}: now ${e.state}` })));
+    }
+
+    svg.append(
+      s("text", { class: "axis", x: padL, y: H - 6, "text-anchor": "start", text: formatTime(t0) }),
+      s("text", { class: "axis", x: W - padR, y: H - 6, "text-anchor": "end",
+        text: untilNow ? "now" : formatTime(t1) }));
+
+    const states = [...new Set(evs.map((e) => e.state))];
+    const legend = h("ul", { class: "legend" }, states.map((st) => {
+      const item = h("li", { text: st == null ? "—" : st });
+      item.style.setProperty("--state-color", stateColor(st));
+      return item;
+    }));
+    figure.replaceChildren(svg, h("figcaption", { class: "hint", text: summary }), legend);
+  }
+
+  let resizeTimer = null;
+  window.addEventListener("resize", () => {
+    clearTimeout(resizeTimer);
+    resizeTimer = setTimeout(() => {
+      if (lastHistory && current && current.route && current.route.name === "device") {
+        renderChart($("chart"), lastHistory.events || []);
+      }
+    }, 150);
+  });
+
+  function rejectedView(r) {
+    showView("rejected");
+    $("rejected-title").textContent = `Rejected messages of ${r.tenant}`;
+    document.title = `Rejected · ${r.tenant} · Device states`;
+    $("rejected-rows").replaceChildren();
+    let drawn = false;
+    return {
+      crumbs: () => tenantCrumbs(r, ["Rejected", ""]),
+      async refresh(signal) {
+        const { data, changed } = await api(pathOf("tenants", r.tenant, "rejected"), null, signal);
+        if (!changed && drawn) return;
+        drawn = true;
+        const items = data.rejected || [];
+        $("rejected-rows").replaceChildren(...items.map((m) => h("tr", null,
+          h("td", { "data-label": "Received" }, timeEl(m.received_at)),
+          h("td", { "data-label": "Device", text: m.device_id == null ? m.topic : m.device_id,
+            title: m.topic }),
+          h("td", { "data-label": "Reason", text: m.reason }),
+          h("td", { "data-label": "Detail", class: "detail", text: m.detail == null ? "" : m.detail }),
+          h("td", { "data-label": "Size", text: m.payload_size == null ? "" : `${m.payload_size} B` }))));
+        show($("rejected-empty"), items.length === 0);
+      },
+    };
+  }
+
+  // ------------------------------------------------------------------ the router
+
+  const VIEWS = { home: homeView, states: statesView, devices: devicesView, device: deviceView,
+    rejected: rejectedView };
+
+  function viewKey(r) {
+    return JSON.stringify([r.name, r.tenant, r.state, r.device]);
+  }
+
+  function route({ focus = false } = {}) {
+    if (!token) {
+      showLogin($("login-message").textContent);
+      return;
+    }
+    const r = parseHash();
+    const moved = !current || !current.route || viewKey(current.route) !== viewKey(r);
+    stopPolling();
+    showError(null);
+    show($("logout"), true);
+    failures = 0;
+    current = VIEWS[r.name](r);
+    current.route = r;
+    setCrumbs(current.crumbs());
+    // Move the focus to the new view's heading (for screen readers), but not
+    // while someone is typing a filter or choosing a range in it.
+    if (focus || moved) {
+      const view = document.querySelector("main > .view:not([hidden])");
+      const heading = view && view.querySelector("h1");
+      const active = document.activeElement;
+      const typing = active && view && view.contains(active) && active.matches("input, select");
+      if (heading && !typing) {
+        heading.setAttribute("tabindex", "-1");
+        heading.focus({ preventScroll: true });
+      }
+      if (moved) window.scrollTo(0, 0);
+    }
+    tick();
+  }
+
+  window.addEventListener("hashchange", () => route());
+  setInterval(updateAges, 1000);
+  route({ focus: true });
+})();

@@ -1,0 +1,308 @@
+"""A stand-in for the gateway's /api/v1, in memory, for testing the page alone.
+
+It speaks the API's contract as the page relies on it (bearer tokens, 401 and
+403, JSON errors with a detail, ETag and 304, cursor paging, prefix and tag
+filters, history newest first) and serves the page's files the way the
+gateway will: index.html at /, its siblings beside it, with a strict Content
+Security Policy so that any inline script or style in the page shows up as a
+console error. Tests change its data directly and watch the page follow.
+
+The real API is tested against the real services elsewhere; this is only the
+page's self-check.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+MAX_LIMIT = 500
+
+
+def rfc3339(when: datetime) -> str:
+    return when.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One request the fake answered."""
+
+    path: str
+    status: int
+    authorization: str | None
+    if_none_match: str | None
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, error: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.error = error
+        self.detail = detail
+
+
+@dataclass
+class FakeApi:
+    # token -> the tenants it may read; None for an admin token.
+    tokens: dict[str, frozenset[str] | None] = field(default_factory=dict)
+    # tenant -> device id -> its newest event (with "state" and "device_id")
+    latest: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    # (tenant, device id) -> events, oldest first
+    history: dict[tuple[str, str], list[dict[str, Any]]] = field(default_factory=dict)
+    known_states: dict[str, set[str]] = field(default_factory=dict)
+    rejected: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    changed_at: dict[str, datetime] = field(default_factory=dict)
+    seen: list[Seen] = field(default_factory=list)
+
+    # ------------------------------------------------------------ test-side
+
+    def add_token(self, token: str, tenants: list[str] | None) -> None:
+        self.tokens[token] = None if tenants is None else frozenset(tenants)
+
+    def revoke(self, token: str) -> None:
+        del self.tokens[token]
+
+    def put(
+        self,
+        tenant: str,
+        device_id: str,
+        state: str,
+        value: Any = None,
+        *,
+        tags: dict[str, str] | None = None,
+        metrics: dict[str, float] | None = None,
+        at: datetime | None = None,
+    ) -> None:
+        """A device's new event, as if the gateway had just stored it."""
+        when = at or datetime.now(UTC)
+        previous = self.latest.get(tenant, {}).get(device_id)
+        event = {
+            "ts": rfc3339(when),
+            "state": state,
+            "value": value,
+            "metrics": metrics or {},
+            "tags": tags if tags is not None else (previous or {}).get("tags", {}),
+        }
+        self.history.setdefault((tenant, device_id), []).append(event)
+        self.history[(tenant, device_id)].sort(key=lambda e: e["ts"])
+        if previous is None or event["ts"] >= previous["ts"]:
+            self.latest.setdefault(tenant, {})[device_id] = {"device_id": device_id, **event}
+        self.known_states.setdefault(tenant, set()).add(state)
+        self.changed_at[tenant] = datetime.now(UTC)
+
+    def api_requests(self, since: int = 0) -> list[Seen]:
+        return [s for s in self.seen[since:] if s.path.startswith("/api/")]
+
+    # ------------------------------------------------------------ the API
+
+    def _authorize(self, request: web.Request, tenant: str | None) -> frozenset[str] | None:
+        header = request.headers.get("Authorization", "")
+        token = header.removeprefix("Bearer ") if header.startswith("Bearer ") else None
+        if token is None or token not in self.tokens:
+            raise ApiError(401, "unauthorized", "unknown or revoked token")
+        allowed = self.tokens[token]
+        if tenant is not None and allowed is not None and tenant not in allowed:
+            raise ApiError(403, "forbidden", f"this token may not read tenant {tenant!r}")
+        return allowed
+
+    def _states(self, tenant: str) -> dict[str, Any]:
+        counts = dict.fromkeys(sorted(self.known_states.get(tenant, set())), 0)
+        for device in self.latest.get(tenant, {}).values():
+            counts[device["state"]] += 1
+        return {
+            "tenant": tenant,
+            # The time of the data, not of the request: an unchanged answer
+            # keeps its ETag, as the real API's cached counts do.
+            "as_of": rfc3339(self.changed_at.get(tenant, datetime(2024, 1, 1, tzinfo=UTC))),
+            "cached_for_s": 2,
+            "states": [{"state": s, "devices": n} for s, n in counts.items()],
+        }
+
+    def _devices(self, tenant: str, state: str, query: Any) -> dict[str, Any]:
+        limit = _int(query.get("limit", "100"), "limit", 1, MAX_LIMIT)
+        prefix = query.get("prefix", "")
+        tag = query.get("tag")
+        key = value = None
+        if tag is not None:
+            key, sep, value = tag.partition(":")
+            if not sep or not key:
+                raise ApiError(400, "bad_request", f"tag must be key:value, got {tag!r}")
+        after = _decode_cursor(query["cursor"]) if query.get("cursor") else None
+        rows = sorted(
+            (
+                d
+                for d in self.latest.get(tenant, {}).values()
+                if d["state"] == state
+                and d["device_id"].startswith(prefix)
+                and (key is None or d["tags"].get(key) == value)
+                and (after is None or d["device_id"] > after)
+            ),
+            key=lambda d: d["device_id"],
+        )
+        page = rows[:limit]
+        more = len(rows) > limit
+        return {
+            "tenant": tenant,
+            "state": state,
+            "devices": [{k: d[k] for k in ("device_id", "ts", "value", "tags")} for d in page],
+            "next_cursor": _encode_cursor(page[-1]["device_id"]) if more else None,
+        }
+
+    def _history(self, tenant: str, device_id: str, query: Any) -> dict[str, Any]:
+        limit = _int(query.get("limit", "100"), "limit", 1, MAX_LIMIT)
+        since = _time(query["since"], "since") if query.get("since") else None
+        events = [
+            e
+            for e in reversed(self.history.get((tenant, device_id), []))
+            if since is None or datetime.fromisoformat(e["ts"]) >= since
+        ]
+        start = int(_decode_cursor(query["cursor"])) if query.get("cursor") else 0
+        page = events[start : start + limit]
+        more = start + limit < len(events)
+        return {
+            "events": page,
+            "next_cursor": _encode_cursor(str(start + limit)) if more else None,
+        }
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        tenant = request.match_info.get("tenant")
+        try:
+            allowed = self._authorize(request, tenant)
+            body = self._answer(request, tenant, allowed)
+        except ApiError as exc:
+            data = {"error": exc.error, "detail": exc.detail}
+            return self._log(request, web.json_response(data, status=exc.status))
+        raw = orjson.dumps(body)
+        etag = '"' + hashlib.sha256(raw).hexdigest()[:20] + '"'
+        if request.headers.get("If-None-Match") == etag:
+            return self._log(request, web.Response(status=304, headers={"ETag": etag}))
+        response = web.Response(body=raw, content_type="application/json")
+        response.headers["ETag"] = etag
+        response.headers["Cache-Control"] = "no-cache"
+        return self._log(request, response)
+
+    def _answer(
+        self, request: web.Request, tenant: str | None, allowed: frozenset[str] | None
+    ) -> dict[str, Any]:
+        name = request.match_info.route.name
+        info = request.match_info
+        if name == "me":
+            tenants = sorted(self.latest) if allowed is None else sorted(allowed)
+            return {"admin": allowed is None, "tenants": tenants}
+        assert tenant is not None
+        if name == "states":
+            return self._states(tenant)
+        if name == "devices":
+            return self._devices(tenant, info["state"], request.query)
+        if name == "device":
+            device = self.latest.get(tenant, {}).get(info["device_id"])
+            if device is None:
+                raise ApiError(404, "not_found", f"no device {info['device_id']!r} in {tenant!r}")
+            return device
+        if name == "history":
+            return self._history(tenant, info["device_id"], request.query)
+        if name == "rejected":
+            return {"rejected": self.rejected.get(tenant, [])}
+        raise AssertionError(name)
+
+    def _log(self, request: web.Request, response: web.Response) -> web.Response:
+        self.seen.append(
+            Seen(
+                path=request.path_qs,
+                status=response.status,
+                authorization=request.headers.get("Authorization"),
+                if_none_match=request.headers.get("If-None-Match"),
+            )
+        )
+        return response
+
+    # ------------------------------------------------------------ serving
+
+    def app(self, static: Path) -> web.Application:
+        files = {p.name: p for p in static.iterdir() if p.is_file()}
+
+        async def page_file(request: web.Request) -> web.StreamResponse:
+            name = request.match_info.get("name") or "index.html"
+            if name not in files:
+                raise web.HTTPNotFound()
+            response = web.FileResponse(files[name], headers={"Content-Security-Policy": CSP})
+            self._log(request, response)
+            return response
+
+        app = web.Application()
+        prefix = "/api/v1"
+        for path, name in (
+            ("/me", "me"),
+            ("/tenants/{tenant}/states", "states"),
+            ("/tenants/{tenant}/states/{state}/devices", "devices"),
+            ("/tenants/{tenant}/devices/{device_id}", "device"),
+            ("/tenants/{tenant}/devices/{device_id}/history", "history"),
+            ("/tenants/{tenant}/rejected", "rejected"),
+        ):
+            app.router.add_get(prefix + path, self._handle, name=name)
+        app.router.add_get("/", page_file)
+        app.router.add_get("/{name}", page_file)
+        return app
+
+    @asynccontextmanager
+    async def serve(self, static: Path) -> AsyncIterator[str]:
+        """Serve on a free loopback port; yields the page's URL."""
+        runner = web.AppRunner(self.app(static), access_log=None)
+        await runner.setup()
+        # Our own socket, so the port is known without reaching into aiohttp.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        try:
+            await web.SockSite(runner, sock).start()
+            yield f"http://127.0.0.1:{port}/"
+        finally:
+            await runner.cleanup()
+            sock.close()
+
+
+def _int(raw: str, name: str, low: int, high: int) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        value = low - 1
+    if not low <= value <= high:
+        raise ApiError(400, "bad_request", f"{name} must be an integer from {low} to {high}")
+    return value
+
+
+def _time(raw: str, name: str) -> datetime:
+    try:
+        when = datetime.fromisoformat(raw)
+    except ValueError:
+        raise ApiError(400, "bad_request", f"{name} must be an RFC 3339 time") from None
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
+def _encode_cursor(text: str) -> str:
+    return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> str:
+    try:
+        return base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+    except ValueError:
+        raise ApiError(400, "bad_request", "cursor is not one this API gave out") from None
+
+
+def ago(seconds: float) -> datetime:
+    return datetime.now(UTC) - timedelta(seconds=seconds)

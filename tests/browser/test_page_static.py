@@ -1,0 +1,345 @@
+"""The page in a real browser, against an in-memory stand-in for /api/v1.
+
+What a building manager does: log in with a token, see the state tiles, open
+a state's devices, page and search through them, open a device, and watch a
+change arrive without reloading. Also: the phone layout, escaping of data,
+polling paused in a hidden tab, and what a 401 or a 4xx detail looks like.
+
+The API itself, on the real services, is tested elsewhere; here the stand-in
+(fake_api.py) lets each test change the data directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from playwright.async_api import Page, expect
+
+from .fake_api import FakeApi, ago
+
+TENANT_TOKEN = "tok-acme-0123456789"
+ADMIN_TOKEN = "tok-admin-0123456789"
+# The issue's promise: a change shows within 2 s, without a reload.
+LIVE_MS = 2_000
+
+Shot = Callable[[Page, str], Awaitable[Path]]
+
+
+@pytest.fixture
+def api() -> FakeApi:
+    fake = FakeApi()
+    fake.add_token(TENANT_TOKEN, ["acme"])
+    fake.add_token(ADMIN_TOKEN, None)
+    for i, state in enumerate(["on", "on", "on", "off", "off"], start=1):
+        fake.put(
+            "acme",
+            f"dev-{i}",
+            state,
+            20.0 + i,
+            tags={"floor": str(i % 3), "room": f"r{i}"},
+            at=ago(60 * i),
+        )
+    fake.put("acme", "dev-1", "on", 21.5, metrics={"temperature": 21.5}, at=ago(5))
+    for i in range(250):
+        fake.put("big", f"dev-{i:03d}", "on", i, tags={"floor": str(i % 4)}, at=ago(30))
+    return fake
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def url(api: FakeApi, static_dir: Path) -> AsyncIterator[str]:
+    async with api.serve(static_dir) as base:
+        yield base
+
+
+async def log_in(page: Page, url: str, token: str) -> None:
+    await page.goto(url)
+    await page.locator("#token").fill(token)
+    await page.locator("#login").click()
+    await expect(page.locator("#view-login")).to_be_hidden()
+
+
+async def no_horizontal_overflow(page: Page) -> None:
+    widths = await page.evaluate("() => [document.documentElement.scrollWidth, window.innerWidth]")
+    assert widths[0] <= widths[1], f"page is {widths[0]} px wide in a {widths[1]} px window"
+
+
+async def test_login_tiles_rows_and_a_live_change(
+    page: Page, url: str, api: FakeApi, screenshot: Shot
+) -> None:
+    await page.goto(url)
+    await expect(page.locator("#token")).to_be_visible()
+    await page.locator("#token").fill("not-a-token")
+    await page.locator("#login").click()
+    # The API's detail, verbatim.
+    await expect(page.locator("#login-message")).to_contain_text("unknown or revoked token")
+
+    await page.locator("#token").fill(TENANT_TOKEN)
+    await page.locator("#login").click()
+    # One tenant: straight to its tiles.
+    await expect(page.locator('[data-state="on"] .count')).to_have_text("3")
+    await expect(page.locator('[data-state="off"] .count')).to_have_text("2")
+    await expect(page).to_have_url(f"{url}#/t/acme")
+    await screenshot(page, "tiles")
+    await page.evaluate("() => { window.sameDocument = true; }")
+
+    await page.locator('[data-state="on"]').click()
+    await expect(page).to_have_url(f"{url}#/t/acme/s/on")
+    rows = page.locator("#device-rows tr")
+    await expect(rows).to_have_count(3)
+    row = page.locator('[data-device="dev-1"]')
+    await expect(row).to_contain_text("21.5")
+    await expect(row).to_contain_text("floor:1")
+    await expect(row.locator(".age")).to_contain_text("ago")
+    await screenshot(page, "table")
+
+    # A device turns on and another off: the table follows, without a reload.
+    api.put("acme", "dev-4", "on", 99.0)
+    api.put("acme", "dev-2", "off", 0.0)
+    await expect(page.locator('[data-device="dev-4"]')).to_be_visible(timeout=LIVE_MS)
+    await expect(page.locator('[data-device="dev-2"]')).to_have_count(0, timeout=LIVE_MS)
+    await expect(page.locator('[data-device="dev-4"]')).to_contain_text("99")
+
+    # And the tiles' counts.
+    await page.locator("#crumbs a", has_text="acme").click()
+    await expect(page.locator('[data-state="on"] .count')).to_have_text("3")
+    api.put("acme", "dev-5", "on", 1.0)
+    await expect(page.locator('[data-state="on"] .count')).to_have_text("4", timeout=LIVE_MS)
+    await expect(page.locator('[data-state="off"] .count')).to_have_text("1", timeout=LIVE_MS)
+    api.put("acme", "dev-9", "alarm", 0.0)
+    await expect(page.locator('[data-state="alarm"] .count')).to_have_text("1", timeout=LIVE_MS)
+    await screenshot(page, "tiles-after-changes")
+
+    assert await page.evaluate("() => window.sameDocument") is True, "the page was reloaded"
+    requests = api.api_requests()
+    assert all(r.authorization == f"Bearer {TENANT_TOKEN}" for r in requests if r.status != 401)
+    # Polling is conditional: unchanged answers come back as 304.
+    assert any(r.status == 304 for r in requests), requests
+
+
+async def test_admin_picks_a_tenant_pages_and_filters(
+    page: Page, url: str, api: FakeApi, screenshot: Shot
+) -> None:
+    await log_in(page, url, ADMIN_TOKEN)
+    await expect(page.locator("[data-tenant]")).to_have_count(2)
+    await screenshot(page, "tenants")
+    await page.locator('[data-tenant="big"]').click()
+    await expect(page.locator('[data-state="on"] .count')).to_have_text("250")
+    await page.locator('[data-state="on"]').click()
+
+    rows = page.locator("#device-rows tr")
+    first = page.locator("#device-rows tr:first-child")
+    await expect(rows).to_have_count(100)
+    await expect(first).to_have_attribute("data-device", "dev-000")
+    await page.locator("#next-page").click()
+    await expect(first).to_have_attribute("data-device", "dev-100")
+    await expect(page.locator("#page-no")).to_have_text("page 2")
+    await page.locator("#next-page").click()
+    await expect(first).to_have_attribute("data-device", "dev-200")
+    await expect(rows).to_have_count(50)
+    await expect(page.locator("#next-page")).to_be_disabled()
+    await page.locator("#prev-page").click()
+    await expect(first).to_have_attribute("data-device", "dev-100")
+    # A reload keeps the page, and "previous" still knows the way back.
+    await page.reload()
+    await expect(first).to_have_attribute("data-device", "dev-100")
+    await page.locator("#prev-page").click()
+    await expect(first).to_have_attribute("data-device", "dev-000")
+    await expect(page.locator("#prev-page")).to_be_disabled()
+    # The browser's back button walks the same pages.
+    await page.go_back()
+    await expect(first).to_have_attribute("data-device", "dev-100")
+    await page.go_forward()
+    await expect(first).to_have_attribute("data-device", "dev-000")
+
+    await page.locator("#prefix").fill("dev-02")
+    await page.locator("#apply-filter").click()
+    await expect(rows).to_have_count(10)
+    await expect(page).to_have_url(f"{url}#/t/big/s/on?prefix=dev-02")
+    await page.locator("#tag").fill("floor:1")
+    await page.locator("#tag").press("Enter")
+    await expect(rows).to_have_count(3)  # dev-021, dev-025, dev-029
+    await screenshot(page, "filtered")
+    # Clicking a tag chip filters by it.
+    await page.locator("#clear-filter").click()
+    await expect(rows).to_have_count(100)
+    await page.locator('[data-device="dev-003"] button[data-tag="floor:3"]').click()
+    await expect(page.locator("#tag")).to_have_value("floor:3")
+    await expect(rows).to_have_count(62)
+
+    # A bad filter: the API's 400 detail, verbatim.
+    await page.locator("#tag").fill("floor")
+    await page.locator("#tag").press("Enter")
+    await expect(page.locator("#error")).to_have_text(
+        "400 bad_request: tag must be key:value, got 'floor'"
+    )
+    await page.locator("#clear-filter").click()
+    await expect(page.locator("#error")).to_be_hidden()
+
+
+async def test_device_detail_chart_and_history(
+    page: Page, url: str, api: FakeApi, screenshot: Shot
+) -> None:
+    states = ["on", "on", "off", "off", "on", "alarm", "alarm", "on"]
+    for i, state in enumerate(states):
+        api.put("acme", "boiler", state, 40.0 + (i % 3) * 5, at=ago(600 - 60 * i))
+    api.put("acme", "door", "closed", "shut", at=ago(300))
+    api.put("acme", "door", "open", "ajar", at=ago(200))
+    api.put("acme", "door", "closed", "shut", at=ago(100))
+
+    await log_in(page, url, TENANT_TOKEN)
+    await page.locator('[data-state="on"]').click()
+    await page.locator('[data-device="boiler"]').click()
+    await expect(page).to_have_url(f"{url}#/t/acme/d/boiler")
+    await expect(page.locator('[data-testid="device-state"]')).to_have_text("on")
+    await expect(page.locator('[data-testid="device-value"]')).to_have_text("45")
+    chart = page.locator('[data-testid="chart-svg"]')
+    await expect(chart).to_have_attribute("data-numeric", "")
+    # on → off → on → alarm → on: four changes, each marked.
+    await expect(chart.locator("line.change")).to_have_count(4)
+    await expect(chart.locator("circle.point")).to_have_count(len(states))
+    await expect(page.locator("#history-rows tr")).to_have_count(len(states))
+    await screenshot(page, "device")
+
+    # A change shows on the detail page too.
+    api.put("acme", "boiler", "off", 12.0)
+    await expect(page.locator('[data-testid="device-state"]')).to_have_text("off", timeout=LIVE_MS)
+    await expect(chart.locator("line.change")).to_have_count(5, timeout=LIVE_MS)
+
+    # Back to the table, forward, reload: the hash routes hold.
+    await page.go_back()
+    await expect(page.locator('[data-device="dev-1"]')).to_be_visible()
+    await page.go_forward()
+    await page.reload()
+    await expect(page.locator('[data-testid="device-state"]')).to_have_text("off")
+
+    # A device whose values are not numbers gets a state strip only.
+    await page.goto(f"{url}#/t/acme/d/door")
+    await expect(page.locator('[data-testid="device-value"]')).to_have_text("shut")
+    await expect(chart).not_to_have_attribute("data-numeric", "")
+    await expect(chart.locator("rect.state-seg")).to_have_count(3)
+    await expect(chart.locator("line.change")).to_have_count(2)
+    await screenshot(page, "device-strip")
+
+    # An unknown device: the 404's detail.
+    await page.goto(f"{url}#/t/acme/d/nope")
+    await expect(page.locator('[data-testid="device-missing"]')).to_have_text(
+        "404 not_found: no device 'nope' in 'acme'"
+    )
+
+
+async def test_phone_layout_has_no_horizontal_overflow(
+    new_page: Callable[..., Awaitable[Page]], url: str, api: FakeApi, screenshot: Shot
+) -> None:
+    api.put(
+        "acme",
+        "a-device-with-a-very-long-identifier-0123456789abcdef",
+        "on",
+        123456.789,
+        tags={"building": "north-wing-annex", "floor": "3", "room": "b12-conference"},
+    )
+    for i in range(6):
+        api.put("acme", "pump", ["off", "on"][i % 2], float(i * i), at=ago(300 - 50 * i))
+    page = await new_page(phone=True)
+    await page.goto(url)
+    await no_horizontal_overflow(page)
+    await screenshot(page, "phone-login")
+    await log_in(page, url, TENANT_TOKEN)
+    await expect(page.locator('[data-state="on"] .count')).to_have_text("5")
+    await no_horizontal_overflow(page)
+    await screenshot(page, "phone-tiles")
+
+    await page.locator('[data-state="on"]').tap()
+    await expect(page.locator("#device-rows tr")).to_have_count(5)
+    await no_horizontal_overflow(page)
+    await screenshot(page, "phone-table")
+    # Touch targets: every button, tile, link and field in the view is at least 44 px high.
+    heights = await page.evaluate(
+        """() => [...document.querySelectorAll(
+                '#view-devices button, #view-devices input, #view-devices .device-link')]
+            .filter((el) => el.offsetParent !== null)
+            .map((el) => [el.id || el.textContent, el.getBoundingClientRect().height])"""
+    )
+    small = [(name, h) for name, h in heights if h < 44]
+    assert not small, f"touch targets under 44 px: {small}"
+
+    await page.locator('[data-device="pump"]').tap()
+    await expect(page.locator('[data-testid="chart-svg"] line.change')).to_have_count(5)
+    await no_horizontal_overflow(page)
+    await screenshot(page, "phone-device")
+
+
+async def test_data_is_shown_as_text_never_as_markup(page: Page, url: str, api: FakeApi) -> None:
+    evil = '<img src=x onerror="window.injected=1">'
+    api.put("acme", evil, "on", evil, tags={"note": "<b>bold</b>"}, metrics={"<i>": 1.0})
+    api.put("acme", "dev-x", evil, 1.0)
+    await log_in(page, url, TENANT_TOKEN)
+    await expect(page.locator(".tile .state-name", has_text=evil)).to_be_visible()
+    await page.locator('[data-state="on"]').click()
+    row = page.locator("#device-rows tr", has_text=evil)
+    await expect(row.locator(".device-link")).to_have_text(evil)
+    await expect(row.locator(".tag")).to_have_text("note:<b>bold</b>")
+    await row.locator(".device-link").click()
+    await expect(page.locator("#device-title")).to_have_text(evil)
+    await expect(page.locator('[data-testid="device-value"]')).to_have_text(evil)
+    assert await page.locator("main img, main b, main i").count() == 0
+    assert await page.evaluate("() => window.injected") is None
+
+
+async def test_polling_pauses_while_the_tab_is_hidden(page: Page, url: str, api: FakeApi) -> None:
+    await log_in(page, url, TENANT_TOKEN)
+    await expect(page.locator('[data-state="on"] .count')).to_have_text("3")
+    await expect(page.locator("#live")).to_contain_text("live")
+    set_hidden = """(hidden) => {
+        Object.defineProperty(document, "hidden", {configurable: true, get: () => hidden});
+        Object.defineProperty(document, "visibilityState",
+            {configurable: true, get: () => (hidden ? "hidden" : "visible")});
+        document.dispatchEvent(new Event("visibilitychange"));
+    }"""
+    await page.evaluate(set_hidden, True)
+    await expect(page.locator("#live")).to_have_text("paused")
+    await asyncio.sleep(0.5)  # one request may have been on its way
+    before = len(api.seen)
+    await asyncio.sleep(2.5)
+    assert api.api_requests(before) == []
+
+    api.put("acme", "dev-4", "on", 1.0)
+    await page.evaluate(set_hidden, False)
+    # Visible again: it polls at once and catches up.
+    await expect(page.locator('[data-state="on"] .count')).to_have_text("4", timeout=LIVE_MS)
+
+
+async def test_a_revoked_token_returns_to_the_login(page: Page, url: str, api: FakeApi) -> None:
+    await log_in(page, url, TENANT_TOKEN)
+    await page.locator('[data-state="on"]').click()
+    await expect(page.locator("#device-rows tr")).to_have_count(3)
+    api.revoke(TENANT_TOKEN)
+    await expect(page.locator("#token")).to_be_visible(timeout=LIVE_MS + 1_000)
+    await expect(page.locator("#login-message")).to_contain_text("unknown or revoked token")
+    assert await page.evaluate("() => sessionStorage.getItem('gateway.token')") is None
+
+    # Logging in again returns to where the manager was.
+    api.add_token(TENANT_TOKEN, ["acme"])
+    await page.locator("#token").fill(TENANT_TOKEN)
+    await page.locator("#login").click()
+    await expect(page.locator("#device-rows tr")).to_have_count(3)
+    await expect(page).to_have_url(f"{url}#/t/acme/s/on")
+
+
+async def test_log_out_and_another_tenants_403(page: Page, url: str, api: FakeApi) -> None:
+    await log_in(page, url, TENANT_TOKEN)
+    await expect(page.locator('[data-state="on"]')).to_be_visible()
+    await page.goto(f"{url}#/t/big")
+    await expect(page.locator("#error")).to_have_text(
+        "403 forbidden: this token may not read tenant 'big'"
+    )
+    await page.locator("#logout").click()
+    await expect(page.locator("#token")).to_be_visible()
+    await expect(page.locator("#login-message")).to_have_text("You are logged out.")
+    assert await page.evaluate("() => sessionStorage.getItem('gateway.token')") is None
+    before = len(api.seen)
+    await asyncio.sleep(1.5)
+    assert api.api_requests(before) == [], "a logged-out page keeps polling"
