@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -164,11 +165,11 @@ class FakeApi:
 
     def _history(self, tenant: str, device_id: str, query: Any) -> dict[str, Any]:
         limit = _int(query.get("limit", "100"), "limit", 1, MAX_LIMIT)
-        since = _time(query["since"], "since") if query.get("since") else None
+        since = _time(query.get("since") or "24h", "since")
         events = [
             e
             for e in reversed(self.history.get((tenant, device_id), []))
-            if since is None or datetime.fromisoformat(e["ts"]) >= since
+            if datetime.fromisoformat(e["ts"]) >= since
         ]
         start = int(_decode_cursor(query["cursor"])) if query.get("cursor") else 0
         page = events[start : start + limit]
@@ -216,7 +217,9 @@ class FakeApi:
         if name == "history":
             return self._history(tenant, info["device_id"], request.query)
         if name == "rejected":
-            return {"rejected": self.rejected.get(tenant, [])}
+            since = rfc3339(_time(request.query.get("since") or "1h", "since"))
+            rows = [r for r in self.rejected.get(tenant, []) if r["received_at"] >= since]
+            return {"tenant": tenant, "rejected": rows}
         raise AssertionError(name)
 
     def _log(self, request: web.Request, response: web.Response) -> web.Response:
@@ -286,10 +289,14 @@ def _int(raw: str, name: str, low: int, high: int) -> int:
 
 
 def _time(raw: str, name: str) -> datetime:
+    """An RFC 3339 time or a duration ago (``2h``), as the real API takes."""
+    if match := re.fullmatch(r"(\d+)([smhd])", raw):
+        unit = {"s": 1, "m": 60, "h": 3600, "d": 86400}[match[2]]
+        return ago(int(match[1]) * unit)
     try:
         when = datetime.fromisoformat(raw)
     except ValueError:
-        raise ApiError(400, "bad_request", f"{name} must be an RFC 3339 time") from None
+        raise ApiError(400, "bad_request", f"{name} must be an RFC 3339 time or like 2h") from None
     return when if when.tzinfo else when.replace(tzinfo=UTC)
 
 

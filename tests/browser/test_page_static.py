@@ -19,7 +19,7 @@ import pytest
 import pytest_asyncio
 from playwright.async_api import Page, expect
 
-from .fake_api import FakeApi, ago
+from .fake_api import FakeApi, ago, rfc3339
 
 TENANT_TOKEN = "tok-acme-0123456789"
 ADMIN_TOKEN = "tok-admin-0123456789"
@@ -343,3 +343,36 @@ async def test_log_out_and_another_tenants_403(page: Page, url: str, api: FakeAp
     before = len(api.seen)
     await asyncio.sleep(1.5)
     assert api.api_requests(before) == [], "a logged-out page keeps polling"
+
+
+async def test_history_range_and_rejected_messages(page: Page, url: str, api: FakeApi) -> None:
+    api.put("acme", "meter", "on", 1.0, at=ago(3 * 3600))
+    api.put("acme", "meter", "off", 2.0, at=ago(1800))
+    api.put("acme", "meter", "on", 3.0, at=ago(60))
+    api.rejected["acme"] = [
+        {
+            "received_at": rfc3339(ago(120)),
+            "topic": "tenants/acme/devices/d1/events",
+            "device_id": "d1",
+            "reason": "bad_json",
+            "detail": "<script>alert(1)</script> is not JSON",
+            "payload_size": 31,
+        }
+    ]
+    await log_in(page, url, TENANT_TOKEN)
+    await page.goto(f"{url}#/t/acme/d/meter")
+    await expect(page.locator("#range")).to_have_value("24h")
+    await expect(page.locator("#history-rows tr")).to_have_count(3)
+    await page.locator("#range").select_option("1h")
+    await expect(page).to_have_url(f"{url}#/t/acme/d/meter?range=1h")
+    await expect(page.locator("#history-rows tr")).to_have_count(2)
+    await page.reload()
+    await expect(page.locator("#range")).to_have_value("1h")
+    await expect(page.locator("#history-rows tr")).to_have_count(2)
+
+    await page.goto(f"{url}#/t/acme")
+    await page.locator("#rejected-link").click()
+    row = page.locator("#rejected-rows tr")
+    await expect(row).to_have_count(1)
+    await expect(row).to_contain_text("bad_json")
+    await expect(row.locator(".detail")).to_have_text("<script>alert(1)</script> is not JSON")

@@ -17,11 +17,14 @@
   const POLL_MS = 1000;
   const MAX_BACKOFF_MS = 8000;
   const PAGE_SIZE = 100;
-  const HISTORY_LIMIT = 200;
-  const HISTORY_RANGE_LIMIT = 500; // the API's cap
-  const HISTORY_ROWS = 50; // rows of the history table; the chart shows all
+  const HISTORY_LIMIT = 500; // the API's cap: the chart shows up to this many events
+  const HISTORY_ROWS = 50; // rows of the history table
+  // Durations "ago", which the API takes for since=: the URL (and so its
+  // ETag) stays the same from one poll to the next.
+  const RANGES = ["1h", "24h", "7d"];
+  const DEFAULT_RANGE = "24h";
+  const REJECTED_SINCE = "24h";
   const ETAG_CACHE_SIZE = 64;
-  const RANGES = { "1h": 3600e3, "24h": 86400e3, "7d": 7 * 86400e3 };
 
   // ------------------------------------------------------------------ DOM helpers
 
@@ -261,8 +264,9 @@
         page: Math.max(1, Number.parseInt(query.get("p") || "1", 10) || 1) };
     }
     if (segs.length === 4 && segs[2] === "d") {
-      const range = query.get("range") || "";
-      return { name: "device", tenant, device: segs[3], range: range in RANGES ? range : "" };
+      const range = query.get("range");
+      return { name: "device", tenant, device: segs[3],
+        range: RANGES.includes(range) ? range : DEFAULT_RANGE };
     }
     if (segs.length === 3 && segs[2] === "rejected") return { name: "rejected", tenant };
     return { name: "home" };
@@ -724,11 +728,7 @@
     return {
       crumbs,
       async refresh(signal) {
-        const params = r.range
-          // Whole minutes, so the URL (and its ETag) holds for a minute.
-          ? { since: new Date(Math.floor((Date.now() - RANGES[r.range]) / 60e3) * 60e3).toISOString(),
-            limit: HISTORY_RANGE_LIMIT }
-          : { limit: HISTORY_LIMIT };
+        const params = { since: r.range, limit: HISTORY_LIMIT };
         const [latest, hist] = await Promise.all([
           api(devicePath, null, signal).catch((err) => {
             if (err instanceof ApiError && err.status === 404) return { missing: err, changed: true };
@@ -758,7 +758,9 @@
   $("range").addEventListener("change", () => {
     const r = current && current.route;
     if (!r || r.name !== "device") return;
-    go(href(["t", r.tenant, "d", r.device], { range: $("range").value }), { replace: true });
+    const range = $("range").value;
+    go(href(["t", r.tenant, "d", r.device], { range: range === DEFAULT_RANGE ? "" : range }),
+      { replace: true });
   });
 
   function renderLatest(r, d, missing, again) {
@@ -936,7 +938,8 @@
     return {
       crumbs: () => tenantCrumbs(r, ["Rejected", ""]),
       async refresh(signal) {
-        const { data, changed } = await api(pathOf("tenants", r.tenant, "rejected"), null, signal);
+        const { data, changed } = await api(pathOf("tenants", r.tenant, "rejected"),
+          { since: REJECTED_SINCE }, signal);
         if (!changed && drawn) return;
         drawn = true;
         const items = data.rejected || [];
