@@ -25,6 +25,8 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
+from prometheus_client import CollectorRegistry, ProcessCollector
+
 from .config import Config
 from .errors import SchemaError
 from .ingest.pipeline import Classifier, Flow, NoFlow, Pipeline
@@ -32,6 +34,7 @@ from .ingest.receive import Handler, Receiver
 from .ingest.sampling import Sampler
 from .ingest.spool import Spool, SpoolSource
 from .stats import Stats
+from .store.database import Database, connect
 from .store.hot import HotPartitions
 from .store.latest import LatestState
 from .store.rejects import Rejects
@@ -41,8 +44,11 @@ from .store.schema import missing_from
 from .store.sink import Sink
 from .store.telemetry import Telemetry
 from .store.write_session import WriteSession, open_write_session
+from .web.api import read_api
 from .web.metrics import NoisyRate, gateway_registry
-from .web.server import build_app, serve
+from .web.page import add_page
+from .web.server import AddRoutes, build_app, serve
+from .web.tokens import TokenStore
 
 log = logging.getLogger(__name__)
 
@@ -280,13 +286,42 @@ async def open_gateway(
             shutdown_deadline=shutdown_deadline,
         )
         if config.api.enabled:
+            # The read side gets a session of its own (the CLI's driver): its
+            # reads never queue behind the write path's in-flight cap.
+            reader = await stack.enter_async_context(connect(config.cassandra))
             app = build_app(
                 metrics=gateway_registry(stats, noisy=gateway.noisy_rates, spool=spool),
                 health=gateway.health,
                 noisy=gateway.noisy,
+                extra=read_side(reader, config),
             )
             await stack.enter_async_context(serve(app, config.api.host, config.api.port))
         yield gateway
+
+
+def read_side(db: Database, config: Config) -> list[AddRoutes]:
+    """The read API and the page, for ``gateway run`` and ``gateway serve``."""
+    tokens = TokenStore(config.api.tokens_file)
+    log.info("read tokens from %s (%d now)", tokens.path, len(tokens))
+    return [read_api(db, config, tokens), add_page]
+
+
+async def serve_read_side(config: Config, stop: asyncio.Event) -> None:
+    """`gateway serve`: the read API, the page, /healthz and /metrics, with no
+    MQTT and no writes: for a host building managers reach while edge
+    gateways come and go. Runs until ``stop`` is set."""
+    async with connect(config.cassandra) as db:
+        registry = CollectorRegistry()
+        ProcessCollector(registry=registry)
+
+        def health() -> tuple[bool, dict[str, object]]:
+            up = [h for h in db.cluster.metadata.all_hosts() if h.is_up]
+            return bool(up), {"cassandra": f"{len(up)} node(s) up", "mode": "serve (read only)"}
+
+        app = build_app(metrics=registry, health=health, extra=read_side(db, config))
+        async with serve(app, config.api.host, config.api.port) as listening:
+            log.info("read side on %s/ (page), %s/api/v1 (API)", listening.url, listening.url)
+            await stop.wait()
 
 
 async def run(

@@ -14,7 +14,7 @@ import base64
 import binascii
 import heapq
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import orjson
@@ -23,6 +23,7 @@ from cassandra import ReadFailure
 
 from ..config import MAX_BUCKET_SECONDS, Config
 from ..errors import QueryError
+from ..units import parse_duration
 from .database import Database
 
 # The failure code a replica gives for a read that met more deleted rows than
@@ -53,6 +54,7 @@ class HistoryRow:
     value: str | float | None
     metrics: dict[str, float]
     tags: dict[str, str]
+    event_id: int = 0  # the content hash that tells two events of one millisecond apart
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -312,8 +314,8 @@ async def history(
     until: datetime,
     limit: int,
 ) -> list[HistoryRow]:
-    since_ms = int(since.timestamp() * 1000)
-    until_ms = int(until.timestamp() * 1000)
+    since_ms = _ms(since)
+    until_ms = _ms(until)
     partitions = await db.execute(
         f"SELECT bucket_start, shard, bucket_seconds FROM {db.keyspace}.telemetry_partitions "
         "WHERE tenant = %s AND device_id = %s AND bucket_start <= %s AND bucket_start > %s",
@@ -361,6 +363,7 @@ async def history(
                 _value(r.value, r.value_num),
                 dict(r.metrics or {}),
                 dict(r.tags or {}),
+                r.event_id,
             )
         )
         if len(out) >= limit:
@@ -368,9 +371,69 @@ async def history(
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class HistoryPage:
+    events: list[HistoryRow]
+    next_cursor: str | None
+
+
+async def history_page(
+    db: Database,
+    tenant: str,
+    device_id: str,
+    since: datetime,
+    until: datetime,
+    limit: int,
+    cursor: str | None = None,
+) -> HistoryPage:
+    """One page of :func:`history`, newest first. The cursor holds the time
+    of the page's last event and the ids of the events at that millisecond
+    already given out, so the next page neither skips nor repeats one."""
+    if not 1 <= limit <= MAX_PAGE:
+        raise _bad("limit", f"must be between 1 and {MAX_PAGE} (got {limit})")
+    seen: set[int] = set()
+    if cursor:
+        try:
+            raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+            last_ms, ids = orjson.loads(raw)
+            seen = {int(i) for i in ids}
+            until = datetime.fromtimestamp(0, UTC) + timedelta(milliseconds=int(last_ms))
+        except (ValueError, TypeError, binascii.Error, OverflowError):
+            raise _bad("cursor", "not a cursor this server gave out") from None
+    rows = await history(db, tenant, device_id, since, until, limit + len(seen))
+    last = _ms(until)
+    page = [r for r in rows if not (_ms(r.ts) == last and r.event_id in seen)][:limit]
+    if len(page) < limit:
+        return HistoryPage(page, None)
+    end = _ms(page[-1].ts)
+    ids = {r.event_id for r in page if _ms(r.ts) == end} | (seen if end == last else set())
+    next_cursor = base64.urlsafe_b64encode(orjson.dumps([end, sorted(ids)])).decode().rstrip("=")
+    return HistoryPage(page, next_cursor)
+
+
+def parse_time(parameter: str, text: str, now: datetime | None = None) -> datetime:
+    """An RFC 3339 time, or a duration ago such as ``2h`` or ``30m``."""
+    now = now or datetime.now(UTC)
+    try:
+        return now - timedelta(seconds=parse_duration(text))
+    except ValueError:
+        pass
+    try:
+        parsed = datetime.fromisoformat(text)
+    except ValueError:
+        raise _bad(
+            parameter, f"{text!r} is neither an RFC 3339 time nor a duration like 2h"
+        ) from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
 def _ms(ts: datetime) -> int:
+    """Exact epoch ms (float seconds * 1000 could truncate one short)."""
     aware = ts if ts.tzinfo else ts.replace(tzinfo=UTC)
-    return int(aware.timestamp() * 1000)
+    return (aware - _EPOCH) // timedelta(milliseconds=1)
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,5 @@
-"""Command line: ``gateway run | schema apply | check | devices | device | history |
-rejected | simulate | token add/list/revoke``. The only place that configures
+"""Command line: ``gateway run | serve | schema apply|migrate|print | check | devices |
+device | history | rejected | simulate | token add/list/revoke``. The only place that configures
 logging and reads argv.
 
 Exit codes: 0 success, 1 runtime failure (service unreachable, write refused,
@@ -72,6 +72,11 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     sub.add_parser("run", parents=[common], help="run the gateway until SIGTERM/SIGINT")
+    sub.add_parser(
+        "serve",
+        parents=[common],
+        help="serve only the read side (page, /api/v1): no MQTT, reads Cassandra",
+    )
 
     sch = sub.add_parser("schema", parents=[common], help="manage the Cassandra schema")
     sch_sub = sch.add_subparsers(dest="schema_command", required=True, metavar="ACTION")
@@ -195,6 +200,15 @@ def _time_arg(text: str | None, default: datetime) -> datetime:
 
 def _print_json(value: Any) -> None:
     sys.stdout.write(orjson.dumps(value, option=orjson.OPT_INDENT_2).decode() + "\n")
+
+
+async def _serve(config: Config) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await app.serve_read_side(config, stop)
+    return 0
 
 
 async def _run(config: Config) -> int:
@@ -435,6 +449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     commands: dict[str, Any] = {
         "run": lambda: _run(config),
+        "serve": lambda: _serve(config),
         "check": lambda: _check(config),
         "devices": lambda: _devices(config, args),
         "device": lambda: _device(config, args),

@@ -130,6 +130,22 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
         "Two events of one device with the same write timestamp, settled by event id.",
     ),
     (
+        "gateway_state_rotations_total",
+        "rotations",
+        "State partitions copied into a fresh generation (tombstones left behind).",
+    ),
+    ("gateway_state_rotation_rows_total", "rotation_rows", "Live rows those rotations copied."),
+    (
+        "gateway_state_rotation_failures_total",
+        "rotation_failures",
+        "Rotation steps that failed and are retried.",
+    ),
+    (
+        "gateway_state_generations_dropped_total",
+        "generations_dropped",
+        "Old state-partition generations deleted after a rotation.",
+    ),
+    (
         "gateway_stale_latest_total",
         "stale_latest",
         "Events older than their device's newest write: latest-table writes skipped.",

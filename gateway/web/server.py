@@ -244,11 +244,12 @@ def build_app(
     *,
     metrics: CollectorRegistry,
     health: Health,
-    noisy: Noisy,
+    noisy: Noisy | None = None,
     extra: Iterable[AddRoutes] = (),
     limits: Limits = Limits(),
 ) -> web.Application:
-    """The application: /metrics, /healthz, /noisy, then whatever each ``extra(app)`` adds."""
+    """The application: /metrics, /healthz, /noisy (when there is ingest to ask;
+    not in ``gateway serve``), then whatever each ``extra(app)`` adds."""
     app = web.Application(
         middlewares=[_admission(limits.max_requests), _errors],
         client_max_size=limits.client_max_size,
@@ -276,11 +277,13 @@ def build_app(
         return _json({"status": "ok" if ok else "degraded", "checks": checks}, 200 if ok else 503)
 
     async def get_noisy(request: web.Request) -> web.Response:
+        assert noisy is not None
         return _json(noisy(request.query.get("tenant", "")))
 
     app.router.add_get("/metrics", get_metrics)
     app.router.add_get("/healthz", get_health)
-    app.router.add_get("/noisy", get_noisy)
+    if noisy is not None:
+        app.router.add_get("/noisy", get_noisy)
     for add in extra:
         add(app)
     return app

@@ -1,0 +1,395 @@
+"""The building managers' read API: JSON under ``/api/v1``, behind read tokens.
+
+Every answer comes from ``gateway/store/queries.py``, the module the CLI reads
+through, so the page, curl and ``gateway devices`` always agree. Routes (all
+``GET``; README, "The read API"):
+
+    /api/v1/me                                          the token's tenants
+    /api/v1/tenants/{t}/states                          states and device counts
+    /api/v1/tenants/{t}/states/{s}/devices              one page of a state's devices
+    /api/v1/tenants/{t}/devices/{d}                     a device's latest event
+    /api/v1/tenants/{t}/devices/{d}/history             its raw events, newest first
+    /api/v1/tenants/{t}/rejected                        bad messages and why
+    /api/v1/openapi.json                                this API, as OpenAPI 3.1
+
+Promises:
+
+* **Access.** ``Authorization: Bearer <token>`` (``gateway token add``). No or
+  an unknown token: 401. A token of another tenant: 403. An admin token
+  reads every tenant. Tokens are never logged (aiohttp's access log is off).
+* **Errors** are ``{"error", "detail"}``: 400 names the bad parameter, 404
+  an unknown device; Cassandra unreachable or refusing is 503, never a 500.
+* **Live pages by conditional polling.** Every answer carries an ``ETag`` (a
+  hash of its body); a request with a matching ``If-None-Match`` gets 304 and
+  no body. The page polls about once a second while visible. Polling was
+  chosen over server-sent events because ``gateway serve`` has no MQTT feed
+  to push from (it would poll Cassandra anyway), a poll needs no long-lived
+  connection (the server caps requests, not sockets), and it passes any
+  proxy unchanged.
+* **Bounded and cheap under many viewers.** Answers are cached per path and
+  query for ``LIST_TTL`` (0.5 s), so any number of open pages costs about
+  two Cassandra reads a second per distinct view; concurrent misses share one
+  read. State counts read every device row of the tenant, so they are cached
+  longer, ``cached_for_s`` (1 s, or 10 s when counting took over 200 ms), and
+  say so in the answer. At most ``CACHE_SIZE`` answers are kept (LRU).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import orjson
+from aiohttp import web
+from cassandra.cluster import NoHostAvailable
+
+from cassandra import DriverException, RequestExecutionException
+
+from ..config import Config
+from ..errors import QueryError
+from ..lru import LRU
+from ..store import queries
+from ..store.database import Database
+from .server import AddRoutes, error_response
+from .tokens import Grant, TokenStore, token_from_header
+
+log = logging.getLogger(__name__)
+
+PREFIX = "/api/v1"
+DEFAULT_LIMIT = 100
+MAX_LIMIT = 500
+MAX_PARAM = 512  # characters in any query parameter
+LIST_TTL = 0.5
+COUNTS_TTL = 1.0
+SLOW_COUNTS_TTL = 10.0
+CACHE_SIZE = 2048
+
+
+@dataclass(slots=True)
+class _Cached:
+    expires: float
+    body: bytes
+    etag: str
+    status: int = 200
+
+
+class _ApiError(Exception):
+    def __init__(self, status: int, code: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status, self.code, self.detail = status, code, detail
+
+
+class ReadApi:
+    """The routes, with the Cassandra session, tokens and cache they share."""
+
+    def __init__(self, db: Database, config: Config, tokens: TokenStore) -> None:
+        self._db = db
+        self._config = config
+        self._tokens = tokens
+        self._cache: LRU[str, _Cached] = LRU(CACHE_SIZE)
+        self._inflight: dict[str, asyncio.Future[_Cached]] = {}
+
+    def add_routes(self, app: web.Application) -> None:
+        routes = [
+            ("/me", self._me),
+            ("/tenants/{tenant}/states", self._states),
+            ("/tenants/{tenant}/states/{state}/devices", self._devices),
+            ("/tenants/{tenant}/devices/{device_id}", self._device),
+            ("/tenants/{tenant}/devices/{device_id}/history", self._history),
+            ("/tenants/{tenant}/rejected", self._rejected),
+        ]
+        for path, handler in routes:
+            app.router.add_get(PREFIX + path, self._handle(handler))
+        app.router.add_get(PREFIX + "/openapi.json", self._openapi)
+
+    # -- plumbing ---------------------------------------------------------
+
+    def _handle(
+        self, handler: Callable[[web.Request], Awaitable[_Cached]]
+    ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def run(request: web.Request) -> web.StreamResponse:
+            try:
+                for name, value in request.query.items():
+                    if len(value) > MAX_PARAM:
+                        raise _bad(name, f"longer than {MAX_PARAM} characters")
+                answer = await handler(request)
+            except _ApiError as exc:
+                headers = [("WWW-Authenticate", "Bearer")] if exc.status == 401 else []
+                return error_response(
+                    request, exc.status, exc.detail, code=exc.code, headers=headers
+                )
+            except QueryError as exc:
+                if exc.parameter is not None:
+                    return error_response(request, 400, str(exc), code="bad_parameter")
+                return error_response(request, 503, str(exc), code="unavailable")
+            except (DriverException, RequestExecutionException, NoHostAvailable, OSError) as exc:
+                log.warning("read API: Cassandra failed: %s", exc)
+                detail = f"Cassandra did not answer: {type(exc).__name__}"
+                return error_response(
+                    request, 503, detail, code="unavailable", headers=[("Retry-After", "2")]
+                )
+            caching = {"ETag": answer.etag, "Cache-Control": "no-cache"}
+            if answer.etag in _etags(request.headers.get("If-None-Match", "")):
+                return web.Response(status=304, headers=caching)
+            return web.Response(
+                status=answer.status,
+                body=answer.body,
+                content_type="application/json",
+                headers=caching,
+            )
+
+        return run
+
+    def _grant(self, request: web.Request, tenant: str | None = None) -> Grant:
+        token = token_from_header(request.headers.get("Authorization"))
+        if token is None:
+            raise _ApiError(401, "unauthorized", "send a read token: Authorization: Bearer <token>")
+        grant = self._tokens.verify(token)
+        if grant is None:
+            raise _ApiError(401, "unauthorized", "unknown or revoked token")
+        if tenant is not None and not grant.allows(tenant):
+            raise _ApiError(403, "forbidden", f"this token does not read tenant {tenant!r}")
+        return grant
+
+    async def _cached(
+        self, key: str, ttl: float, compute: Callable[[], Awaitable[tuple[Any, float]]]
+    ) -> _Cached:
+        """The answer for ``key``, computed at most once per ``ttl`` however
+        many ask; ``compute`` returns the body and how long it may be kept
+        (``ttl`` when 0)."""
+        now = time.monotonic()
+        found = self._cache.get(key)
+        if found is not None and found.expires > now:
+            return found
+        running = self._inflight.get(key)
+        if running is not None:
+            return await asyncio.shield(running)
+        future: asyncio.Future[_Cached] = asyncio.get_running_loop().create_future()
+        self._inflight[key] = future
+        try:
+            body, keep = await compute()
+            data = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+            etag = '"' + hashlib.blake2b(data, digest_size=12).hexdigest() + '"'
+            answer = _Cached(time.monotonic() + (keep or ttl), data, etag)
+            self._cache.put(key, answer)
+            future.set_result(answer)
+            return answer
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+        except Exception as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: no "never retrieved" warning
+            raise
+        finally:
+            del self._inflight[key]
+
+    # -- routes -------------------------------------------------------------
+
+    async def _me(self, request: web.Request) -> _Cached:
+        grant = self._grant(request)
+        if grant.tenant is not None:
+            return _answer({"admin": False, "tenants": [grant.tenant]})
+        configured = set(self._config.tenants)
+
+        async def compute() -> tuple[Any, float]:
+            known = await queries.tenants(self._db)
+            return {"admin": True, "tenants": sorted(configured | set(known))}, 0
+
+        return await self._cached("me:admin", COUNTS_TTL, compute)
+
+    async def _states(self, request: web.Request) -> _Cached:
+        tenant = request.match_info["tenant"]
+        self._grant(request, tenant)
+
+        async def compute() -> tuple[Any, float]:
+            started = time.monotonic()
+            counts = await queries.state_counts(self._db, self._config, tenant)
+            took = time.monotonic() - started
+            keep = COUNTS_TTL if took < 0.2 else SLOW_COUNTS_TTL
+            return {
+                "tenant": tenant,
+                "as_of": queries.iso(datetime.now(UTC)),
+                "cached_for_s": keep,
+                "states": [{"state": s, "devices": n} for s, n in counts],
+            }, keep
+
+        return await self._cached(f"states:{tenant}", COUNTS_TTL, compute)
+
+    async def _devices(self, request: web.Request) -> _Cached:
+        tenant, state = request.match_info["tenant"], request.match_info["state"]
+        self._grant(request, tenant)
+        query = request.query
+        limit = _int(query, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
+        cursor = query.get("cursor") or None
+        prefix = query.get("prefix", "")
+        tag = queries.parse_tag(query["tag"]) if query.get("tag") else None
+
+        async def compute() -> tuple[Any, float]:
+            page = await queries.devices_page(
+                self._db,
+                self._config,
+                tenant,
+                state,
+                limit=limit,
+                cursor=cursor,
+                prefix=prefix,
+                tag=tag,
+            )
+            return {
+                "tenant": tenant,
+                "state": state,
+                "devices": [d.as_json() for d in page.devices],
+                "next_cursor": page.next_cursor,
+            }, 0
+
+        return await self._cached(f"devices:{request.path_qs}", LIST_TTL, compute)
+
+    async def _device(self, request: web.Request) -> _Cached:
+        tenant, device = request.match_info["tenant"], request.match_info["device_id"]
+        self._grant(request, tenant)
+
+        async def compute() -> tuple[Any, float]:
+            row = await queries.latest_event(self._db, tenant, device)
+            if row is None:
+                return None, 0
+            return row.as_json(), 0
+
+        answer = await self._cached(f"device:{tenant}/{device}", LIST_TTL, compute)
+        if answer.body == b"null":
+            raise _ApiError(404, "not_found", f"no device {device!r} in tenant {tenant!r}")
+        return answer
+
+    async def _history(self, request: web.Request) -> _Cached:
+        tenant, device = request.match_info["tenant"], request.match_info["device_id"]
+        self._grant(request, tenant)
+        query = request.query
+        now = datetime.now(UTC)
+        since = _time(query, "since", now - timedelta(hours=24), now)
+        until = _time(query, "until", now, now)
+        if since >= until:
+            raise _bad("since", "must be before until")
+        limit = _int(query, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
+        cursor = query.get("cursor") or None
+        page = await queries.history_page(self._db, tenant, device, since, until, limit, cursor)
+        return _answer(
+            {
+                "tenant": tenant,
+                "device_id": device,
+                "events": [e.as_json() for e in page.events],
+                "next_cursor": page.next_cursor,
+            }
+        )
+
+    async def _rejected(self, request: web.Request) -> _Cached:
+        tenant = request.match_info["tenant"]
+        self._grant(request, tenant)
+        query = request.query
+        now = datetime.now(UTC)
+        since = _time(query, "since", now - timedelta(hours=1), now)
+        limit = _int(query, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
+        rows = await queries.rejected(self._db, tenant, since, limit)
+        return _answer({"tenant": tenant, "rejected": [r.as_json() for r in rows]})
+
+    async def _openapi(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response(OPENAPI, dumps=lambda v: orjson.dumps(v).decode())
+
+
+def read_api(db: Database, config: Config, tokens: TokenStore) -> AddRoutes:
+    """The ``extra`` for :func:`gateway.web.server.build_app`."""
+    return ReadApi(db, config, tokens).add_routes
+
+
+def _answer(body: Any) -> _Cached:
+    data = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+    return _Cached(0.0, data, '"' + hashlib.blake2b(data, digest_size=12).hexdigest() + '"')
+
+
+def _etags(header: str) -> set[str]:
+    return {t.strip().removeprefix("W/") for t in header.split(",") if t.strip()}
+
+
+def _bad(parameter: str, detail: str) -> _ApiError:
+    return _ApiError(400, "bad_parameter", f"{parameter}: {detail}")
+
+
+def _int(query: Any, name: str, default: int, low: int, high: int) -> int:
+    text = query.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise _bad(name, f"expected a whole number, got {text!r}") from None
+    if not low <= value <= high:
+        raise _bad(name, f"must be between {low} and {high} (got {value})")
+    return value
+
+
+def _time(query: Any, name: str, default: datetime, now: datetime) -> datetime:
+    text = query.get(name)
+    if text is None or text == "":
+        return default
+    return queries.parse_time(name, text, now)
+
+
+def _path(summary: str, *params: str, extra: str = "") -> dict[str, Any]:
+    parameters = [
+        {"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in params
+    ]
+    return {
+        "get": {
+            "summary": summary,
+            "description": extra,
+            "security": [{"bearer": []}],
+            "parameters": parameters,
+            "responses": {
+                "200": {"description": "OK (with an ETag; If-None-Match gives 304)"},
+                "400": {"description": "a bad parameter, named in detail"},
+                "401": {"description": "no or an unknown token"},
+                "403": {"description": "a token of another tenant"},
+                "503": {"description": "Cassandra unreachable or refusing"},
+            },
+        }
+    }
+
+
+OPENAPI: dict[str, Any] = {
+    "openapi": "3.1.0",
+    "info": {"title": "MQTT gateway read API", "version": "1"},
+    "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+    "paths": {
+        PREFIX + "/me": _path("The tenants this token reads"),
+        PREFIX + "/tenants/{tenant}/states": _path(
+            "States and their device counts", "tenant", extra="cached_for_s says how fresh"
+        ),
+        PREFIX + "/tenants/{tenant}/states/{state}/devices": _path(
+            "One page of the devices in a state",
+            "tenant",
+            "state",
+            extra=f"query: limit (1-{MAX_LIMIT}, default {DEFAULT_LIMIT}), cursor "
+            "(next_cursor of the previous page), prefix (device id), tag (KEY:VALUE)",
+        ),
+        PREFIX + "/tenants/{tenant}/devices/{device_id}": _path(
+            "A device's latest event (404 if none)", "tenant", "device_id"
+        ),
+        PREFIX + "/tenants/{tenant}/devices/{device_id}/history": _path(
+            "A device's raw events, newest first",
+            "tenant",
+            "device_id",
+            extra="query: since, until (RFC 3339 or a duration ago like 2h; default the "
+            f"last 24 h), limit (1-{MAX_LIMIT}), cursor",
+        ),
+        PREFIX + "/tenants/{tenant}/rejected": _path(
+            "Messages the gateway rejected, and why",
+            "tenant",
+            extra="query: since (default 1h; at most 7 days back), limit",
+        ),
+    },
+}
