@@ -5,6 +5,10 @@ requests get a 4xx that names the problem, never a 500."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import socket
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,7 +26,7 @@ from gateway.web.api import read_api
 from gateway.web.server import build_app, serve
 from gateway.web.tokens import TokenStore
 
-from .helpers import make_config, publish, running_gateway, topic
+from .helpers import base_env, make_config, publish, run_cli, running_gateway, topic
 from .test_ingest import D1, D2, D3, reference_messages
 
 
@@ -273,3 +277,61 @@ async def test_an_unchanged_answer_is_a_304_and_a_change_shows(
                 await asyncio.sleep(0.1)
             assert status == 200
             assert [d["device_id"] for d in body["devices"]] == [D1, D2]
+
+
+async def test_gateway_serve_runs_the_read_side_alone(
+    db: Database, tenant: str, tmp_path: Path
+) -> None:
+    """`gateway serve`: no MQTT, only Cassandra; the page, the API and
+    /healthz, with the tokens `gateway token add` wrote."""
+    async with running_gateway(make_config()) as gw:
+        await publish(reference_messages(tenant))
+        await gw.wait_handled(5)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = base_env(
+        GATEWAY_API__PORT=str(port),
+        GATEWAY_API__TOKENS_FILE=str(tmp_path / "tokens.jsonl"),
+        GATEWAY_MQTT__PORT="1",  # nothing listens there: serve must not need a broker
+    )
+    added = run_cli("token", "add", "--tenant", tenant, env=env)
+    assert added.returncode == 0, added.stderr
+    token = added.stdout.strip().splitlines()[-1]
+    log = (tmp_path / "serve.log").open("wb")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "serve", env=env, stdout=log, stderr=subprocess.STDOUT
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as session:
+            for _ in range(100):
+                try:
+                    async with session.get(f"{url}/healthz") as response:
+                        health = await response.json()
+                        break
+                except aiohttp.ClientConnectionError:
+                    assert proc.returncode is None, (tmp_path / "serve.log").read_text()
+                    await asyncio.sleep(0.2)
+            assert health["status"] == "ok", health
+            async with session.get(f"{url}/") as response:
+                assert response.status == 200
+                assert "<html" in (await response.text()).lower()
+            async with session.get(f"{url}/app.js") as response:
+                assert response.status == 200
+            headers = {"Authorization": f"Bearer {token}"}
+            async with session.get(
+                f"{url}/api/v1/tenants/{tenant}/states/off/devices", headers=headers
+            ) as response:
+                body = await response.json()
+                assert [d["device_id"] for d in body["devices"]] == [D2, D3]
+            async with session.get(f"{url}/noisy") as response:
+                assert response.status == 404  # no ingest to ask in serve mode
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        log.close()
+    assert token not in (tmp_path / "serve.log").read_text()  # tokens are never logged

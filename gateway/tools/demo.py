@@ -1,9 +1,10 @@
 """``make run``: the gateway in the foreground, fed by a small simulated fleet.
 
-Starts ``gateway simulate`` as a child process (tenant ``demo``), prints how to
-query what arrives, then runs ``gateway run`` in this process until Ctrl-C or
-SIGTERM, and stops the simulator with it. Without the simulator (``--devices 0``)
-it is plain ``gateway run``.
+Starts ``gateway simulate`` as a child process (tenant ``demo``), makes a read
+token for tenant ``demo`` (revoking the one an earlier ``make run`` made),
+prints where the page is and how to query what arrives, then runs ``gateway
+run`` in this process until Ctrl-C or SIGTERM, and stops the simulator with
+it. Without the simulator (``--devices 0``) it is plain ``gateway run``.
 """
 
 from __future__ import annotations
@@ -12,12 +13,33 @@ import argparse
 import subprocess
 import sys
 
+from ..config import load_config
+from ..web.tokens import TokenStore
 from . import cli
+
+DEMO_LABEL = "make run demo"
+
+
+def demo_token(store: TokenStore) -> str:
+    """A fresh read token for tenant demo; the one an earlier run made is revoked."""
+    for info in store.list():
+        if info.label == DEMO_LABEL:
+            store.revoke(info.id)
+    return store.add(tenant="demo", label=DEMO_LABEL).token
 
 HINTS = """\
 ------------------------------------------------------------------------------
  The gateway is running; {devices} simulated devices of tenant "demo" publish
- {rate:g} msg/s to tenants/demo/devices/<id>/events. In another terminal:
+ {rate:g} msg/s to tenants/demo/devices/<id>/events.
+
+ The page: open {url}/ and paste this read token (tenant "demo"):
+
+   {token}
+
+ The same through the API:
+   curl -H 'Authorization: Bearer {token}' {url}/api/v1/tenants/demo/states
+
+ In another terminal:
 
    .venv/bin/gateway devices --tenant demo --state on      # who is on right now
    .venv/bin/gateway devices --tenant demo --state off --json
@@ -54,7 +76,10 @@ def main(argv: list[str] | None = None) -> int:
                 str(args.rate),
             ],
         )
-        print(HINTS.format(devices=args.devices, rate=args.rate), flush=True)
+        config = load_config()
+        token = demo_token(TokenStore(config.api.tokens_file))
+        url = f"http://{config.api.host}:{config.api.port}"
+        print(HINTS.format(devices=args.devices, rate=args.rate, url=url, token=token), flush=True)
     try:
         return cli.main(["run"])
     finally:
