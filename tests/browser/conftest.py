@@ -13,10 +13,14 @@ Fixtures:
   resource" lines are not errors of the page (a 401 or 404 the page handles).
   A failing test leaves a screenshot of each of its pages.
 - `page`: `new_page()` for a desktop-sized window.
-- `screenshot(page, name)`: saves a full-page PNG under the session's pytest
-  temporary folder, `<basetemp>/browser-screenshots/` (by default
-  /tmp/pytest-of-<user>/pytest-<N>/, the last 3 runs kept; `--basetemp=DIR`
-  puts it elsewhere). The folder is printed at the end of the run.
+- `screenshot(page, name)`: saves a full-page PNG as
+  `tests/browser/output/<run>/<test>-<name>.png`, where <run> is the run's
+  start time and pid (git-ignored; the newest 5 runs are kept). The folder is
+  printed at the end of the run. Not pytest's own temporary folder: on a
+  shared machine every pytest run of every user rotates that one (3 kept),
+  and screenshots were gone before anyone looked.
+
+Run: `.venv/bin/python -m pytest tests/browser` (`make test` runs them too).
 
 Every async test in tests/browser/ runs on pytest-asyncio's session loop,
 where the session's browser lives (as tests using `db` do in tests/conftest.py).
@@ -25,8 +29,10 @@ where the session's browser lives (as tests using `db` do in tests/conftest.py).
 from __future__ import annotations
 
 import importlib.resources
+import os
 import re
 import shutil
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +45,8 @@ if TYPE_CHECKING:
     from playwright.async_api import Browser, ConsoleMessage, Page
 
 HERE = Path(__file__).resolve().parent
+OUTPUT = HERE / "output"  # git-ignored by tests/browser/.gitignore
+KEEP_RUNS = 5
 CHROMIUM = "/usr/bin/chromium"
 SESSION_LOOP = pytest.mark.asyncio(loop_scope="session")
 # Playwright's own default is 30 s; a page that needs more is broken.
@@ -128,11 +136,12 @@ async def browser() -> AsyncIterator[Browser]:
 
 
 @pytest.fixture(scope="session")
-def screenshot_dir(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Path:
-    folder = tmp_path_factory.getbasetemp() / "browser-screenshots"
-    folder.mkdir(exist_ok=True)
+def screenshot_dir(request: pytest.FixtureRequest) -> Path:
+    # One folder per run (start time, then pid: runs at the same time don't mix).
+    folder = OUTPUT / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in sorted(p for p in OUTPUT.iterdir() if p.is_dir())[:-KEEP_RUNS]:
+        shutil.rmtree(old, ignore_errors=True)
     request.config.stash[SCREENSHOT_DIR] = folder
     return folder
 
@@ -147,6 +156,7 @@ def screenshot(
 ) -> Callable[[Page, str], Awaitable[Path]]:
     async def take(page: Page, name: str) -> Path:
         path = screenshot_dir / _file_name(request.node.name, name)
+        # Playwright creates the folder should a newer run have pruned it.
         await page.screenshot(path=path, full_page=True)
         return path
 
