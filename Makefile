@@ -46,6 +46,7 @@ down:
 status:
 	-@bash mosquitto/mosquitto.sh status
 	-@bash cassandra/cassandra.sh status
+	-@bash tests/browser/chromium.sh status
 
 schema: venv
 	$(GATEWAY) schema apply
@@ -53,12 +54,17 @@ schema: venv
 run: up
 	@$(VPY) -m gateway.tools.demo --devices $(SIM_DEVICES) --rate $(SIM_RATE)
 
-test: up
+# The browser the page's tests drive (Debian's chromium); only the tests need it.
+.PHONY: browser
+browser:
+	@bash tests/browser/chromium.sh install
+
+test: up browser
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
 # Everything but the fault tests (which restart the services) and the slow ones.
 .PHONY: test-quick
-test-quick: up
+test-quick: up browser
 	$(VPY) -m pytest -m "not faults and not slow" $(PYTEST_ARGS)
 
 lint: venv

@@ -5,7 +5,8 @@ inside the package (no CDN, no build step; it works offline on an edge host).
 ``/<name>``. The routes are fixed when the application is built, from the
 files present, so no request path ever reaches the file system. Files are sent
 by aiohttp's ``FileResponse`` (ETag and Last-Modified, so a reload costs 304s),
-with ``Cache-Control: no-cache`` so an upgraded gateway's page is picked up.
+with ``Cache-Control: no-cache`` so an upgraded gateway's page is picked up,
+and a Content-Security-Policy that allows the page's own files and nothing else.
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ from aiohttp import web
 from .server import Handler
 
 STATIC = Path(__file__).resolve().parent / "static"
+# The page needs nothing but its own files and the API (no inline script or
+# style, no other origin): anything else a browser refuses.
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+HEADERS = {"Cache-Control": "no-cache", "Content-Security-Policy": CSP}
 
 
 def add_page(app: web.Application) -> None:
@@ -27,7 +35,7 @@ def add_page(app: web.Application) -> None:
 
     def sender(path: Path) -> Handler:
         async def send(request: web.Request) -> web.StreamResponse:
-            return web.FileResponse(path, headers={"Cache-Control": "no-cache"})
+            return web.FileResponse(path, headers=HEADERS)
 
         return send
 

@@ -1,0 +1,87 @@
+"""The page in a real Chromium against the real gateway: events published
+over MQTT, stored in Cassandra, read through /api/v1, shown to a building
+manager, and a state change shows up without a reload."""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import orjson
+from playwright.async_api import Page, expect
+
+from gateway.web.tokens import TokenStore
+
+from ..helpers import make_config, publish, running_gateway, topic
+
+LIVE_MS = 2_000  # the issue's promise: within 2 s, without a reload
+
+Shot = Callable[[Page, str], Awaitable[Path]]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _event(tenant: str, device: str, ago_s: int, state: str, value: float) -> tuple[str, bytes]:
+    ts = int(time.time() * 1000) - ago_s * 1000
+    payload = {"ts": ts, "state": state, "value": value, "tags": {"floor": "3"}}
+    return topic(tenant, device), orjson.dumps(payload)
+
+
+async def test_a_building_manager_watches_a_device_change_state(
+    page: Page, screenshot: Shot, tmp_path: Path
+) -> None:
+    tenant = f"b{uuid.uuid4().hex[:12]}"
+    port = _free_port()
+    tokens_file = tmp_path / "tokens.jsonl"
+    token = TokenStore(tokens_file).add(tenant=tenant).token
+    config = make_config(
+        GATEWAY_API__PORT=str(port),
+        GATEWAY_API__TOKENS_FILE=str(tokens_file),
+        GATEWAY_SAMPLING__ENABLED="false",
+    )
+    async with running_gateway(config) as gw:
+        await publish(
+            [
+                _event(tenant, "lamp-1", 600, "on", 1.0),
+                _event(tenant, "lamp-2", 600, "on", 2.0),
+                _event(tenant, "door-1", 600, "off", 0.0),
+            ]
+        )
+        await gw.wait_handled(3)
+        url = f"http://127.0.0.1:{port}/"
+        await page.goto(url)
+        await page.locator("#token").fill(token)
+        await page.locator("#login").click()
+        await expect(page.locator('[data-state="on"] .count')).to_have_text("2")
+        await expect(page.locator('[data-state="off"] .count')).to_have_text("1")
+        await screenshot(page, "live-tiles")
+
+        await page.locator('[data-state="on"]').click()
+        await expect(page.locator("#device-rows tr")).to_have_count(2)
+        await expect(page.locator('[data-device="lamp-1"]')).to_contain_text("floor:3")
+        await screenshot(page, "live-on")
+
+        # lamp-2 is switched off at the wall: the page follows, no reload.
+        await page.evaluate("() => { window.sameDocument = true; }")
+        await publish([_event(tenant, "lamp-2", 60, "off", 0.0)])
+        await gw.wait_handled(4)
+        await expect(page.locator('[data-device="lamp-2"]')).to_have_count(0, timeout=LIVE_MS)
+        await expect(page.locator("#device-rows tr")).to_have_count(1)
+        assert await page.evaluate("() => window.sameDocument === true")
+        await screenshot(page, "live-after-change")
+
+        await page.locator('[data-device="lamp-1"]').click()
+        await expect(page.locator('[data-testid="device-state"]')).to_have_text("on")
+        # lamp-2's detail: its history, the change from on to off marked on the chart.
+        await page.goto(f"{url}#/t/{tenant}/d/lamp-2")
+        await expect(page.locator('[data-testid="device-state"]')).to_have_text("off")
+        await expect(page.locator("#history-rows tr")).to_have_count(2)
+        await expect(page.locator('[data-testid="chart-svg"] line.change')).to_have_count(1)
+        await screenshot(page, "live-device")
