@@ -195,6 +195,7 @@ class Gateway:
             except TimeoutError:
                 self.stats.queue_depth = self._pipeline.queue_depth
                 log.info("status: %s", self.stats.status_line())
+                self._pipeline.tick()  # rotations due while no event follows
 
     async def _signal_ready(self, stop: asyncio.Event, ready: asyncio.Event | None) -> None:
         connected = asyncio.ensure_future(self._receiver.connected.wait())

@@ -55,6 +55,8 @@ class Item:
 
 
 _STOP = object()
+# Asks the write loop to start due state-partition rotations (see tick()).
+_TICK = object()
 
 
 class Flow(Protocol):
@@ -215,11 +217,30 @@ class Pipeline:
         self._overflow.append(_STOP)
         self._refill()
 
+    def tick(self) -> None:
+        """Start rotations that came due with the last events although none
+        follow (an idle gateway): the write loop does it between chunks, the
+        one place no write is being built. Skipped when the queue is busy:
+        then the next chunk does it."""
+        if self._latest.due and not self._overflow and self._queue.empty():
+            self._queue.put_nowait(_TICK)
+
+    async def _start_rotations(self) -> None:
+        if self._latest.due:
+            # State partitions to rotate into a fresh generation
+            # (store/rotate.py): the writes in flight land first, so the copy
+            # sees every one that went to the old generation only.
+            await self._sink.drain()
+            await self._rotation.begin_due()
+
     async def write_loop(self) -> None:
         """Take chunks off the queue and write them until close()."""
         queue = self._queue
         while True:
             first = await queue.get()
+            if first is _TICK:
+                await self._start_rotations()
+                continue
             chunk: list[Item] = []
             stop = first is _STOP
             if not stop:
@@ -234,6 +255,8 @@ class Pipeline:
                 if item is _STOP:
                     stop = True
                     break
+                if item is _TICK:
+                    continue  # this chunk starts them anyway
                 chunk.append(item)  # type: ignore[arg-type]
             self._refill()
             self._stats.queue_depth = queue.qsize()
@@ -256,12 +279,7 @@ class Pipeline:
                 await self._sink.drain()
                 await self._latest.register(new)
             over, stale = await self._latest.prepare_chunk(events)
-            if self._latest.due:
-                # State partitions to rotate into a fresh generation
-                # (store/rotate.py): the writes in flight land first, so the
-                # copy sees every one that went to the old generation only.
-                await self._sink.drain()
-                await self._rotation.begin_due()
+            await self._start_rotations()
         over_ids = {id(e) for e in over}
         skip = over_ids | stale
         # Latest-table writes are last-write-wins by event time, so of several

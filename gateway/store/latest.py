@@ -348,8 +348,7 @@ class LatestState:
             if other == previous:
                 left.live -= 1
             left.deletes += 1
-            if self._rotate_after and left.deletes >= max(self._rotate_after, left.live // 2):
-                self.due[(tenant, other, bucket)] = None
+            self.check_due((tenant, other, bucket), left)
             for gen in left.gens():
                 out.append(
                     Write(
@@ -367,6 +366,11 @@ class LatestState:
         if part is None:
             part = tenant_states.parts[(state, bucket)] = Part()
         return part
+
+    def check_due(self, key: PartKey, part: Part) -> None:
+        """Mark the partition due for a rotation once enough devices left it."""
+        if self._rotate_after and part.deletes >= max(self._rotate_after, part.live // 2):
+            self.due[key] = None
 
     def part(self, key: PartKey) -> Part | None:
         """What this process knows of a partition (None: its tenant is not cached)."""

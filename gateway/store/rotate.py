@@ -243,17 +243,23 @@ class StateRotation:
         if part.retired_gen is not None:
             await self._drop_old(key)  # one retired generation at a time
         copied = await self._copy_rows(key, gen, next_gen)
+        # Rows copied, less the deletes sent since the announcement: a device
+        # that left while the copy ran was copied and then deleted. An
+        # underestimate only makes the next rotation come sooner; an
+        # overestimate could let tombstones grow past rotate_after_deletes.
+        live = max(0, copied - part.deletes)
         tenant, state, bucket = key
         rows = await self._requests.execute(
             self._switch,
-            (next_gen, copied, gen, _now_ms(), tenant, state, bucket, gen, next_gen),
+            (next_gen, live, gen, _now_ms(), tenant, state, bucket, gen, next_gen),
         )
         if not rows[0]["[applied]"]:
             return  # another instance switched it; the next refresh says so
         # Deletes sent since the announcement went to both generations; those
         # into the new one are what it starts with.
         part.gen, part.next_gen, part.rotating_since = next_gen, None, None
-        part.live, part.retired_gen = copied, gen
+        part.live, part.retired_gen = live, gen
+        self._latest.check_due(key, part)  # departures during the copy may call for the next
         self._drop_at[key] = time.monotonic() + self.retire_after
         self._stats.rotations += 1
         self._stats.rotation_rows += copied

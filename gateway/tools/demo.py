@@ -27,6 +27,7 @@ def demo_token(store: TokenStore) -> str:
             store.revoke(info.id)
     return store.add(tenant="demo", label=DEMO_LABEL).token
 
+
 HINTS = """\
 ------------------------------------------------------------------------------
  The gateway is running; {devices} simulated devices of tenant "demo" publish
