@@ -57,6 +57,13 @@ class Client:
             return response.status, orjson.loads(body) if body else None, response
 
 
+async def load_reference(*tenants: str) -> None:
+    """The reference example's five events for each tenant, through MQTT, stored."""
+    async with running_gateway(make_config()) as gw:
+        await publish([m for t in tenants for m in reference_messages(t)])
+        await gw.wait_handled(5 * len(tenants))
+
+
 @pytest.fixture
 def tokens(tmp_path: Path) -> TokenStore:
     return TokenStore(tmp_path / "tokens.jsonl")
@@ -74,9 +81,7 @@ async def client(
 async def test_the_reference_example_through_mqtt_then_http(
     db: Database, tenant: str, tokens: TokenStore
 ) -> None:
-    async with running_gateway(make_config()) as gw:
-        await publish(reference_messages(tenant))
-        await gw.wait_handled(5)
+    await load_reference(tenant)
     async with client(db, make_config(), tokens, tenant) as api:
         status, body, _ = await api.get(f"/api/v1/tenants/{tenant}/states")
         assert status == 200, body
@@ -180,9 +185,7 @@ async def test_paging_crosses_buckets_and_filters_by_prefix_and_tag(
 
 async def test_tenants_are_isolated(db: Database, tenant: str, tokens: TokenStore) -> None:
     other = f"o{uuid.uuid4().hex[:12]}"
-    async with running_gateway(make_config()) as gw:
-        await publish(reference_messages(tenant) + reference_messages(other))
-        await gw.wait_handled(10)
+    await load_reference(tenant, other)
     config = make_config()
     mine = tokens.add(tenant=tenant).token
     admin = tokens.add(admin=True).token
@@ -284,9 +287,7 @@ async def test_gateway_serve_runs_the_read_side_alone(
 ) -> None:
     """`gateway serve`: no MQTT, only Cassandra; the page, the API and
     /healthz, with the tokens `gateway token add` wrote."""
-    async with running_gateway(make_config()) as gw:
-        await publish(reference_messages(tenant))
-        await gw.wait_handled(5)
+    await load_reference(tenant)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
