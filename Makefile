@@ -13,7 +13,7 @@ export STATE_DIR ?= $(CURDIR)/.state
 SIM_DEVICES ?= 50
 SIM_RATE ?= 20
 
-.PHONY: help venv up down status run test lint schema bench bench-models clean
+.PHONY: help venv up down status run test lint schema bench bench-models bench-rare clean
 
 help:
 	@echo "make run     set up everything, run the gateway in the foreground with a small simulated fleet"
@@ -85,3 +85,7 @@ bench: up
 # Cassandra: the article's Solutions 1-5 plus SAI. Writes bench/results/models.json.
 bench-models: up
 	$(VPY) bench/models.py $(BENCH_ARGS)
+
+# Case 1 of the state view through the real gateway (~15 min): bench/results/rare_state.*
+bench-rare: up
+	$(VPY) bench/rare_state.py $(BENCH_ARGS)

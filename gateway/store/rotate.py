@@ -166,10 +166,6 @@ class StateRotation:
                 self._latest.due[key] = None  # try again after the next chunk
                 continue
             if applied:
-                part.next_gen, part.rotating_since = part.gen + 1, datetime.now(UTC)
-                # What is counted from now on goes into the new generation too.
-                part.deletes = 0
-                self._copy_at[key] = now + self.wait
                 log.info(
                     "state partition %s: %d deletes in generation %d, rotating into %d",
                     _name(key),
@@ -177,6 +173,10 @@ class StateRotation:
                     part.gen,
                     part.gen + 1,
                 )
+                part.next_gen, part.rotating_since = part.gen + 1, datetime.now(UTC)
+                # What is counted from now on goes into the new generation too.
+                part.deletes = 0
+                self._copy_at[key] = now + self.wait
         self._wake.set()
 
     async def _announce(self, key: PartKey, part: Part) -> bool:
