@@ -13,7 +13,7 @@ export STATE_DIR ?= $(CURDIR)/.state
 SIM_DEVICES ?= 50
 SIM_RATE ?= 20
 
-.PHONY: help venv up down status run test lint schema bench bench-models bench-rare clean
+.PHONY: help venv up down status run test lint schema bench bench-models bench-rare bench-api clean
 
 help:
 	@echo "make run     set up everything, run the gateway in the foreground with a small simulated fleet"
@@ -89,3 +89,8 @@ bench-models: up
 # Case 1 of the state view through the real gateway (~15 min): bench/results/rare_state.*
 bench-rare: up
 	$(VPY) bench/rare_state.py $(BENCH_ARGS)
+
+# Read API under load: 20 clients at 1k/10k/100k devices through `gateway serve`.
+# Writes bench/results/read_api.{json,md}.
+bench-api: up
+	$(VPY) bench/read_api.py $(BENCH_ARGS)
