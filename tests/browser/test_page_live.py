@@ -13,6 +13,7 @@ from pathlib import Path
 import orjson
 from playwright.async_api import Page, expect
 
+from gateway.store.database import Database
 from gateway.web.tokens import TokenStore
 
 from ..helpers import make_config, publish, running_gateway, topic
@@ -35,8 +36,9 @@ def _event(tenant: str, device: str, ago_s: int, state: str, value: float) -> tu
 
 
 async def test_a_building_manager_watches_a_device_change_state(
-    page: Page, screenshot: Shot, tmp_path: Path
+    db: Database, page: Page, screenshot: Shot, tmp_path: Path
 ) -> None:
+    # db: the session's test keyspace, created by tests/conftest.py, exists.
     tenant = f"b{uuid.uuid4().hex[:12]}"
     port = _free_port()
     tokens_file = tmp_path / "tokens.jsonl"
