@@ -7,7 +7,7 @@ Properties:
   * valid generated events round-trip field for field.
 
 Small limits make the boundaries reachable. The example budgets below add up to
-over 10,000 generated (topic, payload) cases per run (see ``--hypothesis-show-statistics``).
+over 8,000 generated (topic, payload) cases per run (see ``--hypothesis-show-statistics``).
 """
 
 from __future__ import annotations
@@ -344,7 +344,7 @@ def test_fuzz_arbitrary_bytes(
 
 
 @pytest.mark.slow
-@_fuzz(1_800)
+@_fuzz(1_000)
 @given(
     topic=PAYLOAD_TOPICS,
     obj=st.one_of(JSON_VALUES, _shaped(JSON_VALUES, TEXT)),
@@ -364,7 +364,7 @@ def test_fuzz_json_objects(
 
 
 @pytest.mark.slow
-@_fuzz(1_800)
+@_fuzz(1_000)
 @given(
     topic=PAYLOAD_TOPICS,
     obj=st.one_of(MSGPACK_VALUES, _shaped(MSGPACK_VALUES, _MP_KEYS)),
@@ -457,7 +457,7 @@ def mutated_events(draw: st.DrawFn) -> tuple[bytes, str]:
 
 
 @pytest.mark.slow
-@_fuzz(2_400)
+@_fuzz(1_400)
 @given(
     topic=PAYLOAD_TOPICS,
     mutated=mutated_events(),

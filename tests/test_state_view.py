@@ -21,7 +21,8 @@ from typing import Any
 
 import orjson
 import pytest
-from cassandra.concurrent import execute_concurrent_with_args
+from cassandra.concurrent import execute_concurrent
+from cassandra.query import BatchStatement, BatchType
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -391,16 +392,24 @@ async def test_every_device_ends_in_the_state_of_its_newest_event(
 async def test_a_state_unreadable_for_tombstones_says_why_and_what_to_change(
     db: Database, tenant: str
 ) -> None:
-    """Case 1, what is left of it: with one bucket, more recent departures from
-    a state than Cassandra's tombstone_failure_threshold (100,000) make the
-    state unreadable. The CLI then says so and names the setting, no traceback."""
+    """Case 1 as it was (rotation off, or deletes written by something else):
+    more departures from a partition than Cassandra's
+    tombstone_failure_threshold (100,000) make the state unreadable. The CLI
+    then says so and names the settings, no traceback."""
     delete = db.session.prepare(
         f"DELETE FROM {db.keyspace}.latest_events_by_state "
         "WHERE tenant = ? AND state = 'alarm' AND bucket = 0 AND gen = 0 AND device_id = ?"
     )
-    departed = [(tenant, f"d{i:06d}") for i in range(100_001)]
+    # One partition: unlogged batches of 1,000 deletes are ten times quicker
+    # than 100,001 single statements.
+    batches = []
+    for start in range(0, 100_001, 1000):
+        batch = BatchStatement(batch_type=BatchType.UNLOGGED)
+        for i in range(start, min(start + 1000, 100_001)):
+            batch.add(delete, (tenant, f"d{i:06d}"))
+        batches.append(batch)
     await asyncio.to_thread(
-        execute_concurrent_with_args, db.session, delete, departed, concurrency=256
+        execute_concurrent, db.session, [(b, ()) for b in batches], concurrency=8
     )
     result = await asyncio.to_thread(run_cli, "devices", "--tenant", tenant, "--state", "alarm")
     assert result.returncode == 1, result.stderr
