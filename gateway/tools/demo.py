@@ -10,6 +10,8 @@ it. Without the simulator (``--devices 0``) it is plain ``gateway run``.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import signal
 import subprocess
 import sys
 
@@ -18,6 +20,16 @@ from ..web.tokens import TokenStore
 from . import cli
 
 DEMO_LABEL = "make run demo"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent() -> None:
+    """In the simulator's child process: SIGTERM when this demo process dies,
+    however it dies (a signal to make alone, SIGKILL), so no simulator is left
+    publishing on its own. Linux only; elsewhere a no-op."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def demo_token(store: TokenStore) -> str:
@@ -76,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--rate",
                 str(args.rate),
             ],
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 (no threads run yet)
         )
         config = load_config()
         token = demo_token(TokenStore(config.api.tokens_file))
