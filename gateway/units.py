@@ -1,4 +1,4 @@
-"""Units of the configuration: durations (and the sizes they bound).
+"""Units: durations (and the sizes they bound), and instants as epoch ms.
 
 A leaf module: it imports nothing of the gateway's, so config, the CLI and
 any stage can use it without an import cycle.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from datetime import UTC, datetime, timedelta
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -26,3 +27,13 @@ def parse_duration(value: object) -> float:
     if not math.isfinite(seconds):
         raise ValueError(f"expected a finite duration, got {value!r}")
     return seconds
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def epoch_ms(ts: datetime) -> int:
+    """A timestamp (naive means UTC, as one Cassandra driver returns them) as
+    epoch ms, exactly (float seconds * 1000 could truncate one short)."""
+    aware = ts if ts.tzinfo else ts.replace(tzinfo=UTC)
+    return (aware - _EPOCH) // timedelta(milliseconds=1)

@@ -63,7 +63,7 @@ import logging
 import time
 import zlib
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import orjson
@@ -72,6 +72,7 @@ from ..config import Config
 from ..event import Event
 from ..lru import LRU
 from ..stats import Stats
+from ..units import epoch_ms
 from .requests import Requests
 from .sink import Pending, Write
 from .write_session import UNSET, Prepared, WriteSession
@@ -383,7 +384,7 @@ class LatestState:
         if known is not None and time.monotonic() - known.loaded_at < self._refresh:
             return known
         rows = await self._requests.execute(self._select_states, (tenant,))
-        states = {row["state"]: epoch_ms(row["registered_at"]) for row in rows}
+        states = {row["state"]: stored_ms(row["registered_at"]) for row in rows}
         parts = await self._requests.execute(self._select_parts, (tenant,))
         if known is not None:
             known.states.update(states)
@@ -417,7 +418,7 @@ class LatestState:
         rows = await self._requests.execute(self._register, (tenant, state, now_ms))
         applied = rows[0]
         # Lightweight transaction: another instance may have registered it first.
-        registered = now_ms if applied["[applied]"] else epoch_ms(applied["registered_at"])
+        registered = now_ms if applied["[applied]"] else stored_ms(applied["registered_at"])
         known.states[state] = registered
         self._stats.states_registered += 1
         log.info(
@@ -425,13 +426,6 @@ class LatestState:
         )
 
 
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-
-
-def epoch_ms(value: object) -> int:
-    """A read-back timestamp (naive UTC from one driver, aware from the other)
-    as epoch ms, exactly (float seconds * 1000 could truncate one short)."""
-    if isinstance(value, datetime):
-        aware = value if value.tzinfo else value.replace(tzinfo=UTC)
-        return (aware - _EPOCH) // timedelta(milliseconds=1)
-    return 0
+def stored_ms(value: object) -> int:
+    """A read-back timestamp as epoch ms; 0 when there is none."""
+    return epoch_ms(value) if isinstance(value, datetime) else 0

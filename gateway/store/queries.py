@@ -23,7 +23,7 @@ from cassandra import ReadFailure
 
 from ..config import MAX_BUCKET_SECONDS, Config
 from ..errors import QueryError
-from ..units import parse_duration
+from ..units import epoch_ms, parse_duration
 from .database import Database
 
 # The failure code a replica gives for a read that met more deleted rows than
@@ -97,7 +97,6 @@ class StateRow:
 class DevicePage:
     devices: list[StateRow]
     next_cursor: str | None  # opaque; None: no more
-    scanned: int  # rows read (more than len(devices) when a tag filter skips some)
 
 
 MAX_PAGE = 1000
@@ -107,30 +106,39 @@ SCAN_BUDGET = 10_000
 _TOP = "\U0010ffff"  # sorts after every UTF-8 text that starts with a given prefix
 
 
-def _bad(parameter: str, detail: str) -> QueryError:
+def bad_parameter(parameter: str, detail: str) -> QueryError:
+    """The error for a bad request parameter (the API answers it with a 400)."""
     return QueryError(f"{parameter}: {detail}", parameter=parameter)
 
 
+def _pack(value: Any) -> str:
+    """An opaque cursor: the JSON of ``value``, base64url without padding."""
+    return base64.urlsafe_b64encode(orjson.dumps(value)).decode().rstrip("=")
+
+
+def _unpack(cursor: str) -> Any:
+    try:
+        return orjson.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+    except (ValueError, binascii.Error):
+        raise bad_parameter("cursor", "not a cursor this server gave out") from None
+
+
 def encode_cursor(bucket: int, after: str) -> str:
-    raw = orjson.dumps([bucket, after])
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+    return _pack([bucket, after])
 
 
 def decode_cursor(cursor: str, buckets: int) -> tuple[int, str]:
-    try:
-        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-        bucket, after = orjson.loads(raw)
-    except (ValueError, TypeError, binascii.Error):
-        raise _bad("cursor", "not a cursor this server gave out") from None
-    if not isinstance(bucket, int) or not isinstance(after, str) or not 0 <= bucket < buckets:
-        raise _bad("cursor", "not a cursor this server gave out (or state_buckets changed)")
-    return bucket, after
+    found = _unpack(cursor)
+    match found:
+        case [int(bucket), str(after)] if 0 <= bucket < buckets:
+            return bucket, after
+    raise bad_parameter("cursor", "not a cursor this server gave out (or state_buckets changed)")
 
 
 def parse_tag(tag: str) -> tuple[str, str]:
     key, sep, value = tag.partition(":")
     if not sep or not key:
-        raise _bad("tag", f"expected KEY:VALUE, e.g. floor:3 (got {tag!r})")
+        raise bad_parameter("tag", f"expected KEY:VALUE, e.g. floor:3 (got {tag!r})")
     return key, value
 
 
@@ -162,7 +170,7 @@ async def devices_page(
     within SCAN_BUDGET rows per page).
     """
     if not 1 <= limit <= MAX_PAGE:
-        raise _bad("limit", f"must be between 1 and {MAX_PAGE} (got {limit})")
+        raise bad_parameter("limit", f"must be between 1 and {MAX_PAGE} (got {limit})")
     buckets = config.tenant(tenant).state_buckets
     bucket, after = decode_cursor(cursor, buckets) if cursor else (0, "")
     gens = await state_generations(db, tenant, state)
@@ -192,15 +200,13 @@ async def devices_page(
                 break
         if len(out) == limit:
             more = rows and (after != rows[-1].device_id or len(rows) == want)
-            return DevicePage(
-                out, encode_cursor(bucket, after) if more else _next(bucket, buckets), scanned
-            )
+            return DevicePage(out, encode_cursor(bucket, after) if more else _next(bucket, buckets))
         if len(rows) == want:
             if tag is not None and scanned >= SCAN_BUDGET:
-                return DevicePage(out, encode_cursor(bucket, after), scanned)
+                return DevicePage(out, encode_cursor(bucket, after))
             continue  # more in this bucket
         bucket, after = bucket + 1, ""
-    return DevicePage(out, None, scanned)
+    return DevicePage(out, None)
 
 
 def _next(bucket: int, buckets: int) -> str | None:
@@ -314,8 +320,8 @@ async def history(
     until: datetime,
     limit: int,
 ) -> list[HistoryRow]:
-    since_ms = _ms(since)
-    until_ms = _ms(until)
+    since_ms = epoch_ms(since)
+    until_ms = epoch_ms(until)
     partitions = await db.execute(
         f"SELECT bucket_start, shard, bucket_seconds FROM {db.keyspace}.telemetry_partitions "
         "WHERE tenant = %s AND device_id = %s AND bucket_start <= %s AND bucket_start > %s",
@@ -330,7 +336,7 @@ async def history(
     wanted = [
         (start, shard)
         for (start, shard), seconds in longest.items()
-        if _ms(start) + seconds * 1000 > since_ms
+        if epoch_ms(start) + seconds * 1000 > since_ms
     ]
     query = (
         f"SELECT ts, event_id, state, value, value_num, metrics, tags FROM {db.keyspace}.telemetry "
@@ -346,7 +352,7 @@ async def history(
     # Each partition is already newest first; merge them. A redelivered event
     # can sit in two partitions (its device changed bucket size or shard count
     # in between): keep one copy per (ts, event_id).
-    merged = heapq.merge(*parts, key=lambda r: _ms(r.ts), reverse=True)
+    merged = heapq.merge(*parts, key=lambda r: epoch_ms(r.ts), reverse=True)
     out = []
     last_ts: datetime | None = None
     seen: set[int] = set()
@@ -390,25 +396,23 @@ async def history_page(
     of the page's last event and the ids of the events at that millisecond
     already given out, so the next page neither skips nor repeats one."""
     if not 1 <= limit <= MAX_PAGE:
-        raise _bad("limit", f"must be between 1 and {MAX_PAGE} (got {limit})")
+        raise bad_parameter("limit", f"must be between 1 and {MAX_PAGE} (got {limit})")
     seen: set[int] = set()
     if cursor:
         try:
-            raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-            last_ms, ids = orjson.loads(raw)
+            last_ms, ids = _unpack(cursor)
             seen = {int(i) for i in ids}
             until = datetime.fromtimestamp(0, UTC) + timedelta(milliseconds=int(last_ms))
-        except (ValueError, TypeError, binascii.Error, OverflowError):
-            raise _bad("cursor", "not a cursor this server gave out") from None
+        except (ValueError, TypeError, OverflowError):
+            raise bad_parameter("cursor", "not a cursor this server gave out") from None
     rows = await history(db, tenant, device_id, since, until, limit + len(seen))
-    last = _ms(until)
-    page = [r for r in rows if not (_ms(r.ts) == last and r.event_id in seen)][:limit]
+    last = epoch_ms(until)
+    page = [r for r in rows if not (epoch_ms(r.ts) == last and r.event_id in seen)][:limit]
     if len(page) < limit:
         return HistoryPage(page, None)
-    end = _ms(page[-1].ts)
-    ids = {r.event_id for r in page if _ms(r.ts) == end} | (seen if end == last else set())
-    next_cursor = base64.urlsafe_b64encode(orjson.dumps([end, sorted(ids)])).decode().rstrip("=")
-    return HistoryPage(page, next_cursor)
+    end = epoch_ms(page[-1].ts)
+    ids = {r.event_id for r in page if epoch_ms(r.ts) == end} | (seen if end == last else set())
+    return HistoryPage(page, _pack([end, sorted(ids)]))
 
 
 def parse_time(parameter: str, text: str, now: datetime | None = None) -> datetime:
@@ -421,19 +425,10 @@ def parse_time(parameter: str, text: str, now: datetime | None = None) -> dateti
     try:
         parsed = datetime.fromisoformat(text)
     except ValueError:
-        raise _bad(
+        raise bad_parameter(
             parameter, f"{text!r} is neither an RFC 3339 time nor a duration like 2h"
         ) from None
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
-
-
-def _ms(ts: datetime) -> int:
-    """Exact epoch ms (float seconds * 1000 could truncate one short)."""
-    aware = ts if ts.tzinfo else ts.replace(tzinfo=UTC)
-    return (aware - _EPOCH) // timedelta(milliseconds=1)
-
-
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 @dataclass(frozen=True, slots=True)
@@ -466,7 +461,7 @@ async def rejected(
     newest first, at most ``limit``: one partition per hour, newest hour first."""
     hour = 3_600_000
     now_ms = int(datetime.now(UTC).timestamp() * 1000)
-    since_ms = max(_ms(since), now_ms - MAX_REJECTED_HOURS * hour)
+    since_ms = max(epoch_ms(since), now_ms - MAX_REJECTED_HOURS * hour)
     stmt = await db.prepared(
         f"SELECT received_at, topic, device_id, reason, detail, payload_size "
         f"FROM {db.keyspace}.rejected_messages "

@@ -49,7 +49,8 @@ from datetime import UTC, datetime
 from ..config import Config
 from ..errors import GatewayError
 from ..stats import Stats
-from .latest import LatestState, Part, PartKey, epoch_ms
+from ..units import epoch_ms
+from .latest import LatestState, Part, PartKey
 from .requests import Requests
 from .write_session import Prepared, WriteSession
 
@@ -131,11 +132,6 @@ class StateRotation:
             "WHERE tenant = ? AND state = ? AND bucket = ? IF retired_gen = ?"
         )
 
-    @property
-    def pending(self) -> int:
-        """Rotations announced and not yet switched."""
-        return len(self._copy_at)
-
     async def begin_due(self) -> None:
         """Announce the next generation of every due partition. The caller (the
         pipeline) has let the writes in flight land: every write sent before
@@ -154,7 +150,7 @@ class StateRotation:
                 # Found mid-rotation (another instance, or before a restart):
                 # copy once every writer has surely seen it.
                 since = part.rotating_since
-                age = 0.0 if since is None else time.time() - _epoch_s(since)
+                age = 0.0 if since is None else time.time() - epoch_ms(since) / 1000
                 self._copy_at[key] = now + max(0.0, self.wait - age)
                 continue
             if part.deletes < 1:
@@ -320,8 +316,3 @@ class StateRotation:
 def _name(key: PartKey) -> str:
     tenant, state, bucket = key
     return f"{tenant}/{state}/{bucket}"
-
-
-def _epoch_s(value: datetime) -> float:
-    aware = value if value.tzinfo else value.replace(tzinfo=UTC)
-    return aware.timestamp()

@@ -115,12 +115,10 @@ async def migrate(
     if await old_state_layout(db):
         await db.execute(f"DROP TABLE {db.keyspace}.latest_events_by_state")
     await apply(db)
-    insert = await asyncio.get_running_loop().run_in_executor(
-        None,
-        db.prepare,
+    insert = await db.prepared(
         f"INSERT INTO {db.keyspace}.latest_events_by_state "
         "(tenant, state, bucket, gen, device_id, ts, value, tags) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?"
     )
     gens = {
         (r.tenant, r.state, r.bucket): r.gen or 0

@@ -28,11 +28,10 @@ import uvloop
 
 from .. import app
 from ..config import Config, load_config
-from ..errors import ConfigError, GatewayError
+from ..errors import ConfigError, GatewayError, QueryError
 from ..ingest.receive import mqtt_client
 from ..store import queries, schema
 from ..store.database import connect
-from ..units import parse_duration
 from ..web import tokens
 from . import check
 from .simulate import FleetSpec, publish
@@ -184,18 +183,13 @@ def _checked(check: Callable[[str], str]) -> Callable[[str], str]:
     return parse
 
 
-def _time_arg(text: str | None, default: datetime) -> datetime:
+def _time_arg(name: str, text: str | None, default: datetime) -> datetime:
     if text is None:
         return default
     try:
-        return datetime.now(UTC) - timedelta(seconds=parse_duration(text))
-    except ValueError:
-        pass
-    try:
-        parsed = datetime.fromisoformat(text)
-    except ValueError:
-        raise ConfigError(f"{text!r} is neither an RFC 3339 time nor a duration like 2h") from None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+        return queries.parse_time(name, text)
+    except QueryError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _print_json(value: Any) -> None:
@@ -311,8 +305,8 @@ async def _device(config: Config, args: argparse.Namespace) -> int:
 
 async def _history(config: Config, args: argparse.Namespace) -> int:
     now = datetime.now(UTC)
-    since = _time_arg(args.since, now - timedelta(hours=24))
-    until = _time_arg(args.until, now)
+    since = _time_arg("--since", args.since, now - timedelta(hours=24))
+    until = _time_arg("--until", args.until, now)
     async with connect(config.cassandra) as db:
         rows = await queries.history(db, args.tenant, args.device_id, since, until, args.limit)
     if args.json:

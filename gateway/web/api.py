@@ -117,7 +117,7 @@ class ReadApi:
             try:
                 for name, value in request.query.items():
                     if len(value) > MAX_PARAM:
-                        raise _bad(name, f"longer than {MAX_PARAM} characters")
+                        raise queries.bad_parameter(name, f"longer than {MAX_PARAM} characters")
                 answer = await handler(request)
             except _ApiError as exc:
                 headers = [("WWW-Authenticate", "Bearer")] if exc.status == 401 else []
@@ -174,9 +174,8 @@ class ReadApi:
         self._inflight[key] = future
         try:
             body, keep = await compute()
-            data = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
-            etag = '"' + hashlib.blake2b(data, digest_size=12).hexdigest() + '"'
-            answer = _Cached(time.monotonic() + (keep or ttl), data, etag)
+            answer = _answer(body)
+            answer.expires = time.monotonic() + (keep or ttl)
             self._cache.put(key, answer)
             future.set_result(answer)
             return answer
@@ -274,7 +273,7 @@ class ReadApi:
         since = _time(query, "since", now - timedelta(hours=24), now)
         until = _time(query, "until", now, now)
         if since >= until:
-            raise _bad("since", "must be before until")
+            raise queries.bad_parameter("since", "must be before until")
         limit = _int(query, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
         cursor = query.get("cursor") or None
         page = await queries.history_page(self._db, tenant, device, since, until, limit, cursor)
@@ -315,10 +314,6 @@ def _etags(header: str) -> set[str]:
     return {t.strip().removeprefix("W/") for t in header.split(",") if t.strip()}
 
 
-def _bad(parameter: str, detail: str) -> _ApiError:
-    return _ApiError(400, "bad_parameter", f"{parameter}: {detail}")
-
-
 def _int(query: Any, name: str, default: int, low: int, high: int) -> int:
     text = query.get(name)
     if text is None or text == "":
@@ -326,9 +321,9 @@ def _int(query: Any, name: str, default: int, low: int, high: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise _bad(name, f"expected a whole number, got {text!r}") from None
+        raise queries.bad_parameter(name, f"expected a whole number, got {text!r}") from None
     if not low <= value <= high:
-        raise _bad(name, f"must be between {low} and {high} (got {value})")
+        raise queries.bad_parameter(name, f"must be between {low} and {high} (got {value})")
     return value
 
 
