@@ -248,7 +248,11 @@ async def open_gateway(
         sampler = Sampler(config.sampling)
         classifier = Classifier(config, sampler, stats)
         receiver = Receiver(
-            config.mqtt, classifier.subscriptions, stats, shutdown_deadline=shutdown_deadline
+            config.mqtt,
+            classifier.subscriptions,
+            stats,
+            max_payload_bytes=config.limits.max_payload_bytes,
+            shutdown_deadline=shutdown_deadline,
         )
         spool: Spool | None = None
         if config.spool.enabled:

@@ -95,6 +95,9 @@ class Stats:
     queue_depth: int = 0
     connects: int = 0  # successful MQTT connections
     disconnects: int = 0
+    malformed_packets: int = 0  # connections we closed on a malformed packet from the broker
+    sessions_lost: int = 0  # reconnects where the broker no longer had our session
+    subscriptions_refused: int = 0  # topic filters the broker refused in a SUBACK
     states_registered: int = 0
     sampled_out: int = 0  # events whose raw row sampling left out (acknowledged, counted)
     quota_rejected: int = 0  # messages of new devices over a tenant's device quota
@@ -148,7 +151,8 @@ class Stats:
             f"{f' ({reasons})' if reasons else ''} acked={self.acked} "
             f"unacked_redelivered_later={self.acks_dropped} no_ts={self.no_ts} "
             f"chunks={self.chunks} requests={self.requests} retries={self.retries} "
-            f"connects={self.connects} "
+            f"connects={self.connects} sessions_lost={self.sessions_lost} "
+            f"malformed_packets={self.malformed_packets} "
             f"sampled_out={self.sampled_out} quota_rejected={self.quota_rejected} "
             f"coalesced={self.coalesced} throttled={self.throttled_s:.1f}s "
             f"read_pauses={self.read_pauses} overflow={self.overflow} "

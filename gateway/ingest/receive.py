@@ -1,19 +1,16 @@
 """Receive from Mosquitto: QoS 1, persistent session, acks only once durable.
 
-Why aiomqtt with paho's manual acks: aiomqtt 2.x acknowledges a QoS 1 message
-as soon as it arrives, so a crash would lose what was acked but not yet
-written. paho 2.x, which aiomqtt wraps, can leave acknowledgements to the
-application (``manual_ack_set(True)`` then ``ack(mid, qos)``). We keep
-aiomqtt's asyncio integration (socket callbacks, connect in an executor) and
-switch its paho client to manual acks. This touches aiomqtt's private
-``_client`` attribute, so the dependency is pinned to aiomqtt 2.x and the tests
-exercise it against a real broker; aiomqtt 3 has a public ``puback()`` to move
-to when it is released.
+The connection itself (CONNECT, SUBSCRIBE, keepalive, PUBACK, pausable reads)
+is :mod:`.connection`, our own asyncio Protocol on the compiled ``mqtt5``
+codec; this module is the session around it: reconnecting, tracking which
+messages are done, and acknowledging them in order.
 
 Promises:
 
 * MQTT v5, fixed client id, ``clean_start`` false with a session expiry: the
-  broker keeps our subscriptions and backlog while we are away.
+  broker keeps our subscriptions and backlog while we are away. A CONNACK
+  without ``session_present`` after we had a session is logged and counted
+  (``sessions_lost``): the broker forgot what it held for us.
 * Flow control, in two layers. The v5 Receive Maximum
   (``mqtt.receive_maximum``) caps the messages the broker sends before we
   acknowledge, so a slow Cassandra throttles the broker instead of filling
@@ -21,14 +18,15 @@ Promises:
   resumes a session with a backlog: 2,422 unacknowledged with a limit of
   1,000, measured here), so the pipeline can also pause reading the socket
   (``pause_reading``/``resume_reading``): TCP then holds the broker back.
-* Messages are taken straight from paho's ``on_message`` callback; aiomqtt's
-  own queue, which discards messages when full, is bypassed, and so is its
-  socket reader, replaced by one that can be paused.
+* We advertise a Maximum Packet Size derived from ``limits.max_payload_bytes``
+  (see :func:`max_packet_size`): the broker drops what is far too large
+  instead of us buffering it.
 * Each delivery carries an :class:`Ack`; PUBACKs go out in receive order
   (MQTT requires it), each once the message and all messages before it are done.
-* Connection lost: reconnect with exponential backoff and full jitter, and
-  subscribe again. Acks of the old connection are dropped (counted): the
-  broker redelivers those messages, and the writes are idempotent.
+* Connection lost, malformed packet or keepalive timeout: reconnect with
+  exponential backoff and full jitter, and subscribe again. Acks of the old
+  connection are dropped (counted): the broker redelivers those messages, and
+  the writes are idempotent.
 """
 
 from __future__ import annotations
@@ -42,15 +40,28 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-import aiomqtt
-from paho.mqtt.client import MQTTMessage
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
+from mqtt5 import PublishPacket
 
 from ..config import MqttConfig
+from ..errors import BrokerError
 from ..stats import Stats
+from .connection import Connection, ConnectOptions, connect
 
 log = logging.getLogger(__name__)
+
+# Room for the fixed header, topic and properties on top of the payload limit.
+PACKET_OVERHEAD = 16 * 1024
+
+
+def max_packet_size(max_payload_bytes: int) -> int:
+    """The Maximum Packet Size we advertise.
+
+    Twice the payload limit plus headroom: a payload somewhat over the limit
+    still reaches us and is recorded in ``rejected_messages`` with its reason
+    (``too_large``); one far over it is dropped by the broker (MQTT 5
+    §3.1.2.11.4), which Mosquitto logs, rather than buffered by us.
+    """
+    return 2 * max_payload_bytes + PACKET_OVERHEAD
 
 
 class Ack:
@@ -78,8 +89,8 @@ class AckTracker:
     added to ``Stats.throttled_s``.
     """
 
-    def __init__(self, paho: object, stats: Stats, limit: int) -> None:
-        self._paho = paho
+    def __init__(self, puback: Callable[[list[int]], None], stats: Stats, limit: int) -> None:
+        self._puback = puback
         self._stats = stats
         self._limit = limit
         self._queue: deque[Ack] = deque()
@@ -100,13 +111,18 @@ class AckTracker:
 
     def flush(self) -> None:
         queue = self._queue
+        if not queue or not queue[0]._done:
+            return
+        ready: list[int] = []
         while queue and queue[0]._done:
             ack = queue.popleft()
             if not self._open:
                 self._stats.acks_dropped += 1
             elif ack.qos > 0:
-                self._paho.ack(ack.mid, ack.qos)  # type: ignore[attr-defined]
-                self._stats.acked += 1
+                ready.append(ack.mid)
+        if ready:
+            self._puback(ready)
+            self._stats.acked += len(ready)
         if self._throttled_since is not None and len(queue) < self._limit:
             self._stats.throttled_s += time.monotonic() - self._throttled_since
             self._throttled_since = None
@@ -147,45 +163,6 @@ class Delivery:
 Handler = Callable[[Delivery], None]
 
 
-def mqtt_client(
-    cfg: MqttConfig,
-    *,
-    identifier: str | None = None,
-    clean_start: bool = False,
-    session_expiry: int | None = None,
-    receive_maximum: int | None = None,
-    max_inflight: int | None = None,
-    timeout: float = 10,
-) -> aiomqtt.Client:
-    """An MQTT v5 client for the configured broker: address, credentials, TLS.
-
-    One place for what every connection of the gateway shares (the receiver,
-    `gateway check`, `gateway forget-session`, `gateway simulate`); the
-    password is only read here. ``max_inflight`` bounds our own unacknowledged
-    QoS 1 publishes (the simulator's).
-    """
-    props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
-    if session_expiry is not None:
-        props.SessionExpiryInterval = session_expiry
-    if receive_maximum is not None:
-        props.ReceiveMaximum = receive_maximum
-    return aiomqtt.Client(
-        cfg.host,
-        cfg.port,
-        identifier=identifier or cfg.client_id,
-        protocol=aiomqtt.ProtocolVersion.V5,
-        clean_start=clean_start,
-        properties=props,
-        keepalive=cfg.keepalive,
-        username=cfg.username,
-        password=cfg.password.get_secret_value() if cfg.password else None,
-        tls_context=cfg.tls.context(),
-        timeout=timeout,
-        logger=logging.getLogger(f"{__name__}.paho"),
-        max_inflight_messages=max_inflight,
-    )
-
-
 class Receiver:
     """Connects, subscribes and hands every message to ``handler``, until stopped."""
 
@@ -195,116 +172,108 @@ class Receiver:
         subscriptions: list[str],
         stats: Stats,
         *,
+        max_payload_bytes: int = 64 * 1024,
         shutdown_deadline: float = 10.0,
     ) -> None:
         self._config = config
         self._subscriptions = subscriptions
         self._stats = stats
+        self._max_packet_size = max_packet_size(max_payload_bytes)
         self._shutdown_deadline = shutdown_deadline
-        self._loop = asyncio.get_running_loop()
-        self._client: aiomqtt.Client | None = None
+        self._connection: Connection | None = None
         self._paused = False
+        self._had_session = False
         self.connected = asyncio.Event()
 
-    def _make_client(self) -> aiomqtt.Client:
+    def _options(self) -> ConnectOptions:
         cfg = self._config
-        return mqtt_client(
-            cfg, session_expiry=int(cfg.session_expiry), receive_maximum=cfg.receive_maximum
+        return ConnectOptions(
+            client_id=cfg.client_id,
+            clean_start=False,
+            session_expiry=int(cfg.session_expiry),
+            keepalive=cfg.keepalive,
+            receive_maximum=cfg.receive_maximum,
+            max_packet_size=self._max_packet_size,
+            username=cfg.username,
+            password=cfg.password.get_secret_value().encode() if cfg.password else None,
         )
 
     # -- socket reading, pausable ------------------------------------------
 
     def pause_reading(self) -> None:
         """Stop reading the broker's socket (the pipeline queue is full)."""
-        client = self._client
-        if self._paused or client is None:
+        if self._paused:
             return
-        sock = client._client.socket()
-        if sock is not None:
-            self._loop.remove_reader(sock.fileno())
-            self._paused = True
-            self._stats.read_pauses += 1
+        self._paused = True
+        self._stats.read_pauses += 1
+        if self._connection is not None:
+            self._connection.pause_reading()
 
     def resume_reading(self) -> None:
         if not self._paused:
             return
         self._paused = False
-        client = self._client
-        if client is not None:
-            self._add_reader(client)
-
-    def _add_reader(self, client: aiomqtt.Client) -> None:
-        paho = client._client
-        sock = paho.socket()
-        if sock is None:
-            return
-
-        def read() -> None:
-            # Same as aiomqtt's reader: a failed read means the connection broke.
-            try:
-                paho.loop_read()
-            except Exception as exc:
-                disconnected = client._disconnected
-                if not disconnected.done():
-                    disconnected.set_exception(exc)
-
-        self._loop.add_reader(sock.fileno(), read)
+        if self._connection is not None:
+            self._connection.resume_reading()
 
     # -- the session --------------------------------------------------------
 
     async def run(self, handler: Handler, stop: asyncio.Event) -> None:
         attempt = 0
+        cfg = self._config
         while not stop.is_set():
-            client = self._make_client()
-            paho = client._client
-            tracker = AckTracker(paho, self._stats, self._config.receive_maximum)
-            # Acknowledge only once the writes are durable (module docstring).
-            paho.manual_ack_set(True)
-            paho.on_message = self._on_message(tracker, handler)
+            tracker: AckTracker | None = None
             try:
-                async with client:
-                    self._client = client
-                    self._paused = False
-                    # Replace aiomqtt's socket reader with ours, which can pause.
-                    sock = paho.socket()
-                    if sock is not None:
-                        self._loop.remove_reader(sock.fileno())
-                        self._add_reader(client)
-                    self._stats.connects += 1
-                    attempt = 0
-                    for topic in self._subscriptions:
-                        await client.subscribe(topic, qos=1)
-                    log.info(
-                        "connected to mqtt://%s:%d as %r, subscribed to %s",
-                        self._config.host,
-                        self._config.port,
-                        self._config.client_id,
-                        ", ".join(self._subscriptions),
+                tracker = AckTracker(self._puback, self._stats, cfg.receive_maximum)
+                conn = Connection(self._on_publish(tracker, handler), self._max_packet_size)
+                self._connection = conn
+                connack = await connect(
+                    conn, cfg.host, cfg.port, self._options(), tls=cfg.tls.context()
+                )
+                if self._paused:
+                    conn.pause_reading()
+                self._stats.connects += 1
+                attempt = 0
+                self._session(connack.session_present)
+                refused = await conn.subscribe(self._subscriptions)
+                for reason in refused:
+                    self._stats.subscriptions_refused += 1
+                    log.error("the broker refused the subscription %s", reason)
+                log.info(
+                    "connected to %s://%s:%d as %r, subscribed to %s",
+                    "mqtts" if cfg.tls.enabled else "mqtt",
+                    cfg.host,
+                    cfg.port,
+                    cfg.client_id,
+                    ", ".join(self._subscriptions),
+                )
+                self.connected.set()
+                keepalive = connack.server_keep_alive or cfg.keepalive
+                await _until_stopped_or_closed(conn, keepalive, stop)
+                # Stopping: take no more messages; let what we hold be
+                # written and acknowledged before disconnecting.
+                tracker.taking = False
+                try:
+                    async with asyncio.timeout(self._shutdown_deadline):
+                        await tracker.wait_empty()
+                except TimeoutError:
+                    log.warning(
+                        "stopping with %d messages not yet durable; the broker will redeliver them",
+                        tracker.pending,
                     )
-                    self.connected.set()
-                    await _until_stopped_or_disconnected(client, stop)
-                    # Stopping: take no more messages; let what we hold be
-                    # written and acknowledged before disconnecting.
-                    tracker.taking = False
-                    try:
-                        async with asyncio.timeout(self._shutdown_deadline):
-                            await tracker.wait_empty()
-                    except TimeoutError:
-                        log.warning(
-                            "stopping with %d messages not yet durable; the broker will "
-                            "redeliver them",
-                            tracker.pending,
-                        )
-            except aiomqtt.MqttError as exc:
+                conn.close()
+            except BrokerError as exc:
                 self.connected.clear()
                 self._stats.disconnects += 1
+                if self._connection is not None and self._connection.malformed:
+                    self._stats.malformed_packets += 1
                 attempt += 1
-                cap = min(self._config.reconnect_max, self._config.reconnect_min * 2**attempt)
-                delay = random.uniform(self._config.reconnect_min, cap)
+                cap = min(cfg.reconnect_max, cfg.reconnect_min * 2**attempt)
+                delay = random.uniform(cfg.reconnect_min, cap)
                 log.warning(
                     "MQTT connection to %s:%d lost or refused (%s); retrying in %.1f s",
-                    self._config.host,
-                    self._config.port,
+                    cfg.host,
+                    cfg.port,
                     exc,
                     delay,
                 )
@@ -314,52 +283,61 @@ class Receiver:
                 except TimeoutError:
                     pass
             finally:
-                self._client = None
+                if self._connection is not None:
+                    self._connection.close()
+                self._connection = None
                 self.connected.clear()
-                tracker.close()
+                if tracker is not None:
+                    tracker.close()
 
-    def _on_message(
-        self, tracker: AckTracker, handler: Handler
-    ) -> Callable[[object, object, MQTTMessage], None]:
+    def _puback(self, packet_ids: list[int]) -> None:
+        if self._connection is not None:
+            self._connection.puback(packet_ids)
+
+    def _session(self, present: bool) -> None:
+        if present:
+            self._had_session = True
+        elif self._had_session:
+            self._stats.sessions_lost += 1
+            log.warning(
+                "the broker no longer had our session (client id %r): messages it held "
+                "for us while we were away are lost; subscribing again",
+                self._config.client_id,
+            )
+        else:
+            self._had_session = True
+            log.info("the broker had no session for %r: starting one", self._config.client_id)
+
+    def _on_publish(self, tracker: AckTracker, handler: Handler) -> Callable[[PublishPacket], None]:
         stats = self._stats
 
-        def on_message(_client: object, _userdata: object, message: MQTTMessage) -> None:
+        def on_publish(packet: PublishPacket) -> None:
             if not tracker.taking:
                 # Stopping: leave it unacknowledged; the broker redelivers it.
                 return
-            props = message.properties
-            content_type = getattr(props, "ContentType", None) if props is not None else None
             stats.received += 1
             handler(
                 Delivery(
-                    # Brokers only pass valid UTF-8 topics; never raise here regardless.
-                    topic=message._topic.decode("utf-8", "replace"),
-                    payload=bytes(message.payload),
-                    content_type=content_type,
+                    topic=packet.topic,
+                    payload=packet.payload,
+                    content_type=packet.content_type,
                     received_ms=int(time.time() * 1000),
-                    ack=tracker.track(message.mid, message.qos),
-                    redelivered=bool(message.dup),
+                    ack=tracker.track(packet.packet_id or 0, int(packet.qos)),
+                    redelivered=packet.duplicate,
                 )
             )
 
-        return on_message
+        return on_publish
 
 
-async def _until_stopped_or_disconnected(client: aiomqtt.Client, stop: asyncio.Event) -> None:
-    """Return when ``stop`` is set; raise MqttError when the connection drops."""
-
-    async def disconnected() -> None:
-        # Nothing reaches aiomqtt's queue (we took over on_message), so this
-        # only ends by raising MqttError when the connection is lost.
-        async for _ in client.messages:
-            pass
-
-    watch = asyncio.ensure_future(disconnected())
+async def _until_stopped_or_closed(conn: Connection, keepalive: float, stop: asyncio.Event) -> None:
+    """Return when ``stop`` is set; raise ConnectionLost when the connection drops."""
+    pinger = asyncio.ensure_future(conn.keepalive(keepalive))
     stopped = asyncio.ensure_future(stop.wait())
     try:
-        await asyncio.wait((watch, stopped), return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((conn.closed, stopped), return_when=asyncio.FIRST_COMPLETED)
     finally:
         stopped.cancel()
-        watch.cancel()
-    if watch.done() and not watch.cancelled() and (exc := watch.exception()) is not None:
-        raise exc
+        pinger.cancel()
+    if conn.closed.done():
+        conn.closed.result()  # raises ConnectionLost

@@ -16,9 +16,9 @@ import aiomqtt
 
 from ..config import Config
 from ..errors import ConfigError, SinkError
-from ..ingest.receive import mqtt_client
 from ..store.schema import missing_from
 from ..store.write_session import open_write_session
+from .mqtt_client import mqtt_client
 
 
 async def _broker(config: Config) -> tuple[bool, str]:

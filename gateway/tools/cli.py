@@ -29,11 +29,11 @@ import uvloop
 from .. import app
 from ..config import Config, load_config
 from ..errors import ConfigError, GatewayError, QueryError
-from ..ingest.receive import mqtt_client
 from ..store import queries, schema
 from ..store.database import connect
 from ..web import tokens
 from . import check
+from .mqtt_client import mqtt_client
 from .simulate import FleetSpec, publish
 
 log = logging.getLogger("gateway")

@@ -50,7 +50,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from ..config import MqttConfig
-from ..ingest.receive import mqtt_client
+from .mqtt_client import mqtt_client
 
 __all__ = [
     "NOISY_WEIGHT",

@@ -87,6 +87,21 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
     ("gateway_mqtt_connects_total", "connects", "Successful MQTT connections."),
     ("gateway_mqtt_disconnects_total", "disconnects", "MQTT connections lost or closed."),
     (
+        "gateway_mqtt_malformed_packets_total",
+        "malformed_packets",
+        "Connections closed because the broker sent a malformed packet.",
+    ),
+    (
+        "gateway_mqtt_sessions_lost_total",
+        "sessions_lost",
+        "Reconnects where the broker no longer had our persistent session.",
+    ),
+    (
+        "gateway_mqtt_subscriptions_refused_total",
+        "subscriptions_refused",
+        "Topic filters the broker refused to subscribe us to.",
+    ),
+    (
         "gateway_backpressure_seconds_total",
         "throttled_s",
         "Seconds with mqtt.receive_maximum messages unacknowledged "

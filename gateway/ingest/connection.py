@@ -1,0 +1,290 @@
+"""One MQTT v5 connection to the broker, on the compiled ``mqtt5`` packet codec.
+
+Why our own small asyncio Protocol rather than a client library: the gateway
+needs four things no released asyncio client offers through public APIs
+together (see README, "The receive path"): PUBACKs sent by the application,
+in receive order, only once a message is durable; socket reads that can be
+paused when the pipeline is full (Mosquitto 2.0.11 over-sends past Receive
+Maximum on session resume); no queue of its own that could grow or drop; and
+packet parsing that costs well under a microsecond. ``mqtt5`` (Rust) encodes
+and decodes the packets; this module is only the session logic around it:
+CONNECT/CONNACK, SUBSCRIBE/SUBACK, keepalive, PUBACK, DISCONNECT.
+
+Promises:
+
+* Every PUBLISH is handed to ``on_publish`` synchronously, in the order the
+  bytes arrived, with partial and coalesced TCP reads reassembled.
+* A malformed packet, a protocol violation (a topic alias we did not allow, a
+  packet over our Maximum Packet Size) or a missed keepalive closes the
+  connection with the matching DISCONNECT reason; ``closed`` then raises
+  :class:`ConnectionLost` and the caller reconnects.
+* Nothing is buffered beyond one partial packet, which is bounded by the
+  Maximum Packet Size we advertise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TypeVar, cast
+
+from mqtt5 import (
+    ConnAckPacket,
+    ConnAckReasonCode,
+    ConnectPacket,
+    DisconnectPacket,
+    DisconnectReasonCode,
+    PingReqPacket,
+    PingRespPacket,
+    PubAckPacket,
+    PublishPacket,
+    QoS,
+    SubAckPacket,
+    SubscribePacket,
+    TopicFilter,
+    read,
+)
+
+from ..errors import BrokerError
+
+log = logging.getLogger(__name__)
+
+PublishHandler = Callable[[PublishPacket], None]
+T = TypeVar("T")
+
+
+class ConnectionLost(BrokerError):
+    """The connection closed: by the broker, the network, or us on a protocol error."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectOptions:
+    """What a CONNECT says; the password is only ever held here and in the packet."""
+
+    client_id: str
+    clean_start: bool
+    session_expiry: int
+    keepalive: int
+    receive_maximum: int = 65535
+    max_packet_size: int | None = None
+    username: str | None = None
+    password: bytes | None = None
+
+
+class Connection(asyncio.Protocol):
+    """The protocol object for one TCP (or TLS) connection; see the module docstring."""
+
+    def __init__(self, on_publish: PublishHandler, max_packet_size: int | None) -> None:
+        self._on_publish = on_publish
+        self._max_packet_size = max_packet_size
+        self._transport: asyncio.Transport | None = None
+        self._partial = bytearray()
+        self._loop = asyncio.get_running_loop()
+        self._connack: asyncio.Future[ConnAckPacket] = self._loop.create_future()
+        self._subacks: dict[int, asyncio.Future[SubAckPacket]] = {}
+        self.closed: asyncio.Future[None] = self._loop.create_future()
+        self.malformed = False  # closed because the broker sent a malformed packet
+        self.last_received = time.monotonic()
+        self.last_sent = time.monotonic()
+        self._next_id = 0
+
+    # -- asyncio.Protocol ---------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A stream transport (uvloop's is not a subclass of asyncio.Transport).
+        self._transport = cast(asyncio.Transport, transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        reason = f"connection lost: {exc}" if exc else "connection closed by the broker"
+        self._fail(ConnectionLost(reason))
+
+    def data_received(self, data: bytes) -> None:
+        self.last_received = time.monotonic()
+        if self._partial:
+            # Only a packet split across reads is copied; whole packets are
+            # parsed straight from the bytes the transport handed us.
+            self._partial += data
+            data = bytes(self._partial)
+            self._partial.clear()
+        view = memoryview(data)
+        end = len(data)
+        pos = 0
+        while pos < end:
+            try:
+                packet, used = read(view[pos:])
+            except IndexError:  # an incomplete packet: wait for more bytes
+                break
+            except ValueError as exc:
+                self.malformed = True
+                self._abort(DisconnectReasonCode.MALFORMED_PACKET, f"malformed packet: {exc}")
+                return
+            pos += used
+            if isinstance(packet, PublishPacket):
+                if packet.topic_alias is not None:
+                    # We advertise Topic Alias Maximum 0: an alias is a protocol error.
+                    self._abort(DisconnectReasonCode.TOPIC_ALIAS_INVALID, "topic alias received")
+                    return
+                self._on_publish(packet)
+            else:
+                self._control(packet)
+            if self._transport is None:
+                return
+        if pos < end:
+            rest = view[pos:]
+            if self._max_packet_size is not None and len(rest) > self._max_packet_size + 5:
+                # Longer than any packet we allowed, header included.
+                self._abort(DisconnectReasonCode.PACKET_TOO_LARGE, "packet over our maximum")
+                return
+            self._partial += rest
+
+    def _control(self, packet: object) -> None:
+        if isinstance(packet, ConnAckPacket):
+            if not self._connack.done():
+                self._connack.set_result(packet)
+        elif isinstance(packet, SubAckPacket):
+            waiter = self._subacks.pop(packet.packet_id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(packet)
+        elif isinstance(packet, PingRespPacket):
+            pass  # last_received is already updated
+        elif isinstance(packet, DisconnectPacket):
+            detail = f" ({packet.reason_str})" if packet.reason_str else ""
+            self._fail(ConnectionLost(f"broker disconnected us: {packet.reason_code.name}{detail}"))
+            self.close()
+        else:
+            # We never publish, so no PUBACK/PUBREC/...; QoS 2 is not subscribed.
+            self._abort(DisconnectReasonCode.PROTOCOL_ERROR, f"unexpected {type(packet).__name__}")
+
+    # -- sending --------------------------------------------------------------
+
+    def send(self, data: bytes) -> None:
+        if self._transport is not None:
+            self._transport.write(data)
+            self.last_sent = time.monotonic()
+
+    def puback(self, packet_ids: Iterable[int]) -> None:
+        """Acknowledge QoS 1 messages (already in receive order), in one write."""
+        self.send(b"".join(PubAckPacket(pid).write() for pid in packet_ids))
+
+    def pause_reading(self) -> None:
+        if self._transport is not None and self._transport.is_reading():
+            self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._transport is not None and not self._transport.is_reading():
+            self._transport.resume_reading()
+
+    # -- the session ----------------------------------------------------------
+
+    async def handshake(self, options: ConnectOptions) -> ConnAckPacket:
+        self.send(
+            ConnectPacket(
+                options.client_id,
+                username=options.username,
+                password=options.password,
+                clean_start=options.clean_start,
+                keep_alive=options.keepalive,
+                session_expiry_interval=options.session_expiry,
+                receive_max=options.receive_maximum,
+                topic_alias_max=0,
+                max_packet_size=options.max_packet_size,
+            ).write()
+        )
+        connack = await self._until_closed(self._connack)
+        if connack.reason_code != ConnAckReasonCode.SUCCESS:
+            self.close()
+            raise BrokerError(f"broker refused the connection: {connack.reason_code.name}")
+        return connack
+
+    async def subscribe(self, filters: list[str]) -> list[str]:
+        """Subscribe at QoS 1; return the filters the broker refused, with the reason."""
+        self._next_id = self._next_id % 65535 + 1
+        pid = self._next_id
+        waiter: asyncio.Future[SubAckPacket] = self._loop.create_future()
+        self._subacks[pid] = waiter
+        topic_filters = [TopicFilter(f, max_qos=QoS.AT_LEAST_ONCE) for f in filters]
+        self.send(SubscribePacket(pid, topic_filters).write())
+        suback = await self._until_closed(waiter)
+        return [
+            f"{topic}: {code.name}"
+            for topic, code in zip(filters, suback.reason_codes, strict=False)
+            if int(code) >= 0x80
+        ]
+
+    async def keepalive(self, interval: float) -> None:
+        """Ping when we have been quiet; close when the broker has been silent too long.
+
+        MQTT 5 §3.1.2.10: the broker drops us after 1.5 x keepalive without a
+        packet from us; we give the broker the same 1.5x before giving up on it.
+        """
+        while self._transport is not None:
+            now = time.monotonic()
+            if now - self.last_received > 1.5 * interval:
+                self._abort(DisconnectReasonCode.KEEP_ALIVE_TIMEOUT, "keepalive timeout")
+                return
+            if now - self.last_sent >= interval / 2:
+                self.send(PingReqPacket().write())
+            await asyncio.sleep(interval / 4)
+
+    def close(
+        self, reason: DisconnectReasonCode = DisconnectReasonCode.NORMAL_DISCONNECTION
+    ) -> None:
+        transport = self._transport
+        if transport is not None:
+            if not transport.is_closing():
+                transport.write(DisconnectPacket(reason_code=reason).write())
+            transport.close()
+
+    async def _until_closed(self, waiter: asyncio.Future[T]) -> T:
+        await asyncio.wait((waiter, self.closed), return_when=asyncio.FIRST_COMPLETED)
+        if waiter.done():
+            return waiter.result()
+        waiter.cancel()
+        self.closed.result()  # raises ConnectionLost
+        raise ConnectionLost("connection closed")
+
+    def _abort(self, reason: DisconnectReasonCode, detail: str) -> None:
+        log.warning("closing the MQTT connection: %s", detail)
+        self._fail(ConnectionLost(detail))
+        self.close(reason)
+
+    def _fail(self, exc: ConnectionLost) -> None:
+        if not self.closed.done():
+            self.closed.set_exception(exc)
+            # Retrieved by whoever awaits it; don't warn if nobody does.
+            self.closed.exception()
+
+
+async def connect(
+    conn: Connection,
+    host: str,
+    port: int,
+    options: ConnectOptions,
+    *,
+    tls: ssl.SSLContext | None = None,
+    within: float = 10.0,
+) -> ConnAckPacket:
+    """Open ``conn``'s TCP/TLS connection and complete CONNECT/CONNACK ``within`` seconds.
+
+    ``conn`` is built by the caller first: the broker may send queued messages
+    right behind the CONNACK, in the same read, so the PUBLISH handler has to
+    be in place before the first byte arrives.
+    """
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(within):
+            await loop.create_connection(
+                lambda: conn, host, port, ssl=tls, server_hostname=host if tls else None
+            )
+            return await conn.handshake(options)
+    except TimeoutError:
+        conn.close()
+        raise BrokerError(f"no CONNACK from {host}:{port} within {within:g} s") from None
+    except (OSError, ssl.SSLError) as exc:
+        conn.close()
+        raise BrokerError(f"cannot connect to {host}:{port}: {exc}") from exc

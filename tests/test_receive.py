@@ -1,0 +1,357 @@
+"""The receive path (gateway/ingest/receive.py on connection.py).
+
+Two kinds of test:
+
+* Against a scripted broker on 127.0.0.1: faults the real Mosquitto never
+  produces (a malformed packet, a topic alias we did not allow, a broker that
+  stops answering pings, a forgotten session, packets cut at every byte).
+  This is the "inject a fault that can't be produced for real" exception.
+* Against the real Mosquitto, with publishers nobody here wrote
+  (``mosquitto_pub``, MQTT 3.1.1 and 5, with and without a content type), and
+  with a packet over the Maximum Packet Size we advertise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import mqtt5
+import orjson
+import pytest
+
+from gateway.config import MqttConfig
+from gateway.ingest.receive import Delivery, Receiver, max_packet_size
+from gateway.stats import Stats
+from gateway.store.database import Database
+
+from .helpers import MQTT_HOST, MQTT_PORT, device_row, make_config, running_gateway, wait_until
+
+# ------------------------------------------------------------ a scripted broker
+
+
+@dataclass
+class Session:
+    """One client connection to the scripted broker, as the broker saw it."""
+
+    connect: mqtt5.ConnectPacket
+    subscribed: list[str] = field(default_factory=list)
+    pubacks: list[int] = field(default_factory=list)
+    pings: int = 0
+
+
+Script = Callable[[asyncio.StreamWriter, Session, int], None]
+
+
+class ScriptedBroker:
+    """Accepts connections; answers CONNECT and SUBSCRIBE; then runs ``script``.
+
+    ``script(writer, session, n)`` gets the n-th connection (0-based) and
+    writes whatever bytes the test wants the client to see.
+    """
+
+    def __init__(
+        self,
+        script: Script,
+        *,
+        session_present: Callable[[int], bool] = bool,
+        server_keep_alive: int | None = None,
+    ) -> None:
+        self.script = script
+        self.session_present = session_present
+        self.server_keep_alive = server_keep_alive
+        self.sessions: list[Session] = []
+        self.answer_pings = True
+        self.port = 0
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        buf = bytearray()
+        session: Session | None = None
+        n = len(self.sessions)
+        try:
+            while data := await reader.read(65536):
+                buf += data
+                while True:
+                    try:
+                        packet, used = mqtt5.read(memoryview(bytes(buf)))
+                    except IndexError:
+                        break
+                    del buf[:used]
+                    if isinstance(packet, mqtt5.ConnectPacket):
+                        session = Session(packet)
+                        self.sessions.append(session)
+                        present = self.session_present(n)
+                        writer.write(
+                            mqtt5.ConnAckPacket(
+                                session_present=present, server_keep_alive=self.server_keep_alive
+                            ).write()
+                        )
+                    elif isinstance(packet, mqtt5.SubscribePacket):
+                        assert session is not None
+                        session.subscribed += [f.pattern for f in packet.topic_filters]
+                        codes = [
+                            mqtt5.SubAckReasonCode.NOT_AUTHORIZED
+                            if f.pattern.startswith("denied/")
+                            else mqtt5.SubAckReasonCode.GRANTED_QOS_AT_LEAST_ONCE
+                            for f in packet.topic_filters
+                        ]
+                        writer.write(mqtt5.SubAckPacket(packet.packet_id, codes).write())
+                        self.script(writer, session, n)
+                    elif isinstance(packet, mqtt5.PubAckPacket):
+                        assert session is not None
+                        session.pubacks.append(packet.packet_id)
+                    elif isinstance(packet, mqtt5.PingReqPacket):
+                        assert session is not None
+                        session.pings += 1
+                        if self.answer_pings:
+                            writer.write(mqtt5.PingRespPacket().write())
+                    elif isinstance(packet, mqtt5.DisconnectPacket):
+                        writer.close()
+                        return
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[ScriptedBroker]:
+        server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = server.sockets[0].getsockname()[1]
+        async with server:
+            yield self
+
+
+def publish_packet(pid: int, payload: bytes = b"{}", **kw: object) -> bytes:
+    return mqtt5.PublishPacket(
+        f"tenants/t/devices/d{pid}/events",
+        payload,
+        qos=mqtt5.QoS.AT_LEAST_ONCE,
+        packet_id=pid,
+        **kw,  # type: ignore[arg-type]
+    ).write()
+
+
+@asynccontextmanager
+async def receiving(
+    broker: ScriptedBroker, *, filters: list[str] | None = None
+) -> AsyncIterator[tuple[list[Delivery], Stats, Receiver]]:
+    """A Receiver on the scripted broker that acknowledges every message at once."""
+    config = MqttConfig(
+        host="127.0.0.1",
+        port=broker.port,
+        client_id=f"rx-{uuid.uuid4().hex[:8]}",
+        reconnect_min=0.05,
+        reconnect_max=0.1,
+    )
+    stats = Stats()
+    got: list[Delivery] = []
+
+    def handler(delivery: Delivery) -> None:
+        got.append(delivery)
+        delivery.ack.done()
+
+    receiver = Receiver(config, filters or ["tenants/+/devices/+/events"], stats)
+    stop = asyncio.Event()
+    task = asyncio.create_task(receiver.run(handler, stop))
+    try:
+        yield got, stats, receiver
+    finally:
+        stop.set()
+        async with asyncio.timeout(10):
+            await task
+
+
+# ------------------------------------------------------------ codec-level faults
+
+
+async def test_packets_cut_at_every_byte_and_coalesced_arrive_whole_and_in_order() -> None:
+    packets = [publish_packet(pid, orjson.dumps({"n": pid})) for pid in range(1, 41)]
+    stream = b"".join(packets)
+
+    def script(writer: asyncio.StreamWriter, _s: Session, _n: int) -> None:
+        # Chunks of 1, 2, 3, ... bytes: every split point inside a header,
+        # a topic and a payload; the later chunks hold several packets each.
+        pos, size = 0, 1
+        while pos < len(stream):
+            writer.write(stream[pos : pos + size])
+            pos += size
+            size += 1
+
+    broker = ScriptedBroker(script)
+    async with broker.running(), receiving(broker) as (got, stats, _):
+        await wait_until(
+            lambda: bool(broker.sessions) and len(broker.sessions[0].pubacks) == 40,
+            10,
+            "all PUBACKs",
+        )
+    assert [orjson.loads(d.payload)["n"] for d in got] == list(range(1, 41))
+    # PUBACKs in receive order (MQTT 5 section 4.6).
+    assert broker.sessions[0].pubacks == list(range(1, 41))
+    assert stats.received == stats.acked == 40
+    assert stats.connects == 1
+
+
+async def test_the_connect_packet_says_what_we_promise() -> None:
+    broker = ScriptedBroker(lambda w, s, n: None)
+    async with broker.running(), receiving(broker) as (_, _stats, receiver):
+        await wait_until(receiver.connected.is_set, 10, "connected")
+    connect = broker.sessions[0].connect
+    assert connect.clean_start is False
+    assert connect.session_expiry_interval == 7 * 86400
+    assert connect.receive_max == 1000
+    assert connect.topic_alias_max == 0
+    assert connect.max_packet_size == max_packet_size(64 * 1024)
+    assert broker.sessions[0].subscribed == ["tenants/+/devices/+/events"]
+
+
+async def test_a_malformed_packet_closes_the_connection_is_counted_and_we_reconnect() -> None:
+    def script(writer: asyncio.StreamWriter, _s: Session, n: int) -> None:
+        if n == 0:
+            writer.write(publish_packet(1))
+            # A PUBLISH whose remaining length field never ends: malformed.
+            writer.write(b"\x32\xff\xff\xff\xff\x01")
+            writer.write(publish_packet(2))  # behind the bad bytes: never parsed
+        else:
+            writer.write(publish_packet(3))
+
+    broker = ScriptedBroker(script)
+    async with broker.running(), receiving(broker) as (got, stats, _):
+        await wait_until(lambda: len(got) == 2, 10, "the message after the reconnect")
+    assert [d.topic.split("/")[3] for d in got] == ["d1", "d3"]
+    assert stats.malformed_packets == 1
+    assert stats.connects == 2
+    assert stats.disconnects == 1
+
+
+async def test_a_topic_alias_we_did_not_allow_is_a_protocol_error() -> None:
+    def script(writer: asyncio.StreamWriter, _s: Session, n: int) -> None:
+        if n == 0:
+            writer.write(publish_packet(1, topic_alias=1))
+        else:
+            writer.write(publish_packet(2))
+
+    broker = ScriptedBroker(script)
+    async with broker.running(), receiving(broker) as (got, stats, _):
+        await wait_until(lambda: len(got) == 1, 10, "the message after the reconnect")
+    assert got[0].topic.endswith("d2/events")
+    assert stats.connects == 2
+
+
+async def test_a_broker_that_stops_answering_pings_is_dropped() -> None:
+    # The broker's Server Keep Alive (1 s) overrides ours (MQTT 5 section 3.2.2.3.14).
+    broker = ScriptedBroker(lambda w, s, n: None, server_keep_alive=1)
+    broker.answer_pings = False
+    async with broker.running(), receiving(broker) as (_, stats, _r):
+        await wait_until(lambda: stats.connects >= 2, 15, "a reconnect after the keepalive")
+    assert broker.sessions[0].pings >= 1
+    assert stats.disconnects >= 1
+
+
+async def test_a_lost_session_is_logged_and_counted(caplog: pytest.LogCaptureFixture) -> None:
+    def script(writer: asyncio.StreamWriter, _s: Session, n: int) -> None:
+        if n == 0:
+            writer.write(b"\x32\xff\xff\xff\xff\x01")  # force a reconnect
+
+    # First connection: a session existed; second: the broker forgot it.
+    broker = ScriptedBroker(script, session_present=lambda n: n == 0)
+    async with broker.running(), receiving(broker) as (_, stats, _r):
+        await wait_until(lambda: stats.connects == 2, 10, "the reconnect")
+    assert stats.sessions_lost == 1
+    assert "no longer had our session" in caplog.text
+
+
+async def test_a_refused_subscription_is_logged_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    broker = ScriptedBroker(lambda w, s, n: None)
+    filters = ["tenants/+/devices/+/events", "denied/#"]
+    async with broker.running(), receiving(broker, filters=filters) as (_, stats, receiver):
+        await wait_until(receiver.connected.is_set, 10, "connected")
+    assert stats.subscriptions_refused == 1
+    assert "denied/#: NOT_AUTHORIZED" in caplog.text
+
+
+# ------------------------------------------------------------ the real Mosquitto
+
+
+def mosquitto_pub(topic: str, payload: bytes, *args: str) -> None:
+    subprocess.run(
+        [
+            "mosquitto_pub",
+            "-h",
+            MQTT_HOST,
+            "-p",
+            str(MQTT_PORT),
+            "-q",
+            "1",
+            "-t",
+            topic,
+            "-s",
+            *args,
+        ],
+        input=payload,
+        check=True,
+        timeout=10,
+    )
+
+
+async def test_mosquitto_pub_in_every_protocol_version_and_content_type_is_stored(
+    db: Database, tenant: str
+) -> None:
+    def topic(device: str) -> str:
+        return f"tenants/{tenant}/devices/{device}/events"
+
+    async with running_gateway(make_config()) as gw:
+        cases = {
+            "v311-json": ("-V", "mqttv311"),
+            "v5-json": ("-V", "mqttv5"),
+            "v5-json-ct": ("-V", "mqttv5", "-D", "publish", "content-type", "application/json"),
+        }
+        for device, args in cases.items():
+            payload = orjson.dumps({"ts": 1_700_000_000_000, "state": "on", "value": 1})
+            await asyncio.to_thread(mosquitto_pub, topic(device), payload, *args)
+        # MessagePack only reaches us tagged: MQTT 3.1.1 has no content type.
+        packed = bytes.fromhex("82a27473cf0000018bcfe56800a57374617465a26f6e")
+        await asyncio.to_thread(
+            mosquitto_pub,
+            topic("v5-msgpack-ct"),
+            packed,
+            "-V",
+            "mqttv5",
+            "-D",
+            "publish",
+            "content-type",
+            "application/msgpack",
+        )
+        await gw.wait_handled(4)
+        assert gw.stats.rejected == 0
+    for device in [*cases, "v5-msgpack-ct"]:
+        row = await device_row(db, tenant, device)
+        assert row.state == "on", device
+
+
+async def test_a_packet_over_our_maximum_is_dropped_by_the_broker_not_buffered(
+    db: Database, tenant: str
+) -> None:
+    config = make_config(GATEWAY_LIMITS__MAX_PAYLOAD_BYTES="1024")
+    limit = max_packet_size(1024)
+    topic = f"tenants/{tenant}/devices/big/events"
+    async with running_gateway(config) as gw:
+        # Over the payload limit, under the packet limit: reaches us, rejected with a reason.
+        over = orjson.dumps({"ts": 1_700_000_000_000, "state": "on", "pad": "x" * 2000})
+        await asyncio.to_thread(mosquitto_pub, topic, over, "-V", "mqttv5")
+        await gw.wait_handled(1)
+        assert gw.stats.rejected_by_reason["too_large"] == 1
+        # Over the packet limit: the broker drops it (MQTT 5 section 3.1.2.11.4).
+        huge = orjson.dumps({"ts": 1_700_000_000_001, "state": "on", "pad": "x" * limit})
+        await asyncio.to_thread(mosquitto_pub, topic, huge, "-V", "mqttv5")
+        fine = orjson.dumps({"ts": 1_700_000_000_002, "state": "off"})
+        await asyncio.to_thread(mosquitto_pub, topic, fine, "-V", "mqttv5")
+        await gw.wait_handled(2)
+        assert gw.stats.received == 2
+        assert gw.stats.connects == 1
+    assert (await device_row(db, tenant, "big")).state == "off"
