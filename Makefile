@@ -90,6 +90,12 @@ bench-models: up
 bench-rare: up
 	$(VPY) bench/rare_state.py $(BENCH_ARGS)
 
+# The receive path alone (no database): µs of CPU per MQTT message for our
+# connection.py, paho and aiomqtt 3. Writes bench/results/receive.{json,md}.
+.PHONY: bench-receive
+bench-receive: up
+	$(VPY) bench/receive.py $(BENCH_ARGS)
+
 # Read API under load: 20 clients at 1k/10k/100k devices through `gateway serve`.
 # Writes bench/results/read_api.{json,md}.
 bench-api: up
