@@ -9,6 +9,8 @@ from typing import Any
 import msgpack
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.config import LimitsConfig
 from gateway.errors import DecodeError
@@ -595,3 +597,55 @@ def test_identity_depends_on_topic() -> None:
     payload = _json(EVENT)
     assert decode(payload).event_id != decode(payload, device_id="dev-2").event_id
     assert decode(payload).event_id != decode(payload, tenant="beta").event_id
+
+
+# -- the fast path and the model agree ---------------------------------------------
+
+_SMALL = LimitsConfig(max_metrics=2, max_tags=2, max_key_length=3, max_state_length=3,
+                      max_text_length=4)  # fmt: skip
+_SMALL_DECODER = Decoder(_SMALL)
+_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=6),
+    st.binary(max_size=3),
+)
+_maps = st.dictionaries(st.one_of(st.text(max_size=4), st.binary(max_size=2)), _scalars, max_size=3)
+_events = st.dictionaries(
+    st.sampled_from(["ts", "state", "value", "metrics", "tags", "sent_at", "other"]),
+    st.one_of(_scalars, _maps, st.lists(_scalars, max_size=2)),
+)
+
+
+# Near-valid events, at and just over every bound of _SMALL.
+_numbers = st.one_of(st.integers(-5, 5), st.floats(allow_nan=True, allow_infinity=True),
+                     st.booleans())  # fmt: skip
+_texts = st.text(max_size=5)
+_near_valid = st.fixed_dictionaries(
+    {},
+    optional={
+        "ts": st.one_of(st.integers(0, 2**40), st.text(max_size=66), st.booleans()),
+        "state": _texts,
+        "value": st.one_of(_numbers, _texts),
+        "metrics": st.dictionaries(_texts, _numbers, max_size=3),
+        "tags": st.dictionaries(_texts, st.one_of(_texts, _numbers), max_size=3),
+        "sent_at": _numbers,
+    },
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(_events, _near_valid))
+def test_the_fast_path_accepts_only_what_the_model_accepts(raw: dict[str, Any]) -> None:
+    fast = _SMALL_DECODER._fields(raw)
+    if fast is None:
+        return  # the model decides, as before
+    model = _SMALL_DECODER._payload.model_validate(raw)  # raises if the fast path was wrong
+    assert fast == (model.ts, model.state, model.value, model.metrics, model.tags, model.sent_at)
+
+
+def test_the_fast_path_takes_a_typical_event() -> None:
+    raw = {"ts": 1, "state": "on", "value": 1.5, "metrics": {"t": 1}, "tags": {"f": "3"}}
+    assert DECODER._fields(raw) is not None

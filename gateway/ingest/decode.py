@@ -15,11 +15,15 @@ dropped, so what is stored is exactly what was sent.
 Promises: ``decode`` never raises anything but :class:`DecodeError`, whose
 ``reason`` is one of REASONS and whose detail names the field and the limit.
 Validation is pydantic in strict mode (no coercion: ``"21"`` is not a number,
-``true`` is not a number), with bounded sizes from ``[limits]``.
+``true`` is not a number), with bounded sizes from ``[limits]``. A
+well-formed event takes a hand-written fast path (:meth:`Decoder._fields`)
+that accepts only what that model accepts; anything it is unsure of goes
+through the model, so every rejection and its message come from pydantic.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
@@ -66,6 +70,26 @@ MSGPACK_TYPES = frozenset(
 )
 
 
+_FIELDS = frozenset({"ts", "state", "value", "metrics", "tags", "sent_at"})
+_MAX_TS_TEXT = 64
+_EMPTY: dict[str, Any] = {}
+# ts, state, value, metrics, tags, sent_at
+_Fields = tuple[
+    int | str | None,
+    str | None,
+    str | float | None,
+    dict[str, int | float],
+    dict[str, str],
+    float | None,
+]
+
+
+def _finite(number: object) -> bool:
+    """A JSON/MessagePack number the model takes: int or finite float, never bool."""
+    kind = type(number)
+    return kind is int or (kind is float and math.isfinite(number))  # type: ignore[arg-type]
+
+
 class Decoder:
     """Validates payloads against the configured limits. One per gateway."""
 
@@ -77,7 +101,7 @@ class Decoder:
 
         class Payload(BaseModel):
             model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
-            ts: StrictInt | Annotated[StrictStr, Field(max_length=64)] | None = None
+            ts: StrictInt | Annotated[StrictStr, Field(max_length=_MAX_TS_TEXT)] | None = None
             state: (
                 Annotated[StrictStr, Field(min_length=1, max_length=limits.max_state_length)] | None
             ) = None
@@ -112,40 +136,103 @@ class Decoder:
             raise DecodeError(
                 "not_an_object", f"expected one event as an object, got {type(raw).__name__}"
             )
-        try:
-            data = self._payload.model_validate(raw)
-        except ValidationError as exc:
-            raise _reason(exc) from None
+        fields = self._fields(raw)
+        if fields is None:
+            try:
+                data = self._payload.model_validate(raw)
+            except ValidationError as exc:
+                raise _reason(exc) from None
+            fields = (data.ts, data.state, data.value, data.metrics, data.tags, data.sent_at)
+        return self._event(tenant, device_id, received_ms, *fields)
 
+    def _fields(self, raw: dict[Any, Any]) -> _Fields | None:
+        """The fields of a well-formed event without building a model, or None.
+
+        Must accept nothing the pydantic model rejects (tests/test_decode.py
+        checks both agree); returning None is always safe.
+        """
+        if not raw.keys() <= _FIELDS:
+            return None
+        limits = self._limits
+        ts = raw.get("ts")
+        if ts is not None and not (
+            (type(ts) is int) or (type(ts) is str and len(ts) <= _MAX_TS_TEXT)
+        ):
+            return None
+        state = raw.get("state")
+        if state is not None and not (
+            type(state) is str and 0 < len(state) <= limits.max_state_length
+        ):
+            return None
+        value = raw.get("value")
+        if value is not None and not (
+            _finite(value) or (type(value) is str and len(value) <= limits.max_text_length)
+        ):
+            return None
+        sent_at = raw.get("sent_at")
+        if sent_at is not None and not _finite(sent_at):
+            return None
+        metrics = raw.get("metrics", _EMPTY)
+        if type(metrics) is not dict or len(metrics) > limits.max_metrics:
+            return None
+        max_key = limits.max_key_length
+        for name, number in metrics.items():
+            if not (type(name) is str and 0 < len(name) <= max_key and _finite(number)):
+                return None
+        tags = raw.get("tags", _EMPTY)
+        if type(tags) is not dict or len(tags) > limits.max_tags:
+            return None
+        max_text = limits.max_text_length
+        for key, text in tags.items():
+            if not (
+                type(key) is str
+                and 0 < len(key) <= max_key
+                and type(text) is str
+                and len(text) <= max_text
+            ):
+                return None
+        return ts, state, value, metrics, tags, sent_at
+
+    def _event(
+        self,
+        tenant: str,
+        device_id: str,
+        received_ms: int,
+        ts: int | str | None,
+        state: str | None,
+        value: str | float | None,
+        raw_metrics: dict[str, int | float],
+        raw_tags: dict[str, str],
+        sent_at: float | None,
+    ) -> Event:
         micros: int | None = None  # below the millisecond, when the ts says
-        if data.ts is None:
+        if ts is None:
             ts_ms, from_receive = received_ms, True
         else:
-            (ts_ms, micros), from_receive = self._timestamp(data.ts), False
+            (ts_ms, micros), from_receive = self._timestamp(ts), False
             if ts_ms < self._min_ms:
                 hint = " (epoch seconds instead of milliseconds?)" if ts_ms > 0 else ""
                 raise DecodeError(
                     "invalid_ts",
-                    f"ts {data.ts!r} is before limits.min_timestamp "
+                    f"ts {ts!r} is before limits.min_timestamp "
                     f"{self._limits.min_timestamp.isoformat()}{hint}",
                 )
             if ts_ms > received_ms + self._skew_ms:
                 raise DecodeError(
                     "invalid_ts",
-                    f"ts {data.ts!r} is {(ts_ms - received_ms) / 1000:.0f} s in the future, "
+                    f"ts {ts!r} is {(ts_ms - received_ms) / 1000:.0f} s in the future, "
                     f"over limits.max_future_skew ({self._limits.max_future_skew:.0f} s)",
                 )
-        value = data.value
         value_text = value if isinstance(value, str) else None
         value_num = float(value) if value is not None and not isinstance(value, str) else None
-        metrics = {name: float(v) for name, v in data.metrics.items()}
-        tags = dict(data.tags)
+        metrics = {name: float(v) for name, v in raw_metrics.items()}
+        tags = dict(raw_tags)
         # Numbers are hashed as floats (as stored): 1 and 1.0 are one event.
         event_id, write_ts = event_identity(
             tenant,
             device_id,
             ts_ms,
-            data.state,
+            state,
             value_text if value_text is not None else value_num,
             metrics,
             tags,
@@ -155,14 +242,14 @@ class Decoder:
             tenant=tenant,
             device_id=device_id,
             ts_ms=ts_ms,
-            state=data.state,
+            state=state,
             value_text=value_text,
             value_num=value_num,
             metrics=metrics,
             tags=tags,
             received_ms=received_ms,
             ts_from_receive=from_receive,
-            sent_at_ms=float(data.sent_at) if data.sent_at is not None else None,
+            sent_at_ms=float(sent_at) if sent_at is not None else None,
             event_id=event_id,
             write_ts=write_ts,
         )
