@@ -70,7 +70,7 @@ from benchlib import (
     rss_mb,
 )
 from cassandra.concurrent import execute_concurrent
-from cassandra.query import BatchStatement, BatchType
+from cassandra.query import UNSET_VALUE, BatchStatement, BatchType
 
 from cassandra import __version__ as cassandra_driver_version
 from gateway.config import Config, TenantConfig
@@ -752,7 +752,8 @@ class Bench:
                     batch = BatchStatement(batch_type=BatchType.UNLOGGED)
                     for device in devices[start : start + 20]:
                         batch.add(
-                            insert, (tenant, "on", bucket, device, now, None, 1.0, now * 1000)
+                            insert,
+                            (tenant, "on", bucket, 0, device, now, "1.0", UNSET_VALUE, now * 1000),
                         )
                     batches.append((batch, None))
         t0 = time.monotonic()
