@@ -9,7 +9,9 @@
   (``gwbench/...``), so gateways run by anyone else on the same broker don't
   receive its load.
 * Cassandra: everything goes to the ``gateway_bench`` keyspace, one tenant per
-  system and run, so stored rows can be counted exactly.
+  system and run, so stored rows can be counted exactly. Raw telemetry is read
+  back as ``gateway history`` reads it (gateway/store/queries.py): each
+  partition once, however many bucket sizes list it, one copy per event.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiomqtt
 from cassandra.cluster import Cluster, Session
@@ -32,15 +35,18 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from rows import KEYSPACE, SESSION_EXPIRY, STATES, SUBSCRIPTION
 
-from gateway.config import CassandraConfig
-from gateway.store.database import build_cluster
+from gateway.config import CassandraConfig, Config
+from gateway.store.database import Database, build_cluster
+from gateway.store.queries import devices_in_state, history_partitions, unique_events
 from gateway.tools.simulate import FleetSpec, PublishStats, publish
+from gateway.units import epoch_ms
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 MQTT_HOST = "127.0.0.1"
 MQTT_PORT = 1883
 TOPIC_TEMPLATE = "gwbench/{tenant}/devices/{device_id}/events"
+T = TypeVar("T")
 
 
 # -- processes ----------------------------------------------------------------
@@ -268,14 +274,51 @@ def publish_recorded(
 # -- Cassandra ------------------------------------------------------------------
 
 
-def cassandra_config() -> CassandraConfig:
-    return CassandraConfig(keyspace=KEYSPACE)
+def cassandra_config(keyspace: str = KEYSPACE) -> CassandraConfig:
+    return CassandraConfig(keyspace=keyspace)
 
 
-def connect_cluster() -> tuple[Cluster, Session]:
+def connect_cluster(keyspace: str = KEYSPACE) -> tuple[Cluster, Session]:
     """Same driver settings as the gateway (gateway.database.build_cluster)."""
-    cluster = build_cluster(cassandra_config())
-    return cluster, cluster.connect(KEYSPACE)
+    cluster = build_cluster(cassandra_config(keyspace))
+    return cluster, cluster.connect(keyspace)
+
+
+# Every event a bench run can have written, for gateway.store.queries' time range.
+ALL_TIME = (datetime(1970, 1, 1, tzinfo=UTC), datetime(2100, 1, 1, tzinfo=UTC))
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """One raw telemetry row as read back."""
+
+    device_id: str
+    ts: int  # epoch ms
+    event_id: int
+    write_us: int  # WRITETIME(received_at): when the writer's driver sent it
+
+
+async def read_back(
+    db: Database, tenant: str, devices: Iterable[str], in_flight: int = 128
+) -> list[Stored]:
+    """The devices' raw telemetry, as ``gateway history`` reads it: the
+    partitions of queries.history_partitions (a partition that two bucket
+    sizes share is read once) and one copy per (ts, event_id)
+    (queries.unique_events), plus each row's write time, which history leaves out."""
+    rows_of = await db.prepared(
+        "SELECT ts, event_id, WRITETIME(received_at) AS wt FROM {keyspace}.telemetry "
+        "WHERE tenant = ? AND device_id = ? AND bucket_start = ? AND shard = ?"
+    )
+    limit = asyncio.Semaphore(in_flight)
+
+    async def one(device: str) -> list[Stored]:
+        async with limit:
+            wanted = await history_partitions(db, tenant, device, *ALL_TIME)
+            parts = [await db.execute(rows_of, (tenant, device, *p)) for p in wanted]
+        return [Stored(device, epoch_ms(r.ts), r.event_id, r.wt) for r in unique_events(parts)]
+
+    found = await asyncio.gather(*(one(d) for d in devices))
+    return [row for rows in found for row in rows]
 
 
 @dataclass
@@ -332,32 +375,16 @@ class Check:
 class BenchDb:
     """The harness's own Cassandra session, for setup and for checking results."""
 
-    def __init__(self) -> None:
-        self.cluster, self.session = connect_cluster()
+    def __init__(self, keyspace: str = KEYSPACE) -> None:
+        self.keyspace = keyspace
+        self.cluster, self.session = connect_cluster(keyspace)
         s = self.session
-        self._partitions = s.prepare(
-            f"SELECT bucket_start, shard FROM {KEYSPACE}.telemetry_partitions "
-            "WHERE tenant = ? AND device_id = ?"
-        )
-        self._rows = s.prepare(
-            f"SELECT toUnixTimestamp(ts) AS ts_ms, WRITETIME(received_at) AS wt "
-            f"FROM {KEYSPACE}.telemetry "
-            "WHERE tenant = ? AND device_id = ? AND bucket_start = ? AND shard = ?"
-        )
         self._latest = s.prepare(
-            f"SELECT state, toUnixTimestamp(ts) AS ts_ms FROM {KEYSPACE}.latest_events_by_device "
+            f"SELECT state, toUnixTimestamp(ts) AS ts_ms FROM {keyspace}.latest_events_by_device "
             "WHERE tenant = ? AND device_id = ?"
-        )
-        self._by_state = s.prepare(
-            f"SELECT device_id FROM {KEYSPACE}.latest_events_by_state "
-            "WHERE tenant = ? AND state = ? AND bucket = ?"
-        )
-        self._count = s.prepare(
-            f"SELECT COUNT(*) AS n FROM {KEYSPACE}.telemetry "
-            "WHERE tenant = ? AND device_id = ? AND bucket_start = ? AND shard = ?"
         )
         self._register = s.prepare(
-            f"INSERT INTO {KEYSPACE}.tenant_states (tenant, state, registered_at) VALUES (?, ?, ?)"
+            f"INSERT INTO {keyspace}.tenant_states (tenant, state, registered_at) VALUES (?, ?, ?)"
         )
 
     def close(self) -> None:
@@ -378,10 +405,11 @@ class BenchDb:
 
     def truncate(self) -> None:
         tables = self.session.execute(
-            "SELECT table_name FROM system_schema.tables WHERE keyspace_name = %s", (KEYSPACE,)
+            "SELECT table_name FROM system_schema.tables WHERE keyspace_name = %s",
+            (self.keyspace,),
         )
         for row in tables:
-            self.session.execute(f"TRUNCATE {KEYSPACE}.{row.table_name}", timeout=120)
+            self.session.execute(f"TRUNCATE {self.keyspace}.{row.table_name}", timeout=120)
 
     def register_states(self, tenants: Iterable[str]) -> None:
         """Record the tenants' states as known for a day: a steady state, so the
@@ -389,8 +417,29 @@ class BenchDb:
         since = int((time.time() - 86400) * 1000)
         self.concurrent(self._register, [(t, s, since) for t in tenants for s in STATES])
 
+    def _run(self, read: Callable[[Database], Awaitable[T]]) -> T:
+        """``read`` on this session, through the gateway's Database (which wraps it)."""
+
+        async def run() -> T:
+            return await read(Database(self.cluster, self.session, cassandra_config(self.keyspace)))
+
+        return asyncio.run(run())
+
+    def read_back(self, tenant: str, devices: Iterable[str]) -> list[Stored]:
+        return self._run(lambda db: read_back(db, tenant, devices))
+
+    def in_state(self, tenant: str, state: str) -> list[str]:
+        """The devices in ``state``, as ``gateway devices --state`` reads them
+        (whichever generation the state partition is in)."""
+        config = Config(cassandra=cassandra_config(self.keyspace))
+
+        async def read(db: Database) -> list[str]:
+            return [r.device_id for r in await devices_in_state(db, config, tenant, state)]
+
+        return self._run(read)
+
     def check(self, tenant: str, sent: Sequence[Sent], *, latest: bool = True) -> Check:
-        """Read back the tenant's telemetry (via telemetry_partitions) and latest tables."""
+        """Read back the tenant's telemetry (:func:`read_back`) and latest tables."""
         newest: dict[str, Sent] = {}
         by_key: dict[tuple[str, int], Sent] = {}
         for s in sent:
@@ -399,24 +448,16 @@ class BenchDb:
             if cur is None or s.ts > cur.ts:
                 newest[s.device_id] = s
         devices = sorted(newest)
-        parts = self.concurrent(self._partitions, [(tenant, d) for d in devices], 128)
-        keys = [
-            (tenant, d, p.bucket_start, p.shard)
-            for d, ps in zip(devices, parts, strict=True)
-            for p in ps
-        ]
-        rows = self.concurrent(self._rows, keys, 128)
         result = Check(published=len(sent), stored=0, matched=0, devices=len(devices))
-        for (_, device, _, _), part in zip(keys, rows, strict=True):
-            for r in part:
-                result.stored += 1
-                hit = by_key.get((device, r.ts_ms))
-                if hit is None:
-                    continue
-                result.matched += 1
-                result.write_us.append(r.wt)
-                if hit.sent_at is not None:
-                    result.latency_ms.append(r.wt / 1000 - hit.sent_at)
+        for r in self.read_back(tenant, devices):
+            result.stored += 1
+            hit = by_key.get((r.device_id, r.ts))
+            if hit is None:
+                continue
+            result.matched += 1
+            result.write_us.append(r.write_us)
+            if hit.sent_at is not None:
+                result.latency_ms.append(r.write_us / 1000 - hit.sent_at)
         if latest:
             found = self.concurrent(self._latest, [(tenant, d) for d in devices], 128)
             result.latest_ok = sum(
@@ -426,22 +467,14 @@ class BenchDb:
             )
             members: dict[str, list[str]] = {}
             for state in STATES:
-                for row in self.concurrent(self._by_state, [(tenant, state, 0)])[0]:
-                    members.setdefault(row.device_id, []).append(state)
+                for device in self.in_state(tenant, state):
+                    members.setdefault(device, []).append(state)
             result.state_ok = sum(1 for d in devices if members.get(d) == [newest[d].state])
         return result
 
     def count(self, tenant: str, devices: Iterable[str]) -> int:
-        """Raw telemetry rows of a tenant's devices (telemetry_partitions → telemetry)."""
-        devs = list(devices)
-        parts = self.concurrent(self._partitions, [(tenant, d) for d in devs], 128)
-        keys = [
-            (tenant, d, p.bucket_start, p.shard)
-            for d, ps in zip(devs, parts, strict=True)
-            for p in ps
-        ]
-        counts = self.concurrent(self._count, keys, 128)
-        return sum(r[0].n for r in counts)
+        """Raw telemetry rows (events) of a tenant's devices (:func:`read_back`)."""
+        return len(self.read_back(tenant, devices))
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float | None]:

@@ -9,7 +9,8 @@ gateway/store/telemetry.py, without the gateway's batching and coalescing: per e
 * INSERT into telemetry_partitions the first time a (device, bucket) is seen,
 * INSERT into latest_events_by_device USING TIMESTAMP write_ts,
 * INSERT into latest_events_by_state and DELETE from every other state's
-  partition, USING TIMESTAMP write_ts.
+  partition, USING TIMESTAMP write_ts (generation 0: these writers never
+  rotate a state partition, gateway/store/rotate.py).
 
 Event ids and write timestamps come from gateway/identity.py, the gateway's own
 (a module without pydantic, so the naive bridge stays light).
@@ -20,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import orjson
 from cassandra.query import UNSET_VALUE
 
 from gateway.identity import event_identity
@@ -36,12 +38,12 @@ SESSION_EXPIRY = 600
 
 CQL_INSERT_STATE = (
     "INSERT INTO {ks}.latest_events_by_state "
-    "(tenant, state, bucket, device_id, ts, value, value_num) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?"
+    "(tenant, state, bucket, gen, device_id, ts, value, tags) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?"
 )
 CQL_DELETE_STATE = (
     "DELETE FROM {ks}.latest_events_by_state USING TIMESTAMP ? "
-    "WHERE tenant = ? AND state = ? AND bucket = ? AND device_id = ?"
+    "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ? AND device_id = ?"
 )
 CQL_INSERT_DEVICE = (
     "INSERT INTO {ks}.latest_events_by_device "
@@ -68,10 +70,16 @@ def _or_unset(value: object) -> object:
     return UNSET_VALUE if value is None else value
 
 
+def state_value(text: str | None, num: float | None) -> str:
+    """The value as latest_events_by_state stores it: JSON, never null (as
+    gateway/store/latest.py's state_value, which would bring pydantic along)."""
+    return orjson.dumps(text if text is not None else num).decode()
+
+
 # Each statement's CQL and which of its parameters are timestamps (epoch ms),
 # as gateway/store/write_session.py wants them.
 ALL_CQL = {
-    "insert_state": (CQL_INSERT_STATE, (4,)),
+    "insert_state": (CQL_INSERT_STATE, (5,)),
     "delete_state": (CQL_DELETE_STATE, ()),
     "insert_device": (CQL_INSERT_DEVICE, (3,)),
     "insert_telemetry": (CQL_INSERT_TELEMETRY, (2, 4, 11)),
@@ -161,14 +169,15 @@ class Statements:
         )
         if state is None:
             return out
-        bucket = 0  # state_buckets = 1 (the default)
+        bucket, gen = 0, 0  # state_buckets = 1 (the default), never rotated
+        value = state_value(value_text, value_num)
         out.append(
             (
                 self.insert_state,
-                (tenant, state, bucket, device, ts_ms, value_text, value_num, write_ts),
+                (tenant, state, bucket, gen, device, ts_ms, value, tags, write_ts),
             )
         )
         for other in STATES:
             if other != state:
-                out.append((self.delete_state, (write_ts, tenant, other, bucket, device)))
+                out.append((self.delete_state, (write_ts, tenant, other, bucket, gen, device)))
         return out

@@ -54,14 +54,17 @@ function rows(m) {
               [tenant, device, state === null ? unset : state, ts, valueText, valueNum,
                metrics, tags, wts]]);
     if (state !== null) {
-        out.push([`INSERT INTO ${ks}.latest_events_by_state (tenant, state, bucket, device_id, ` +
-                  `ts, value, value_num) VALUES (?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?`,
-                  [tenant, state, 0, device, ts, valueText, valueNum, wts]]);
+        // latest_events_by_state keeps the value as JSON (gateway/store/latest.py
+        // state_value), in generation 0: this writer never rotates a partition.
+        out.push([`INSERT INTO ${ks}.latest_events_by_state (tenant, state, bucket, gen, ` +
+                  `device_id, ts, value, tags) VALUES (?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?`,
+                  [tenant, state, 0, 0, device, ts, JSON.stringify(value), tags, wts]]);
         for (const other of STATES) {
             if (other !== state) {
                 out.push([`DELETE FROM ${ks}.latest_events_by_state USING TIMESTAMP ? ` +
-                          `WHERE tenant = ? AND state = ? AND bucket = ? AND device_id = ?`,
-                          [wts, tenant, other, 0, device]]);
+                          `WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ? ` +
+                          `AND device_id = ?`,
+                          [wts, tenant, other, 0, 0, device]]);
             }
         }
     }

@@ -4,7 +4,9 @@
   the default single bucket it is one partition read (Solution 3).
 * ``history`` lists the device's raw-telemetry partitions for the range from
   ``telemetry_partitions`` (whatever bucket sizes and shards were used), reads
-  each, and merges them newest first.
+  each once, and merges them newest first, one copy per event
+  (``history_partitions``, ``unique_events``; the bench's read-back check,
+  bench/benchlib.py, goes through the same two).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import base64
 import binascii
 import heapq
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -312,20 +315,16 @@ async def latest_event(db: Database, tenant: str, device_id: str) -> LatestRow |
     )
 
 
-async def history(
-    db: Database,
-    tenant: str,
-    device_id: str,
-    since: datetime,
-    until: datetime,
-    limit: int,
-) -> list[HistoryRow]:
+async def history_partitions(
+    db: Database, tenant: str, device_id: str, since: datetime, until: datetime
+) -> list[tuple[datetime, int]]:
+    """(bucket_start, shard) of each of the device's raw-telemetry partitions
+    that may hold events in [since, until], once each."""
     since_ms = epoch_ms(since)
-    until_ms = epoch_ms(until)
     partitions = await db.execute(
         f"SELECT bucket_start, shard, bucket_seconds FROM {db.keyspace}.telemetry_partitions "
         "WHERE tenant = %s AND device_id = %s AND bucket_start <= %s AND bucket_start > %s",
-        (tenant, device_id, until_ms, since_ms - MAX_BUCKET_SECONDS * 1000),
+        (tenant, device_id, epoch_ms(until), since_ms - MAX_BUCKET_SECONDS * 1000),
     )
     # A partition may be listed once per bucket size it was written with: the
     # longest decides whether it overlaps the range.
@@ -333,27 +332,20 @@ async def history(
     for p in partitions:
         key = (p.bucket_start, p.shard)
         longest[key] = max(longest.get(key, 0), p.bucket_seconds)
-    wanted = [
+    return [
         (start, shard)
         for (start, shard), seconds in longest.items()
         if epoch_ms(start) + seconds * 1000 > since_ms
     ]
-    query = (
-        f"SELECT ts, event_id, state, value, value_num, metrics, tags FROM {db.keyspace}.telemetry "
-        "WHERE tenant = %s AND device_id = %s AND bucket_start = %s AND shard = %s "
-        "AND ts >= %s AND ts <= %s LIMIT %s"
-    )
-    parts = await asyncio.gather(
-        *(
-            db.execute(query, (tenant, device_id, start, shard, since_ms, until_ms, limit))
-            for start, shard in wanted
-        )
-    )
-    # Each partition is already newest first; merge them. A redelivered event
-    # can sit in two partitions (its device changed bucket size or shard count
-    # in between): keep one copy per (ts, event_id).
+
+
+def unique_events(parts: Iterable[Iterable[Any]]) -> Iterator[Any]:
+    """Rows of several partitions, each newest first, merged newest first.
+
+    A redelivered event can sit in two partitions (its device changed bucket
+    size or shard count in between): this keeps one copy per (ts, event_id).
+    """
     merged = heapq.merge(*parts, key=lambda r: epoch_ms(r.ts), reverse=True)
-    out = []
     last_ts: datetime | None = None
     seen: set[int] = set()
     for r in merged:
@@ -362,6 +354,32 @@ async def history(
         if r.event_id in seen:
             continue
         seen.add(r.event_id)
+        yield r
+
+
+async def history(
+    db: Database,
+    tenant: str,
+    device_id: str,
+    since: datetime,
+    until: datetime,
+    limit: int,
+) -> list[HistoryRow]:
+    wanted = await history_partitions(db, tenant, device_id, since, until)
+    query = (
+        f"SELECT ts, event_id, state, value, value_num, metrics, tags FROM {db.keyspace}.telemetry "
+        "WHERE tenant = %s AND device_id = %s AND bucket_start = %s AND shard = %s "
+        "AND ts >= %s AND ts <= %s LIMIT %s"
+    )
+    since_ms, until_ms = epoch_ms(since), epoch_ms(until)
+    parts = await asyncio.gather(
+        *(
+            db.execute(query, (tenant, device_id, start, shard, since_ms, until_ms, limit))
+            for start, shard in wanted
+        )
+    )
+    out = []
+    for r in unique_events(parts):
         out.append(
             HistoryRow(
                 r.ts,

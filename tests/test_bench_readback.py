@@ -1,0 +1,79 @@
+"""The bench's read-back check (bench/benchlib.py) counts each stored event once.
+
+A device that changes rate class writes telemetry partitions of two bucket
+sizes; at 07:00 a 15-minute and a 1-hour bucket start together, so both sizes
+write into the same (bucket_start, shard) partition and ``telemetry_partitions``
+lists it twice. The check once read it twice and reported
+"MISMATCH: 40000/20000 stored" (and a doubled sustained rate).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from .helpers import ROOT, TEST_KEYSPACE
+
+BUCKET = 1_767_250_800_000  # 2026-01-01T07:00:00Z: a 15-minute and a 1-hour bucket start here
+MINUTE = 60_000
+
+
+@pytest.fixture
+def benchlib(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    # bench/ is a folder of scripts that import each other flat, as bench/run.py
+    # runs them with bench/ first on sys.path.
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import benchlib  # noqa: PLC0415
+
+    return benchlib
+
+
+@pytest.fixture
+def bench_db(benchlib: ModuleType, keyspace: str) -> Iterator[Any]:
+    db = benchlib.BenchDb(keyspace)
+    try:
+        yield db
+    finally:
+        db.close()
+
+
+def test_a_partition_listed_for_two_bucket_sizes_is_read_once(
+    benchlib: ModuleType, bench_db: Any
+) -> None:
+    db, session = bench_db, bench_db.session
+    tenant = f"t{uuid.uuid4().hex[:10]}"
+    device = "dev-000001"
+    ks = TEST_KEYSPACE
+    insert_row = session.prepare(
+        f"INSERT INTO {ks}.telemetry (tenant, device_id, bucket_start, shard, ts, event_id, "
+        "state, received_at) VALUES (?, ?, ?, ?, ?, ?, 'on', ?)"
+    )
+    insert_partition = session.prepare(
+        f"INSERT INTO {ks}.telemetry_partitions (tenant, device_id, bucket_start, shard, "
+        "bucket_seconds) VALUES (?, ?, ?, ?, ?)"
+    )
+    # Three events while the device was fast (15-minute buckets), two after it
+    # slowed down (1-hour buckets): all five in partition (07:00, shard 0).
+    events = [(BUCKET + m * MINUTE, 1000 + m) for m in (1, 5, 10, 20, 40)]
+    for ts, event_id in events:
+        session.execute(insert_row, (tenant, device, BUCKET, 0, ts, event_id, ts))
+    for seconds in (900, 3600):
+        session.execute(insert_partition, (tenant, device, BUCKET, 0, seconds))
+    # A redelivered copy of the 07:05 event that landed in shard 1 (the device
+    # was split over two shards in between): the same event, counted once.
+    ts, event_id = events[1]
+    session.execute(insert_row, (tenant, device, BUCKET, 1, ts, event_id, ts))
+    session.execute(insert_partition, (tenant, device, BUCKET, 1, 3600))
+
+    sent = [benchlib.Sent(device, ts, "on", None) for ts, _ in events]
+    check = db.check(tenant, sent, latest=False)
+
+    assert (check.published, check.stored, check.matched) == (5, 5, 5), check.text()
+    assert check.ok
+    assert check.text() == "5/5 ok"
+    assert len(check.write_us) == 5  # the sustained rate's rows, each once
+    assert db.count(tenant, [device]) == 5
