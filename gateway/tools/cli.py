@@ -434,6 +434,25 @@ async def _simulate(config: Config, args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``gateway`` command. A reader that goes away (``gateway devices ... |
+    head``) ends any command quietly with 141, the status of a process killed
+    by SIGPIPE, as other command-line tools do (the Python documentation's
+    recipe: stdout is flushed here, so the error cannot surface at exit)."""
+    try:
+        try:
+            code = _main(argv)
+        finally:
+            # Also when argparse exits (--help) with its output still buffered.
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that
+        # flush cannot fail too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     _setup_logging(getattr(args, "log_level", "INFO"))
     try:
@@ -472,11 +491,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return uvloop.run(coro)
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:
-        # The reader went away (`gateway history ... | head`): stop quietly, as
-        # other command-line tools do, and keep Python from complaining at exit.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
     except (GatewayError, BaseExceptionGroup) as exc:
         # Errors raised inside a TaskGroup arrive wrapped in a group.
         errors = _gateway_errors(exc)
