@@ -29,7 +29,7 @@ from cassandra.query import PreparedStatement, Statement, dict_factory
 from cassandra import ConsistencyLevel
 
 from ..config import CassandraConfig
-from ..errors import SinkError
+from ..errors import CassandraUnreachable, SinkError
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +100,10 @@ def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:
         future.set_exception(exc)
 
 
-def cannot_connect(config: CassandraConfig, exc: BaseException) -> SinkError:
+def cannot_connect(config: CassandraConfig, exc: BaseException) -> CassandraUnreachable:
     """The error of a failed connect, naming every contact point (both drivers)."""
     where = ", ".join(f"{h}:{config.port}" for h in config.contact_points)
-    return SinkError(f"cannot connect to Cassandra at {where}: {exc}")
+    return CassandraUnreachable(f"cannot connect to Cassandra at {where}: {exc}")
 
 
 def build_cluster(config: CassandraConfig, ssl_context: ssl.SSLContext | None = None) -> Cluster:
