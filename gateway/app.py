@@ -34,6 +34,7 @@ from .ingest.pipeline import Classifier, Flow, NoFlow, Pipeline
 from .ingest.receive import Handler, Receiver
 from .ingest.sampling import Sampler
 from .ingest.spool import Spool, SpoolSource
+from .sd_notify import Notifier
 from .spooling import spool_until_reachable, unreachable_since
 from .stats import Stats
 from .store.database import Database, connect
@@ -126,9 +127,19 @@ class Gateway:
 
     # -- running ----------------------------------------------------------
 
-    async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> Stats:
+    async def run(
+        self,
+        stop: asyncio.Event,
+        ready: asyncio.Event | None = None,
+        notifier: Notifier | None = None,
+    ) -> Stats:
         """Run until ``stop`` is set; returns the counters."""
+        notifier = notifier or Notifier()
+        # Ready once running, not once the broker answers: the receiver
+        # reconnects by itself, and systemd would kill a gateway waiting for it.
+        notifier.notify("READY=1", "STATUS=running")
         async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(notifier.keep_alive(stop))
             # The tasks that feed and drain the queue; in spool mode they are
             # cancelled at stop (what they hold stays spooled).
             feeding = [tasks.create_task(self._pipeline.write_loop())]
@@ -343,6 +354,7 @@ async def run(
     stats: Stats | None = None,
     shutdown_deadline: float = 10.0,
     ready: asyncio.Event | None = None,
+    notifier: Notifier | None = None,
 ) -> Stats:
     """`gateway run`: open the gateway, run it until ``stop`` is set, close it.
 
@@ -355,7 +367,7 @@ async def run(
     while True:
         try:
             async with open_gateway(config, stats, shutdown_deadline=shutdown_deadline) as gateway:
-                return await gateway.run(stop, ready)
+                return await gateway.run(stop, ready, notifier)
         except CassandraUnreachable as exc:
             if not config.spool.enabled:
                 raise CassandraUnreachable(
@@ -365,7 +377,13 @@ async def run(
             since = since or time.time()
             log.warning("%s: taking messages into the spool until it answers", exc)
         if not await spool_until_reachable(
-            config, stats, stop, since=since, shutdown_deadline=shutdown_deadline, ready=ready
+            config,
+            stats,
+            stop,
+            since=since,
+            shutdown_deadline=shutdown_deadline,
+            ready=ready,
+            notifier=notifier,
         ):
             log.info("stopped: %s", stats.summary())
             return stats

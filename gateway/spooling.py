@@ -34,6 +34,7 @@ from .errors import CassandraUnreachable
 from .ingest.receive import Delivery, Receiver
 from .ingest.spool import Spool, SpoolSource
 from .ingest.topics import TopicMatcher
+from .sd_notify import Notifier
 from .stats import Stats
 from .store.write_session import open_write_session
 from .web.metrics import gateway_registry
@@ -68,6 +69,7 @@ async def spool_until_reachable(
     since: float,
     shutdown_deadline: float,
     ready: asyncio.Event | None = None,
+    notifier: Notifier | None = None,
 ) -> bool:
     """Run the intake alone until a connection to Cassandra opens (True) or
     ``stop`` is set (False). ``since``: wall time the outage was first seen."""
@@ -105,7 +107,10 @@ async def spool_until_reachable(
 
             app = build_app(metrics=gateway_registry(stats, spool=spool), health=health)
             await stack.enter_async_context(serve(app, config.api.host, config.api.port))
+        notifier = notifier or Notifier()
+        notifier.notify("READY=1", f"STATUS={state}")
         async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(notifier.keep_alive(done))
             tasks.create_task(source.append())
             tasks.create_task(_receive(receiver, source, done))
             tasks.create_task(_connect(config.cassandra, reachable, done, stop))

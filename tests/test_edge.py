@@ -7,12 +7,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -23,6 +28,7 @@ from gateway.store.database import Database
 from .helpers import (
     ROOT,
     CuttableProxy,
+    GatewayProcess,
     base_env,
     device_row,
     make_config,
@@ -235,3 +241,80 @@ def test_without_the_spool_an_unreachable_cassandra_ends_the_start(tmp_path: Pat
     assert errors[0].startswith(f"gateway: cannot connect to Cassandra at 127.0.0.1:{port}")
     assert "spool.enabled" in errors[0]
     assert time.monotonic() - started < 30
+
+
+# ---------------------------------------------------------------- the systemd unit
+
+UNIT = ROOT / "deploy" / "systemd" / "gateway.service"
+
+
+def test_the_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    text = UNIT.read_text()
+    installed = "ExecStart=/opt/gateway/bin/gateway run --config /etc/gateway/gateway.toml"
+    assert installed in text
+    for directive in (
+        "Type=notify",
+        "WatchdogSec=",
+        "Restart=on-failure",
+        "User=gateway",
+        "StateDirectory=gateway",
+        "ProtectSystem=strict",
+        "ProtectHome=yes",
+        "PrivateTmp=yes",
+        "NoNewPrivileges=yes",
+    ):
+        assert directive in text, directive
+    # verify checks that ExecStart's program exists: the same unit, pointed at
+    # the gateway this test runs (the only change).
+    gateway = Path(sys.executable).parent / "gateway"
+    assert gateway.exists()
+    unit = tmp_path / "gateway.service"
+    unit.write_text(text.replace("/opt/gateway/bin/gateway", str(gateway)))
+    done = subprocess.run(
+        ["systemd-analyze", "verify", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    # It only warns about unknown keys and bad values: any word on the unit fails too.
+    assert done.returncode == 0, done.stderr
+    assert "gateway.service" not in done.stdout + done.stderr, done.stderr
+
+
+def test_ready_and_watchdog_reach_systemd_and_logs_suit_the_journal(
+    gateway_process: Callable[..., GatewayProcess], tmp_path: Path
+) -> None:
+    # A short directory: a socket path must fit in 108 bytes.
+    where = Path(tempfile.mkdtemp(prefix="gw-notify-", dir="/tmp"))
+    log_path = tmp_path / "gateway-0.log"  # where gateway_process's first process logs
+    log_path.touch()
+    stream = log_path.stat()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.bind(str(where / "notify"))
+            sock.settimeout(30)
+            proc = gateway_process(
+                NOTIFY_SOCKET=str(where / "notify"),
+                WATCHDOG_USEC="1000000",  # a ping every 0.5 s
+                JOURNAL_STREAM=f"{stream.st_dev}:{stream.st_ino}",
+            )
+            proc.start()
+            seen: list[str] = []
+            while seen.count("WATCHDOG=1") < 3:
+                seen += sock.recv(4096).decode().split("\n")
+            assert "READY=1" in seen
+            assert seen.index("READY=1") < seen.index("WATCHDOG=1")
+            proc.signal(signal.SIGTERM)
+            while "STOPPING=1" not in seen:
+                seen += sock.recv(4096).decode().split("\n")
+            assert proc.wait(30) == 0
+    finally:
+        shutil.rmtree(where)
+    lines = [line for line in proc.output().splitlines() if line.strip()]
+    assert any("subscribed to" in line for line in lines)
+    # The journal stamps each line: no time of our own, a syslog priority instead.
+    assert all(re.match(r"<[2-7]>(DEBUG|INFO|WARNING|ERROR|CRITICAL) ", line) for line in lines), (
+        lines
+    )
+    assert not any(re.search(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", line[:40]) for line in lines)

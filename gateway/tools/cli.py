@@ -30,6 +30,7 @@ from .. import app
 from ..config import Config, load_config
 from ..errors import ConfigError, GatewayError, QueryError
 from ..ingest.receive import mqtt_client
+from ..sd_notify import Notifier
 from ..store import queries, schema
 from ..store.database import connect
 from ..web import tokens
@@ -39,13 +40,44 @@ from .simulate import FleetSpec, publish
 log = logging.getLogger("gateway")
 
 
+# Python's levels as syslog priorities, for the journal.
+_PRIORITY = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4, logging.INFO: 6}
+
+
+class _JournalFormatter(logging.Formatter):
+    """For stderr connected to the journal: no time of our own (the journal
+    stamps every line), and a ``<N>`` syslog priority prefix, which journald
+    reads as the line's level."""
+
+    def __init__(self) -> None:
+        super().__init__("%(levelname)-7s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"<{_PRIORITY.get(record.levelno, 7)}>{super().format(record)}"
+
+
+def _stderr_is_journal() -> bool:
+    """systemd sets JOURNAL_STREAM to the device and inode of the stream it
+    connected; it is inherited, so compare it with our own stderr."""
+    expected = os.environ.get("JOURNAL_STREAM", "")
+    try:
+        st = os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError):
+        return False
+    return expected == f"{st.st_dev}:{st.st_ino}"
+
+
 def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-        datefmt="%Y-%m-%dT%H:%M:%S",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    if _stderr_is_journal():
+        handler.setFormatter(_JournalFormatter())
+    else:
+        handler.setFormatter(
+            logging.Formatter(
+                "%(asctime)s %(levelname)-7s %(name)s: %(message)s", datefmt="%Y-%m-%dT%H:%M:%S"
+            )
+        )
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
     # The driver is chatty at INFO (topology events); its warnings still show.
     logging.getLogger("cassandra").setLevel(logging.WARNING)
 
@@ -217,13 +249,17 @@ async def _run(config: Config) -> int:
         ",".join(config.cassandra.contact_points),
         config.cassandra.keyspace,
     )
+    notifier = Notifier.from_environ(os.environ)
     task = asyncio.create_task(
-        app.run(config, stop, shutdown_deadline=config.pipeline.shutdown_deadline)
+        app.run(
+            config, stop, shutdown_deadline=config.pipeline.shutdown_deadline, notifier=notifier
+        )
     )
     await asyncio.wait(
         (task, asyncio.ensure_future(stop.wait())), return_when=asyncio.FIRST_COMPLETED
     )
     if not task.done():
+        notifier.notify("STOPPING=1")
         started = time.monotonic()
         try:
             # The pipeline has its own deadline; this one is the backstop.
