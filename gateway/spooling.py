@@ -26,7 +26,8 @@ import asyncio
 import logging
 import random
 import time
-from contextlib import AsyncExitStack
+from collections.abc import Iterator
+from contextlib import AsyncExitStack, contextmanager
 from datetime import UTC, datetime
 
 from .config import CassandraConfig, Config
@@ -46,6 +47,24 @@ RETRY_MIN = 0.5
 RETRY_MAX = 10.0
 # A failed attempt is logged at most this often (the status line says the rest).
 LOG_EVERY = 60.0
+
+
+# Where the drivers report a failed connect (with a traceback, from
+# cassandra-driver) on every attempt; the attempts are reported here instead.
+_DRIVER_LOGGERS = ("cassandra.cluster", "gateway.store.write_session")
+
+
+@contextmanager
+def _drivers_quiet() -> Iterator[None]:
+    drop = logging.Filter("-")  # a name no logger has: it passes nothing
+    loggers = [logging.getLogger(name) for name in _DRIVER_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(drop)
 
 
 def unreachable_since(wall: float) -> str:
@@ -146,8 +165,9 @@ async def _connect(
             try:
                 # Exactly the connection `gateway run` opens (same driver, same
                 # checks); closed at once, the gateway opens its own.
-                async with open_write_session(config):
-                    pass
+                with _drivers_quiet():
+                    async with open_write_session(config):
+                        pass
             except CassandraUnreachable as exc:
                 if time.monotonic() - logged >= LOG_EVERY:
                     logged = time.monotonic()

@@ -17,6 +17,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import pytest
 from gateway.store.database import Database
 
 from .helpers import (
+    DRIVERS,
     ROOT,
     CuttableProxy,
     GatewayProcess,
@@ -318,3 +320,107 @@ def test_ready_and_watchdog_reach_systemd_and_logs_suit_the_journal(
         lines
     )
     assert not any(re.search(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", line[:40]) for line in lines)
+
+
+# ---------------------------------------------------------------- init, check, the wheel
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_check_says_what_is_wrong_in_its_first_line(driver: str) -> None:
+    port = _free_port()  # nothing listens there
+    env = base_env(GATEWAY_CASSANDRA__PORT=str(port), GATEWAY_CASSANDRA__DRIVER=driver)
+    result = run_cli("check", env=env, timeout=60)
+    assert result.returncode == 1
+    first = result.stdout.splitlines()[0]
+    assert first == f"cannot connect to Cassandra at 127.0.0.1:{port}: connection refused"
+    # The drivers' own reports (tracebacks) would come before it in a terminal.
+    assert result.stderr == ""
+    # Both wrong: the first problem, and how many more.
+    env |= {"GATEWAY_MQTT__PORT": str(port)}
+    result = run_cli("check", env=env, timeout=60)
+    assert result.returncode == 1
+    assert result.stdout.splitlines()[0] == (
+        f"cannot connect to the broker at mqtt://127.0.0.1:{port}: connection refused "
+        "(and 1 more problem below)"
+    )
+
+
+def test_init_writes_the_example_config_and_keeps_an_existing_file(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.toml"
+    result = run_cli("init", str(path))
+    assert result.returncode == 0, result.stderr
+    assert path.read_text() == (ROOT / "gateway.example.toml").read_text()
+    path.write_text("# mine\n")
+    result = run_cli("init", str(path))
+    assert result.returncode == 1
+    assert f"{path} exists" in result.stderr
+    assert "--force" in result.stderr
+    assert path.read_text() == "# mine\n"
+    result = run_cli("init", "--force", str(path))
+    assert result.returncode == 0, result.stderr
+    assert path.read_text() == (ROOT / "gateway.example.toml").read_text()
+
+
+@pytest.mark.slow
+def test_the_wheel_alone_installs_initialises_and_checks(keyspace: str, tmp_path: Path) -> None:
+    """Built from the checkout, installed into a fresh virtualenv (its
+    dependencies from PyPI, as a user's pip would fetch them), run from a
+    directory outside the repository."""
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(ROOT)],
+        check=True,
+        timeout=300,
+    )
+    (wheel,) = wheels.glob("*.whl")
+    with zipfile.ZipFile(wheel) as zipped:
+        names = set(zipped.namelist())
+        # The links in the checkout arrive as their contents.
+        example = zipped.read("gateway/example.toml").decode()
+    assert example == (ROOT / "gateway.example.toml").read_text()
+    static = {p.name for p in (ROOT / "gateway" / "web" / "static").iterdir()}
+    assert {f"gateway/web/static/{name}" for name in static} <= names
+    cql = {p.name for p in (ROOT / "schema").glob("*.cql")}
+    assert {f"gateway/schema/{name}" for name in cql} <= names
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    subprocess.run(
+        [str(venv / "bin" / "pip"), "install", "-q", str(wheel)], check=True, timeout=600
+    )
+    elsewhere = tmp_path / "host"
+    elsewhere.mkdir()
+    env = {k: v for k, v in base_env().items() if k != "PYTHONPATH"}
+
+    def gateway(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(venv / "bin" / "gateway"), *args],
+            cwd=elsewhere,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+
+    where = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import gateway; print(gateway.__file__)"],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert where.stdout.startswith(str(venv))  # not the checkout
+    assert gateway("init").returncode == 0
+    assert (elsewhere / "gateway.toml").read_text() == example
+    checked = gateway("check", "--config", "gateway.toml")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert f"keyspace {keyspace}, schema complete" in checked.stdout
+    printed = gateway("schema", "print")
+    assert printed.returncode == 0, printed.stderr
+    assert "CREATE TABLE IF NOT EXISTS" in printed.stdout
+    env["GATEWAY_CASSANDRA__PORT"] = str(_free_port())
+    failed = gateway("check", "--config", "gateway.toml")
+    assert failed.returncode == 1
+    assert failed.stdout.splitlines()[0].startswith("cannot connect to Cassandra at 127.0.0.1:")

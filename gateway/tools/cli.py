@@ -1,4 +1,4 @@
-"""Command line: ``gateway run | serve | schema apply|migrate|print | check | devices |
+"""Command line: ``gateway init | run | serve | schema apply|migrate|print | check | devices |
 device | history | rejected | simulate | token add/list/revoke``. The only place that configures
 logging and reads argv.
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.resources
 import logging
 import os
 import signal
@@ -101,6 +102,14 @@ def _parser() -> argparse.ArgumentParser:
         parents=[common],
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    ini = sub.add_parser(
+        "init", help="write a commented config (every key, its default) to start from"
+    )
+    ini.add_argument(
+        "path", nargs="?", type=Path, default=Path("gateway.toml"), help="default gateway.toml"
+    )
+    ini.add_argument("--force", action="store_true", help="replace an existing file")
 
     sub.add_parser("run", parents=[common], help="run the gateway until SIGTERM/SIGINT")
     sub.add_parser(
@@ -222,6 +231,27 @@ def _time_arg(name: str, text: str | None, default: datetime) -> datetime:
         return queries.parse_time(name, text)
     except QueryError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _init(path: Path, force: bool) -> int:
+    # The example config ships in the package (gateway/example.toml, a link to
+    # gateway.example.toml in a checkout): one source for the README, the
+    # tests and this.
+    text = importlib.resources.files("gateway").joinpath("example.toml").read_text()
+    try:
+        with path.open("w" if force else "x") as out:
+            out.write(text)
+    except FileExistsError:
+        print(f"gateway: {path} exists; not replacing it (--force to do so)", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"gateway: cannot write {path}: {exc.strerror}", file=sys.stderr)
+        return 1
+    print(
+        f"wrote {path}: set [mqtt] and [cassandra] (and [spool] on an edge host), "
+        f"then: gateway check --config {path}"
+    )
+    return 0
 
 
 def _print_json(value: Any) -> None:
@@ -490,7 +520,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "init":
+        return _init(args.path, args.force)  # before any config exists to load
     _setup_logging(getattr(args, "log_level", "INFO"))
+    if args.command == "check":
+        # check reports every failure itself, first thing, in one line; the
+        # drivers' own reports (tracebacks included) would come before it.
+        for name in ("cassandra", "gateway.store.write_session"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         config = load_config(getattr(args, "config", None))
     except ConfigError as exc:
