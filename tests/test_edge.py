@@ -39,6 +39,7 @@ from .helpers import (
     running_gateway,
     telemetry_keys,
     topic,
+    wait_until_blocking,
 )
 
 # ---------------------------------------------------------------- found as a new user
@@ -229,6 +230,32 @@ async def test_starts_spooling_while_cassandra_is_unreachable_then_drains(
     for i in range(5):
         assert len(await telemetry_keys(db, tenant, f"d{i}")) == 60
     assert (await device_row(db, tenant, "d4")).value_num == 299
+
+
+def test_sigterm_while_only_spooling_ends_cleanly_and_the_log_stays_quiet(
+    gateway_process: Callable[..., GatewayProcess], tmp_path: Path
+) -> None:
+    """`gateway run` as a process, through cassandra-driver (whose failed
+    connects log tracebacks): after the first failure, the attempts are
+    reported by the gateway alone."""
+    proc = gateway_process(
+        GATEWAY_CASSANDRA__PORT=str(_free_port()),
+        GATEWAY_CASSANDRA__DRIVER="python",
+        GATEWAY_SPOOL__ENABLED="true",
+        GATEWAY_SPOOL__PATH=str(tmp_path / "spool.sqlite"),
+    )
+    proc.start()
+    wait_until_blocking(
+        lambda: proc.output().count("status: spooling, Cassandra unreachable since") >= 5,
+        deadline=30,
+        what="five status lines (about five connect attempts)",
+    )
+    proc.signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    out = proc.output()
+    after_first = out.split("taking messages into the spool until it answers", 1)[1]
+    assert "Traceback" not in after_first
+    assert "stopped: " in after_first
 
 
 def test_without_the_spool_an_unreachable_cassandra_ends_the_start(tmp_path: Path) -> None:
