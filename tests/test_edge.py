@@ -24,6 +24,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from gateway.store import queries
 from gateway.store.database import Database
 
 from .helpers import (
@@ -39,6 +40,7 @@ from .helpers import (
     running_gateway,
     telemetry_keys,
     topic,
+    wait_until,
     wait_until_blocking,
 )
 
@@ -80,9 +82,16 @@ async def test_a_long_listing_piped_into_head_ends_quietly(db: Database, tenant:
         )
         for i in range(count)
     ]
-    async with running_gateway(make_config(GATEWAY_SAMPLING__ENABLED="false")) as gw:
+    config = make_config(GATEWAY_SAMPLING__ENABLED="false")
+    async with running_gateway(config):
         await publish(messages)
-        await gw.wait_handled(count, deadline=120)
+
+        async def listed() -> bool:
+            # The query the command runs (the gateway's counters would also
+            # count other tests' messages on the shared broker).
+            return len(await queries.devices_in_state(db, config, tenant, "on")) == count
+
+        await wait_until(listed, deadline=120, what=f"{count} devices in state on")
     first, code, err = await asyncio.to_thread(
         _into_head, "devices", "--tenant", tenant, "--state", "on", env=base_env()
     )
@@ -207,13 +216,16 @@ async def test_starts_spooling_while_cassandra_is_unreachable_then_drains(
             await gw.wait_for(lambda s: s.acked >= 300, deadline=60)
             assert gw.stats.written == 0
             assert gw.stats.spool is not None
-            assert gw.stats.spool.depth == 300
+            # At least: the gateway subscribes to every tenant on the shared
+            # broker, so other tests' messages may be spooled beside ours.
+            assert gw.stats.spool.depth >= 300
             code, health = await asyncio.to_thread(_healthz, api_port)
             assert code == 503
             checks = health["checks"]
             assert isinstance(checks, dict)
             assert str(checks["cassandra"]).startswith("spooling, Cassandra unreachable since ")
-            assert checks["spool"] == 300
+            assert isinstance(checks["spool"], int)
+            assert checks["spool"] >= 300
             await gw.wait_for(
                 lambda _: any(
                     "status: spooling, Cassandra unreachable since " in r.getMessage()
@@ -222,9 +234,21 @@ async def test_starts_spooling_while_cassandra_is_unreachable_then_drains(
                 deadline=10,
             )
             await link.start()  # the link is back, on the same port
-            await gw.wait_for(lambda s: s.spool.depth == 0 and s.written >= 300, deadline=90)
-            code, health = await asyncio.to_thread(_healthz, api_port)
-            assert code == 200, health
+
+            async def all_stored() -> bool:
+                keys = [await telemetry_keys(db, tenant, f"d{i}") for i in range(5)]
+                return all(len(k) == 60 for k in keys)
+
+            # Drained: every message in Cassandra (the spool's depth may not
+            # stay at 0 while other tests publish).
+            await wait_until(all_stored, deadline=90, what="the spool drained into Cassandra")
+
+            async def healthy() -> bool:
+                code, _ = await asyncio.to_thread(_healthz, api_port)
+                return code == 200
+
+            # Once the full gateway's MQTT session is up too (it may drain first).
+            await wait_until(healthy, deadline=30, what="/healthz 200 after the drain")
     finally:
         await link.cut()
     for i in range(5):
