@@ -10,7 +10,7 @@ WORKDIR /app
 
 # Every dependency ships manylinux wheels for CPython 3.11 (cassandra-driver
 # >= 3.30 included), so no compiler is needed in the image.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md gateway.example.toml ./
 COPY gateway/ ./gateway/
 COPY schema/ ./schema/
 RUN pip install --no-cache-dir .

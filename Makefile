@@ -43,10 +43,14 @@ down:
 	-@bash mosquitto/mosquitto.sh stop
 	-@bash cassandra/cassandra.sh stop
 
+# Exits non-zero when Mosquitto or Cassandra is not running (each line is
+# still printed); the browser is only the tests' concern, so it just reports.
 status:
-	-@bash mosquitto/mosquitto.sh status
-	-@bash cassandra/cassandra.sh status
-	-@bash tests/browser/chromium.sh status
+	@rc=0; \
+	bash mosquitto/mosquitto.sh status || rc=1; \
+	bash cassandra/cassandra.sh status || rc=1; \
+	bash tests/browser/chromium.sh status || true; \
+	exit $$rc
 
 schema: venv
 	$(GATEWAY) schema apply

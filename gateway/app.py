@@ -22,17 +22,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from .config import Config
-from .errors import SchemaError
+from .errors import CassandraUnreachable, SchemaError
 from .ingest.pipeline import Classifier, Flow, NoFlow, Pipeline
 from .ingest.receive import Handler, Receiver
 from .ingest.sampling import Sampler
 from .ingest.spool import Spool, SpoolSource
+from .sd_notify import Notifier
+from .spooling import spool_until_reachable, unreachable_since
 from .stats import Stats
 from .store.database import Database, connect
 from .store.hot import HotPartitions
@@ -88,13 +91,18 @@ class Gateway:
         failing = self._requests.failing_for
         details: dict[str, object] = {
             "mqtt": "connected" if connected else "disconnected",
-            "cassandra": "ok" if failing is None else f"writes failing for {failing:.0f} s",
+            "cassandra": "ok" if failing is None else self._failing(failing),
             "queue_depth": self._pipeline.queue_depth,
             "in_flight": self.stats.in_flight,
         }
         if self._spool is not None:
             details["spool"] = self._spool.spool.depth
         return connected and failing is None, details
+
+    def _failing(self, seconds: float) -> str:
+        if self._spool is not None:
+            return unreachable_since(time.time() - seconds)
+        return f"writes failing for {seconds:.0f} s"
 
     def noisy(self, tenant: str) -> list[dict[str, object]]:
         """The tenant's noisy devices, noisiest first (``since``: epoch seconds)."""
@@ -119,9 +127,19 @@ class Gateway:
 
     # -- running ----------------------------------------------------------
 
-    async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> Stats:
+    async def run(
+        self,
+        stop: asyncio.Event,
+        ready: asyncio.Event | None = None,
+        notifier: Notifier | None = None,
+    ) -> Stats:
         """Run until ``stop`` is set; returns the counters."""
+        notifier = notifier or Notifier()
+        # Ready once running, not once the broker answers: the receiver
+        # reconnects by itself, and systemd would kill a gateway waiting for it.
+        notifier.notify("READY=1", "STATUS=running")
         async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(notifier.keep_alive(stop))
             # The tasks that feed and drain the queue; in spool mode they are
             # cancelled at stop (what they hold stays spooled).
             feeding = [tasks.create_task(self._pipeline.write_loop())]
@@ -194,7 +212,11 @@ class Gateway:
                     await stop.wait()
             except TimeoutError:
                 self.stats.queue_depth = self._pipeline.queue_depth
-                log.info("status: %s", self.stats.status_line())
+                failing = self._requests.failing_for
+                if failing is not None and self._spool is not None:
+                    log.info("status: %s; %s", self._failing(failing), self.stats.status_line())
+                else:
+                    log.info("status: %s", self.stats.status_line())
                 self._pipeline.tick()  # rotations due while no event follows
 
     async def _signal_ready(self, stop: asyncio.Event, ready: asyncio.Event | None) -> None:
@@ -336,7 +358,36 @@ async def run(
     stats: Stats | None = None,
     shutdown_deadline: float = 10.0,
     ready: asyncio.Event | None = None,
+    notifier: Notifier | None = None,
 ) -> Stats:
-    """`gateway run`: open the gateway, run it until ``stop`` is set, close it."""
-    async with open_gateway(config, stats, shutdown_deadline=shutdown_deadline) as gateway:
-        return await gateway.run(stop, ready)
+    """`gateway run`: open the gateway, run it until ``stop`` is set, close it.
+
+    In spool mode a start that cannot reach Cassandra spools until it can
+    (gateway/spooling.py), then opens the gateway. Without the spool it ends
+    at once: nothing could be taken meanwhile (the broker's persistent session
+    keeps the backlog either way), and the service manager restarts it."""
+    stats = stats or Stats()
+    since: float | None = None
+    while True:
+        try:
+            async with open_gateway(config, stats, shutdown_deadline=shutdown_deadline) as gateway:
+                return await gateway.run(stop, ready, notifier)
+        except CassandraUnreachable as exc:
+            if not config.spool.enabled:
+                raise CassandraUnreachable(
+                    f"{exc} (cassandra.contact_points, cassandra.port); not retried without "
+                    "the spool: with spool.enabled the gateway starts anyway and spools"
+                ) from None
+            since = since or time.time()
+            log.warning("%s: taking messages into the spool until it answers", exc)
+        if not await spool_until_reachable(
+            config,
+            stats,
+            stop,
+            since=since,
+            shutdown_deadline=shutdown_deadline,
+            ready=ready,
+            notifier=notifier,
+        ):
+            log.info("stopped: %s", stats.summary())
+            return stats

@@ -37,6 +37,11 @@ class SinkError(GatewayError):
     """Cassandra refused a write in a way retrying cannot fix, or gave up."""
 
 
+class CassandraUnreachable(SinkError):
+    """No connection to Cassandra could be opened (address, link or credentials).
+    In spool mode ``gateway run`` spools and keeps trying instead (gateway/spooling.py)."""
+
+
 class SchemaError(GatewayError):
     """The schema could not be applied, or is missing."""
 

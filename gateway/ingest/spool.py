@@ -32,10 +32,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from ..stats import Stats
-from .pipeline import Flow, Pipeline
+from .pipeline import Flow
 from .receive import Delivery
 
 T = TypeVar("T")
@@ -229,6 +229,12 @@ class _Deleted:
         self._source.written(self._seq, self._size)
 
 
+class Queue(Protocol):
+    """Where the spool's records go: the pipeline (``Pipeline.put``)."""
+
+    async def put(self, delivery: Delivery) -> None: ...
+
+
 class SpoolSource:
     """Spool mode's source: the broker's deliveries go into the spool, and the
     spool, read in arrival order, feeds the pipeline like any other source.
@@ -243,7 +249,7 @@ class SpoolSource:
     def __init__(
         self,
         spool: Spool,
-        pipeline: Pipeline,
+        pipeline: Queue,
         flow: Flow,
         stats: Stats,
         batch: int,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import ssl
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -29,7 +30,7 @@ from cassandra.query import PreparedStatement, Statement, dict_factory
 from cassandra import ConsistencyLevel
 
 from ..config import CassandraConfig
-from ..errors import SinkError
+from ..errors import CassandraUnreachable, SinkError
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +101,28 @@ def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:
         future.set_exception(exc)
 
 
-def cannot_connect(config: CassandraConfig, exc: BaseException) -> SinkError:
+def cannot_connect(config: CassandraConfig, exc: BaseException) -> CassandraUnreachable:
     """The error of a failed connect, naming every contact point (both drivers)."""
     where = ", ".join(f"{h}:{config.port}" for h in config.contact_points)
-    return SinkError(f"cannot connect to Cassandra at {where}: {exc}")
+    return CassandraUnreachable(f"cannot connect to Cassandra at {where}: {_reason(exc)}")
+
+
+# What the drivers wrap the cause of a failed connect in, to unwrap for one short line:
+# cassandra-driver's "Tried connecting to [...]. Last error: Connection refused",
+# acsylla's "No hosts available: Underlying connection error: Connect error 'connection refused'".
+_LAST_ERROR = re.compile(r"Last error: (.+)$|Connect error '(.+)'$")
+
+
+def _reason(exc: BaseException) -> str:
+    """The cause of a failed connect, short when the drivers' wrapping is known."""
+    errors = getattr(exc, "errors", None)  # NoHostAvailable: {host: error}
+    causes = list(errors.values()) if isinstance(errors, dict) and errors else [exc]
+    text = str(causes[0])
+    found = _LAST_ERROR.search(text)
+    if found is None:
+        return text
+    reason = found.group(1) or found.group(2)
+    return reason[:1].lower() + reason[1:]
 
 
 def build_cluster(config: CassandraConfig, ssl_context: ssl.SSLContext | None = None) -> Cluster:

@@ -39,8 +39,14 @@ REQUIRED_TABLES = (
 
 
 def schema_dir() -> Path:
-    """The schema/ folder: next to the package in a checkout, else in the cwd (Docker)."""
-    for candidate in (Path(__file__).resolve().parents[2] / "schema", Path.cwd() / "schema"):
+    """The schema/ folder: inside the package (package data; in a checkout a
+    symlink to the top-level schema/), else next to it, else in the cwd."""
+    here = Path(__file__).resolve()
+    for candidate in (
+        here.parents[1] / "schema",
+        here.parents[2] / "schema",
+        Path.cwd() / "schema",
+    ):
         if candidate.is_dir() and any(candidate.glob("*.cql")):
             return candidate
     raise SchemaError("no schema/ folder with .cql files next to the package or in the cwd")

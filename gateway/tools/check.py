@@ -2,13 +2,16 @@
 
 Connects to the broker (with a throw-away client id, so the gateway's own
 persistent session is untouched) and to Cassandra, and checks the schema.
-Prints one line per check and exits non-zero if any fails. Never prints
+When something is wrong its first line says what, in one sentence ("cannot
+connect to Cassandra at 127.0.0.1:9043: connection refused"); then one line
+per check. Exits non-zero if any fails. Never prints
 secrets: only hosts, ports, keyspace and table names.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
 import time
 
@@ -20,20 +23,29 @@ from ..store.schema import missing_from
 from ..store.write_session import open_write_session
 from .mqtt_client import mqtt_client
 
+# (ok, the check's line, and when it failed the one sentence that says what is wrong)
+Result = tuple[bool, str, str]
 
-async def _broker(config: Config) -> tuple[bool, str]:
+
+async def _broker(config: Config) -> Result:
     cfg = config.mqtt
     where = f"{'mqtts' if cfg.tls.enabled else 'mqtt'}://{cfg.host}:{cfg.port}"
     try:
         async with mqtt_client(
             cfg, identifier=f"{cfg.client_id}-check-{os.getpid()}", clean_start=True, timeout=5
         ):
-            return True, f"broker: ok ({where})"
+            return True, f"broker: ok ({where})", ""
     except aiomqtt.MqttError as exc:
-        return False, f"broker: unreachable at {where}: {exc}"
+        reason = re.sub(r"^\[Errno \d+\] ", "", str(exc))
+        reason = reason[:1].lower() + reason[1:]
+        return (
+            False,
+            f"broker: unreachable at {where}: {exc}",
+            f"cannot connect to the broker at {where}: {reason}",
+        )
 
 
-async def _cassandra(config: Config) -> tuple[bool, str]:
+async def _cassandra(config: Config) -> Result:
     hosts = ",".join(f"{h}:{config.cassandra.port}" for h in config.cassandra.contact_points)
     try:
         # Through the driver `gateway run` will write with (cassandra.driver).
@@ -41,40 +53,52 @@ async def _cassandra(config: Config) -> tuple[bool, str]:
             missing = missing_from(session.keyspace, await session.tables())
             driver = session.name
     except (SinkError, ConfigError) as exc:
-        return False, f"cassandra: {exc}"
+        return False, f"cassandra: {exc}", str(exc)
     if missing:
-        return False, (
+        return (
+            False,
             f"cassandra: reachable ({hosts}) but the schema is missing "
-            f"{', '.join(missing)}: run `gateway schema apply`"
+            f"{', '.join(missing)}: run `gateway schema apply`",
+            f"Cassandra at {hosts} answers but the schema is incomplete "
+            f"(missing {', '.join(missing)}): run `gateway schema apply`",
         )
-    return True, (
+    return (
+        True,
         f"cassandra: ok ({hosts}, keyspace {config.cassandra.keyspace}, schema complete, "
-        f"writes through {driver})"
+        f"writes through {driver})",
+        "",
     )
 
 
-def _spool(config: Config) -> tuple[bool, str]:
+def _spool(config: Config) -> Result:
     path = config.spool.path
     if not path.exists():
-        return True, f"spool: empty ({path} not created yet)"
+        return True, f"spool: empty ({path} not created yet)", ""
     try:
         with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
             depth, oldest = db.execute("SELECT count(*), min(received_ms) FROM spool").fetchone()
     except sqlite3.Error as exc:
-        return False, f"spool: cannot read {path}: {exc}"
+        return False, f"spool: cannot read {path}: {exc}", f"cannot read the spool {path}: {exc}"
     age = 0.0 if oldest is None else max(0.0, time.time() - oldest / 1000)
     full = depth >= config.spool.max_records
     state = "FULL (acknowledgements paused)" if full else "ok"
-    return not full, (
+    return (
+        not full,
         f"spool: {state}, {depth} messages waiting, oldest {age:.0f} s "
-        f"({path}; drain rate: gateway_spool_drained_total in /metrics)"
+        f"({path}; drain rate: gateway_spool_drained_total in /metrics)",
+        f"the spool is full ({depth} messages, spool.max_records): acknowledgements paused",
     )
 
 
 async def run(config: Config) -> int:
+    """Print what is wrong first, in one line, then one line per check."""
     results = [await _broker(config), await _cassandra(config)]
     if config.spool.enabled:
         results.append(_spool(config))
-    for _, line in results:
+    problems = [problem for ok, _, problem in results if not ok]
+    if problems:
+        more = len(problems) - 1
+        print(problems[0] + (f" (and {more} more problem{'s' * (more > 1)} below)" if more else ""))
+    for _, line, _ in results:
         print(line)
-    return 0 if all(ok for ok, _ in results) else 1
+    return 1 if problems else 0

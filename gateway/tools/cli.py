@@ -1,4 +1,4 @@
-"""Command line: ``gateway run | serve | schema apply|migrate|print | check | devices |
+"""Command line: ``gateway init | run | serve | schema apply|migrate|print | check | devices |
 device | history | rejected | simulate | token add/list/revoke``. The only place that configures
 logging and reads argv.
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.resources
 import logging
 import os
 import signal
@@ -29,6 +30,7 @@ import uvloop
 from .. import app
 from ..config import Config, load_config
 from ..errors import ConfigError, GatewayError, QueryError
+from ..sd_notify import Notifier
 from ..store import queries, schema
 from ..store.database import connect
 from ..web import tokens
@@ -39,13 +41,44 @@ from .simulate import FleetSpec, publish
 log = logging.getLogger("gateway")
 
 
+# Python's levels as syslog priorities, for the journal.
+_PRIORITY = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4, logging.INFO: 6}
+
+
+class _JournalFormatter(logging.Formatter):
+    """For stderr connected to the journal: no time of our own (the journal
+    stamps every line), and a ``<N>`` syslog priority prefix, which journald
+    reads as the line's level."""
+
+    def __init__(self) -> None:
+        super().__init__("%(levelname)-7s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"<{_PRIORITY.get(record.levelno, 7)}>{super().format(record)}"
+
+
+def _stderr_is_journal() -> bool:
+    """systemd sets JOURNAL_STREAM to the device and inode of the stream it
+    connected; it is inherited, so compare it with our own stderr."""
+    expected = os.environ.get("JOURNAL_STREAM", "")
+    try:
+        st = os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError):
+        return False
+    return expected == f"{st.st_dev}:{st.st_ino}"
+
+
 def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-        datefmt="%Y-%m-%dT%H:%M:%S",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    if _stderr_is_journal():
+        handler.setFormatter(_JournalFormatter())
+    else:
+        handler.setFormatter(
+            logging.Formatter(
+                "%(asctime)s %(levelname)-7s %(name)s: %(message)s", datefmt="%Y-%m-%dT%H:%M:%S"
+            )
+        )
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
     # The driver is chatty at INFO (topology events); its warnings still show.
     logging.getLogger("cassandra").setLevel(logging.WARNING)
 
@@ -69,6 +102,14 @@ def _parser() -> argparse.ArgumentParser:
         parents=[common],
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    ini = sub.add_parser(
+        "init", help="write a commented config (every key, its default) to start from"
+    )
+    ini.add_argument(
+        "path", nargs="?", type=Path, default=Path("gateway.toml"), help="default gateway.toml"
+    )
+    ini.add_argument("--force", action="store_true", help="replace an existing file")
 
     sub.add_parser("run", parents=[common], help="run the gateway until SIGTERM/SIGINT")
     sub.add_parser(
@@ -192,6 +233,27 @@ def _time_arg(name: str, text: str | None, default: datetime) -> datetime:
         raise ConfigError(str(exc)) from None
 
 
+def _init(path: Path, force: bool) -> int:
+    # The example config ships in the package (gateway/example.toml, a link to
+    # gateway.example.toml in a checkout): one source for the README, the
+    # tests and this.
+    text = importlib.resources.files("gateway").joinpath("example.toml").read_text()
+    try:
+        with path.open("w" if force else "x") as out:
+            out.write(text)
+    except FileExistsError:
+        print(f"gateway: {path} exists; not replacing it (--force to do so)", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"gateway: cannot write {path}: {exc.strerror}", file=sys.stderr)
+        return 1
+    print(
+        f"wrote {path}: set [mqtt] and [cassandra] (and [spool] on an edge host), "
+        f"then: gateway check --config {path}"
+    )
+    return 0
+
+
 def _print_json(value: Any) -> None:
     sys.stdout.write(orjson.dumps(value, option=orjson.OPT_INDENT_2).decode() + "\n")
 
@@ -217,13 +279,17 @@ async def _run(config: Config) -> int:
         ",".join(config.cassandra.contact_points),
         config.cassandra.keyspace,
     )
+    notifier = Notifier.from_environ(os.environ)
     task = asyncio.create_task(
-        app.run(config, stop, shutdown_deadline=config.pipeline.shutdown_deadline)
+        app.run(
+            config, stop, shutdown_deadline=config.pipeline.shutdown_deadline, notifier=notifier
+        )
     )
     await asyncio.wait(
         (task, asyncio.ensure_future(stop.wait())), return_when=asyncio.FIRST_COMPLETED
     )
     if not task.done():
+        notifier.notify("STOPPING=1")
         started = time.monotonic()
         try:
             # The pipeline has its own deadline; this one is the backstop.
@@ -434,8 +500,34 @@ async def _simulate(config: Config, args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``gateway`` command. A reader that goes away (``gateway devices ... |
+    head``) ends any command quietly with 141, the status of a process killed
+    by SIGPIPE, as other command-line tools do (the Python documentation's
+    recipe: stdout is flushed here, so the error cannot surface at exit)."""
+    try:
+        try:
+            code = _main(argv)
+        finally:
+            # Also when argparse exits (--help) with its output still buffered.
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that
+        # flush cannot fail too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "init":
+        return _init(args.path, args.force)  # before any config exists to load
     _setup_logging(getattr(args, "log_level", "INFO"))
+    if args.command == "check":
+        # check reports every failure itself, first thing, in one line; the
+        # drivers' own reports (tracebacks included) would come before it.
+        for name in ("cassandra", "gateway.store.write_session"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         config = load_config(getattr(args, "config", None))
     except ConfigError as exc:
@@ -472,11 +564,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return uvloop.run(coro)
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:
-        # The reader went away (`gateway history ... | head`): stop quietly, as
-        # other command-line tools do, and keep Python from complaining at exit.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
     except (GatewayError, BaseExceptionGroup) as exc:
         # Errors raised inside a TaskGroup arrive wrapped in a group.
         errors = _gateway_errors(exc)

@@ -1,0 +1,200 @@
+"""Spooling while Cassandra is unreachable: how ``gateway run`` starts, in spool
+mode, when no connection to Cassandra can be opened.
+
+An edge host that reboots during a link outage is exactly when the spool
+matters, so in spool mode such a start does not exit. :func:`spool_until_reachable`
+runs the intake alone: the MQTT session, the spool's group commits (each
+message acknowledged once committed, as in full mode), ``/healthz`` (503) and
+``/metrics``, and the status line, saying "spooling, Cassandra unreachable
+since <time>". Meanwhile it opens a connection the way ``gateway run`` will,
+with capped exponential backoff and jitter (:data:`RETRY_MIN` to
+:data:`RETRY_MAX` seconds, the drivers' own reconnection bounds), for as long
+as it takes: the spool is bounded, and when it is full acknowledgements pause
+and the broker's persistent session holds the rest.
+
+Once a connection opens, the intake stops (what it received is committed and
+acknowledged; what the broker sends during the switch waits in the persistent
+session) and ``app.run`` opens the full gateway, which drains the spool in
+arrival order. Until then the read API and the page are not served (they
+read Cassandra); nothing is sampled either: the sampler judges each spooled
+message at its arrival time when it is drained.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Iterator
+from contextlib import AsyncExitStack, contextmanager
+from datetime import UTC, datetime
+
+from .config import CassandraConfig, Config
+from .errors import CassandraUnreachable
+from .ingest.receive import Delivery, Receiver
+from .ingest.spool import Spool, SpoolSource
+from .ingest.topics import TopicMatcher
+from .sd_notify import Notifier
+from .stats import Stats
+from .store.write_session import open_write_session
+from .web.metrics import gateway_registry
+from .web.server import build_app, serve
+
+log = logging.getLogger(__name__)
+
+RETRY_MIN = 0.5
+RETRY_MAX = 10.0
+# A failed attempt is logged at most this often (the status line says the rest).
+LOG_EVERY = 60.0
+
+
+# Where the drivers report a failed connect (with a traceback, from
+# cassandra-driver) on every attempt; the attempts are reported here instead.
+_DRIVER_LOGGERS = ("cassandra.cluster", "gateway.store.write_session")
+
+
+@contextmanager
+def _drivers_quiet() -> Iterator[None]:
+    drop = logging.Filter("-")  # a name no logger has: it passes nothing
+    loggers = [logging.getLogger(name) for name in _DRIVER_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(drop)
+
+
+def unreachable_since(wall: float) -> str:
+    """What /healthz and the status line say while the spool takes everything."""
+    at = datetime.fromtimestamp(wall, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+    return f"spooling, Cassandra unreachable since {at}"
+
+
+class _NotYet:
+    """The spool's queue while there are no writers: its feed task is not run."""
+
+    async def put(self, delivery: Delivery) -> None:
+        raise AssertionError("nothing is fed from the spool before Cassandra answers")
+
+
+async def spool_until_reachable(
+    config: Config,
+    stats: Stats,
+    stop: asyncio.Event,
+    *,
+    since: float,
+    shutdown_deadline: float,
+    ready: asyncio.Event | None = None,
+    notifier: Notifier | None = None,
+) -> bool:
+    """Run the intake alone until a connection to Cassandra opens (True) or
+    ``stop`` is set (False). ``since``: wall time the outage was first seen."""
+    state = unreachable_since(since)
+    reachable = asyncio.Event()
+    done = asyncio.Event()  # the intake stops: Cassandra answers, or stop
+    async with AsyncExitStack() as stack:
+        spool = await stack.enter_async_context(
+            Spool(config.spool.path, config.spool.max_records, config.spool.max_bytes)
+        )
+        stats.spool = spool
+        log.info("spool %s: %d messages waiting", config.spool.path, spool.depth)
+        receiver = Receiver(
+            config.mqtt,
+            TopicMatcher(config.topics, config.limits).subscriptions,
+            stats,
+            max_payload_bytes=config.limits.max_payload_bytes,
+            shutdown_deadline=shutdown_deadline,
+        )
+        source = SpoolSource(
+            spool,
+            _NotYet(),
+            receiver,
+            stats,
+            config.pipeline.batch_max_events,
+            config.pipeline.queue_size,
+        )
+        if config.api.enabled:
+
+            def health() -> tuple[bool, dict[str, object]]:
+                return False, {
+                    "mqtt": "connected" if receiver.connected.is_set() else "disconnected",
+                    "cassandra": state,
+                    "spool": spool.depth,
+                }
+
+            app = build_app(metrics=gateway_registry(stats, spool=spool), health=health)
+            await stack.enter_async_context(serve(app, config.api.host, config.api.port))
+        notifier = notifier or Notifier()
+        notifier.notify("READY=1", f"STATUS={state}")
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(notifier.keep_alive(done))
+            tasks.create_task(source.append())
+            tasks.create_task(_receive(receiver, source, done))
+            tasks.create_task(_connect(config.cassandra, reachable, done, stop))
+            tasks.create_task(_status(stats, state, done, config.pipeline.status_interval))
+            if ready is not None:
+                tasks.create_task(_signal_ready(receiver, ready, done))
+    return reachable.is_set()
+
+
+async def _receive(receiver: Receiver, source: SpoolSource, done: asyncio.Event) -> None:
+    try:
+        # Stopping waits until what was received is committed and acknowledged.
+        await receiver.run(source.accept, done)
+    finally:
+        source.close()
+
+
+async def _connect(
+    config: CassandraConfig, reachable: asyncio.Event, done: asyncio.Event, stop: asyncio.Event
+) -> None:
+    attempt = 0
+    logged = time.monotonic()
+    try:
+        while True:
+            attempt += 1
+            delay = random.uniform(RETRY_MIN, min(RETRY_MAX, RETRY_MIN * 2**attempt))
+            try:
+                async with asyncio.timeout(delay):
+                    await stop.wait()
+                return
+            except TimeoutError:
+                pass
+            try:
+                # Exactly the connection `gateway run` opens (same driver, same
+                # checks); closed at once, the gateway opens its own.
+                with _drivers_quiet():
+                    async with open_write_session(config):
+                        pass
+            except CassandraUnreachable as exc:
+                if time.monotonic() - logged >= LOG_EVERY:
+                    logged = time.monotonic()
+                    log.warning("still spooling, %d attempts so far: %s", attempt, exc)
+                continue
+            log.info("Cassandra answers after %d attempts: opening the gateway", attempt)
+            reachable.set()
+            return
+    finally:
+        done.set()
+
+
+async def _status(stats: Stats, state: str, done: asyncio.Event, interval: float) -> None:
+    while not done.is_set():
+        try:
+            async with asyncio.timeout(interval):
+                await done.wait()
+        except TimeoutError:
+            log.info("status: %s; %s", state, stats.status_line())
+
+
+async def _signal_ready(receiver: Receiver, ready: asyncio.Event, done: asyncio.Event) -> None:
+    connected = asyncio.ensure_future(receiver.connected.wait())
+    stopped = asyncio.ensure_future(done.wait())
+    await asyncio.wait((connected, stopped), return_when=asyncio.FIRST_COMPLETED)
+    connected.cancel()
+    stopped.cancel()
+    if receiver.connected.is_set():
+        ready.set()

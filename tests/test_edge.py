@@ -1,0 +1,477 @@
+"""The edge host (issue 16): what a new user meets first, starting while the
+link to Cassandra is down, the systemd unit and its sd_notify, and installing
+from the wheel alone."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import orjson
+import pytest
+
+from gateway.store import queries
+from gateway.store.database import Database
+
+from .helpers import (
+    DRIVERS,
+    ROOT,
+    CuttableProxy,
+    GatewayProcess,
+    base_env,
+    device_row,
+    make_config,
+    publish,
+    run_cli,
+    running_gateway,
+    telemetry_keys,
+    topic,
+    wait_until,
+    wait_until_blocking,
+)
+
+# ---------------------------------------------------------------- found as a new user
+
+
+def _into_head(*args: str, env: dict[str, str]) -> tuple[str, int, str]:
+    """`gateway ARGS | head -1` through a real pipe: head's output, the
+    gateway's exit code and its stderr. stdout block-buffered, as a user has it."""
+    env = {k: v for k, v in env.items() if k != "PYTHONUNBUFFERED"}
+    with subprocess.Popen(
+        ["head", "-1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as head:
+        assert head.stdin is not None
+        with subprocess.Popen(
+            [sys.executable, "-m", "gateway", *args],
+            stdout=head.stdin,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+        ) as gateway:
+            head.stdin.close()  # the gateway holds the only write end now
+            assert head.stdout is not None
+            first = head.stdout.read()  # until head exits
+            head.wait(timeout=120)
+            _, err = gateway.communicate(timeout=120)
+    return first, gateway.returncode, err
+
+
+async def test_a_long_listing_piped_into_head_ends_quietly(db: Database, tenant: str) -> None:
+    # Far more than a pipe holds (64 KiB), so the gateway is still writing
+    # when head has gone: every run meets the broken pipe.
+    count = 4000
+    now = int(time.time() * 1000)
+    messages = [
+        (
+            topic(tenant, f"device-{i:06d}"),
+            orjson.dumps({"ts": now - 1000, "state": "on", "value": i}),
+        )
+        for i in range(count)
+    ]
+    config = make_config(GATEWAY_SAMPLING__ENABLED="false")
+    async with running_gateway(config):
+        await publish(messages)
+
+        async def listed() -> bool:
+            # The query the command runs (the gateway's counters would also
+            # count other tests' messages on the shared broker).
+            return len(await queries.devices_in_state(db, config, tenant, "on")) == count
+
+        await wait_until(listed, deadline=120, what=f"{count} devices in state on")
+    first, code, err = await asyncio.to_thread(
+        _into_head, "devices", "--tenant", tenant, "--state", "on", env=base_env()
+    )
+    assert first.startswith("device-")
+    assert "Traceback" not in err
+    assert "BrokenPipeError" not in err
+    assert code == 141, err
+    # A short answer, its reader gone: it waits in stdout's buffer and meets
+    # the broken pipe only when flushed, after the command's own code is done.
+    done = await asyncio.to_thread(
+        _reader_gone, "device", "--tenant", tenant, "device-000001", env=base_env()
+    )
+    assert "BrokenPipeError" not in done.stderr
+    assert done.returncode == 141, done.stderr
+
+
+def _reader_gone(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`gateway ARGS` writing into a pipe whose reader has already gone, with
+    stdout block-buffered as a user's shell has it (not PYTHONUNBUFFERED)."""
+    env = {k: v for k, v in env.items() if k != "PYTHONUNBUFFERED"}
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "gateway", *args],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write)
+
+
+def test_every_command_stops_quietly_when_its_reader_is_gone(tmp_path: Path) -> None:
+    """Commands that need no service, their reader closed before they write:
+    the broken pipe is certain (for output small enough to sit in the buffer
+    until exit, too)."""
+    tokens = tmp_path / "tokens.jsonl"
+    env = base_env(GATEWAY_API__TOKENS_FILE=str(tokens))
+    added = subprocess.run(
+        [sys.executable, "-m", "gateway", "token", "add", "--tenant", "acme"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert added.returncode == 0, added.stderr
+    for args in (["schema", "print"], ["token", "list"], ["token", "list", "--json"], ["--help"]):
+        done = _reader_gone(*args, env=env)
+        assert "Traceback" not in done.stderr, (args, done.stderr)
+        assert "BrokenPipeError" not in done.stderr, (args, done.stderr)
+        assert done.returncode == 141, (args, done.stderr)
+
+
+def test_make_status_fails_when_the_services_are_not_running(tmp_path: Path) -> None:
+    # A state directory where nothing was started: the real services, run
+    # from another one, are left alone.
+    done = subprocess.run(
+        ["make", "-s", "--no-print-directory", "status", f"STATE_DIR={tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode != 0, done.stdout
+    assert "mosquitto: not running" in done.stdout
+    assert "cassandra: not running" in done.stdout
+
+
+# ---------------------------------------------------------------- starting while the link is down
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _healthz(port: int) -> tuple[int, dict[str, object]]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as response:
+            return response.status, orjson.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, orjson.loads(error.read())
+
+
+async def test_starts_spooling_while_cassandra_is_unreachable_then_drains(
+    db: Database, tenant: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="gateway")
+    now = int(time.time() * 1000)
+    messages = [
+        (
+            topic(tenant, f"d{i % 5}"),
+            orjson.dumps({"ts": now - 1000 + i, "state": "on", "value": i}),
+        )
+        for i in range(300)
+    ]
+    spool_path = tmp_path / "spool.sqlite"
+    link = CuttableProxy()
+    await link.start()
+    await link.cut()  # the link is down before the gateway starts: nothing listens there
+    api_port = _free_port()
+    config = make_config(
+        GATEWAY_CASSANDRA__PORT=str(link.port),
+        GATEWAY_SAMPLING__ENABLED="false",
+        GATEWAY_SPOOL__ENABLED="true",
+        GATEWAY_SPOOL__PATH=str(spool_path),
+        GATEWAY_API__PORT=str(api_port),
+        GATEWAY_PIPELINE__SHUTDOWN_DEADLINE="1",
+    )
+    try:
+        async with running_gateway(config) as gw:  # connected to the broker: it started
+            await publish(messages)
+            # Every message acknowledged once spooled, none written.
+            await gw.wait_for(lambda s: s.acked >= 300, deadline=60)
+            assert gw.stats.written == 0
+            assert gw.stats.spool is not None
+            # At least: the gateway subscribes to every tenant on the shared
+            # broker, so other tests' messages may be spooled beside ours.
+            assert gw.stats.spool.depth >= 300
+            code, health = await asyncio.to_thread(_healthz, api_port)
+            assert code == 503
+            checks = health["checks"]
+            assert isinstance(checks, dict)
+            assert str(checks["cassandra"]).startswith("spooling, Cassandra unreachable since ")
+            assert isinstance(checks["spool"], int)
+            assert checks["spool"] >= 300
+            await gw.wait_for(
+                lambda _: any(
+                    "status: spooling, Cassandra unreachable since " in r.getMessage()
+                    for r in caplog.records
+                ),
+                deadline=10,
+            )
+            await link.start()  # the link is back, on the same port
+
+            async def all_stored() -> bool:
+                keys = [await telemetry_keys(db, tenant, f"d{i}") for i in range(5)]
+                return all(len(k) == 60 for k in keys)
+
+            # Drained: every message in Cassandra (the spool's depth may not
+            # stay at 0 while other tests publish).
+            await wait_until(all_stored, deadline=90, what="the spool drained into Cassandra")
+
+            async def healthy() -> bool:
+                code, _ = await asyncio.to_thread(_healthz, api_port)
+                return code == 200
+
+            # Once the full gateway's MQTT session is up too (it may drain first).
+            await wait_until(healthy, deadline=30, what="/healthz 200 after the drain")
+    finally:
+        await link.cut()
+    for i in range(5):
+        assert len(await telemetry_keys(db, tenant, f"d{i}")) == 60
+    assert (await device_row(db, tenant, "d4")).value_num == 299
+
+
+def test_sigterm_while_only_spooling_ends_cleanly_and_the_log_stays_quiet(
+    gateway_process: Callable[..., GatewayProcess], tmp_path: Path
+) -> None:
+    """`gateway run` as a process, through cassandra-driver (whose failed
+    connects log tracebacks): after the first failure, the attempts are
+    reported by the gateway alone."""
+    proc = gateway_process(
+        GATEWAY_CASSANDRA__PORT=str(_free_port()),
+        GATEWAY_CASSANDRA__DRIVER="python",
+        GATEWAY_SPOOL__ENABLED="true",
+        GATEWAY_SPOOL__PATH=str(tmp_path / "spool.sqlite"),
+    )
+    proc.start()
+    wait_until_blocking(
+        lambda: proc.output().count("status: spooling, Cassandra unreachable since") >= 5,
+        deadline=30,
+        what="five status lines (about five connect attempts)",
+    )
+    proc.signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    out = proc.output()
+    after_first = out.split("taking messages into the spool until it answers", 1)[1]
+    assert "Traceback" not in after_first
+    assert "stopped: " in after_first
+
+
+def test_without_the_spool_an_unreachable_cassandra_ends_the_start(tmp_path: Path) -> None:
+    """The choice made without the spool: exit at once, with the address and the
+    keys in one line; the service manager restarts the gateway (see README)."""
+    port = _free_port()  # nothing listens there
+    started = time.monotonic()
+    result = run_cli("run", env=base_env(GATEWAY_CASSANDRA__PORT=str(port)), timeout=60)
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("gateway: ")]
+    assert errors, result.stderr
+    assert errors[0].startswith(f"gateway: cannot connect to Cassandra at 127.0.0.1:{port}")
+    assert "spool.enabled" in errors[0]
+    assert time.monotonic() - started < 30
+
+
+# ---------------------------------------------------------------- the systemd unit
+
+UNIT = ROOT / "deploy" / "systemd" / "gateway.service"
+
+
+def test_the_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    text = UNIT.read_text()
+    installed = "ExecStart=/opt/gateway/bin/gateway run --config /etc/gateway/gateway.toml"
+    assert installed in text
+    for directive in (
+        "Type=notify",
+        "WatchdogSec=",
+        "Restart=on-failure",
+        "User=gateway",
+        "StateDirectory=gateway",
+        "ProtectSystem=strict",
+        "ProtectHome=yes",
+        "PrivateTmp=yes",
+        "NoNewPrivileges=yes",
+    ):
+        assert directive in text, directive
+    # verify checks that ExecStart's program exists: the same unit, pointed at
+    # the gateway this test runs (the only change).
+    gateway = Path(sys.executable).parent / "gateway"
+    assert gateway.exists()
+    unit = tmp_path / "gateway.service"
+    unit.write_text(text.replace("/opt/gateway/bin/gateway", str(gateway)))
+    done = subprocess.run(
+        ["systemd-analyze", "verify", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    # It only warns about unknown keys and bad values: any word on the unit fails too.
+    assert done.returncode == 0, done.stderr
+    assert "gateway.service" not in done.stdout + done.stderr, done.stderr
+
+
+def test_ready_and_watchdog_reach_systemd_and_logs_suit_the_journal(
+    gateway_process: Callable[..., GatewayProcess], tmp_path: Path
+) -> None:
+    # A short directory: a socket path must fit in 108 bytes.
+    where = Path(tempfile.mkdtemp(prefix="gw-notify-", dir="/tmp"))
+    log_path = tmp_path / "gateway-0.log"  # where gateway_process's first process logs
+    log_path.touch()
+    stream = log_path.stat()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.bind(str(where / "notify"))
+            sock.settimeout(30)
+            proc = gateway_process(
+                NOTIFY_SOCKET=str(where / "notify"),
+                WATCHDOG_USEC="1000000",  # a ping every 0.5 s
+                JOURNAL_STREAM=f"{stream.st_dev}:{stream.st_ino}",
+            )
+            proc.start()
+            seen: list[str] = []
+            while seen.count("WATCHDOG=1") < 3:
+                seen += sock.recv(4096).decode().split("\n")
+            assert "READY=1" in seen
+            assert seen.index("READY=1") < seen.index("WATCHDOG=1")
+            proc.signal(signal.SIGTERM)
+            while "STOPPING=1" not in seen:
+                seen += sock.recv(4096).decode().split("\n")
+            assert proc.wait(30) == 0
+    finally:
+        shutil.rmtree(where)
+    lines = [line for line in proc.output().splitlines() if line.strip()]
+    assert any("subscribed to" in line for line in lines)
+    # The journal stamps each line: no time of our own, a syslog priority instead.
+    assert all(re.match(r"<[2-7]>(DEBUG|INFO|WARNING|ERROR|CRITICAL) ", line) for line in lines), (
+        lines
+    )
+    assert not any(re.search(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", line[:40]) for line in lines)
+
+
+# ---------------------------------------------------------------- init, check, the wheel
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_check_says_what_is_wrong_in_its_first_line(driver: str) -> None:
+    port = _free_port()  # nothing listens there
+    env = base_env(GATEWAY_CASSANDRA__PORT=str(port), GATEWAY_CASSANDRA__DRIVER=driver)
+    result = run_cli("check", env=env, timeout=60)
+    assert result.returncode == 1
+    first = result.stdout.splitlines()[0]
+    assert first == f"cannot connect to Cassandra at 127.0.0.1:{port}: connection refused"
+    # The drivers' own reports (tracebacks) would come before it in a terminal.
+    assert result.stderr == ""
+    # Both wrong: the first problem, and how many more.
+    env |= {"GATEWAY_MQTT__PORT": str(port)}
+    result = run_cli("check", env=env, timeout=60)
+    assert result.returncode == 1
+    assert result.stdout.splitlines()[0] == (
+        f"cannot connect to the broker at mqtt://127.0.0.1:{port}: connection refused "
+        "(and 1 more problem below)"
+    )
+
+
+def test_init_writes_the_example_config_and_keeps_an_existing_file(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.toml"
+    result = run_cli("init", str(path))
+    assert result.returncode == 0, result.stderr
+    assert path.read_text() == (ROOT / "gateway.example.toml").read_text()
+    path.write_text("# mine\n")
+    result = run_cli("init", str(path))
+    assert result.returncode == 1
+    assert f"{path} exists" in result.stderr
+    assert "--force" in result.stderr
+    assert path.read_text() == "# mine\n"
+    result = run_cli("init", "--force", str(path))
+    assert result.returncode == 0, result.stderr
+    assert path.read_text() == (ROOT / "gateway.example.toml").read_text()
+
+
+@pytest.mark.slow
+def test_the_wheel_alone_installs_initialises_and_checks(keyspace: str, tmp_path: Path) -> None:
+    """Built from the checkout, installed into a fresh virtualenv (its
+    dependencies from PyPI, as a user's pip would fetch them), run from a
+    directory outside the repository."""
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(ROOT)],
+        check=True,
+        timeout=300,
+    )
+    (wheel,) = wheels.glob("*.whl")
+    with zipfile.ZipFile(wheel) as zipped:
+        names = set(zipped.namelist())
+        # The links in the checkout arrive as their contents.
+        example = zipped.read("gateway/example.toml").decode()
+    assert example == (ROOT / "gateway.example.toml").read_text()
+    static = {p.name for p in (ROOT / "gateway" / "web" / "static").iterdir()}
+    assert {f"gateway/web/static/{name}" for name in static} <= names
+    cql = {p.name for p in (ROOT / "schema").glob("*.cql")}
+    assert {f"gateway/schema/{name}" for name in cql} <= names
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    subprocess.run(
+        [str(venv / "bin" / "pip"), "install", "-q", str(wheel)], check=True, timeout=600
+    )
+    elsewhere = tmp_path / "host"
+    elsewhere.mkdir()
+    env = {k: v for k, v in base_env().items() if k != "PYTHONPATH"}
+
+    def gateway(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(venv / "bin" / "gateway"), *args],
+            cwd=elsewhere,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+
+    where = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import gateway; print(gateway.__file__)"],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert where.stdout.startswith(str(venv))  # not the checkout
+    assert gateway("init").returncode == 0
+    assert (elsewhere / "gateway.toml").read_text() == example
+    checked = gateway("check", "--config", "gateway.toml")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert f"keyspace {keyspace}, schema complete" in checked.stdout
+    printed = gateway("schema", "print")
+    assert printed.returncode == 0, printed.stderr
+    assert "CREATE TABLE IF NOT EXISTS" in printed.stdout
+    env["GATEWAY_CASSANDRA__PORT"] = str(_free_port())
+    failed = gateway("check", "--config", "gateway.toml")
+    assert failed.returncode == 1
+    assert failed.stdout.splitlines()[0].startswith("cannot connect to Cassandra at 127.0.0.1:")
