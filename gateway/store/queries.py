@@ -15,6 +15,7 @@ import asyncio
 import base64
 import binascii
 import heapq
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -28,6 +29,8 @@ from ..config import MAX_BUCKET_SECONDS, Config
 from ..errors import QueryError
 from ..units import epoch_ms, parse_duration
 from .database import Database
+
+log = logging.getLogger(__name__)
 
 # The failure code a replica gives for a read that met more deleted rows than
 # its tombstone_failure_threshold (native protocol v5, READ_FAILURE reasons).
@@ -179,7 +182,8 @@ async def devices_page(
     gens = await state_generations(db, tenant, state)
     upper = prefix + _TOP if prefix else None
     base = (
-        f"SELECT device_id, ts, value, tags FROM {db.keyspace}.latest_events_by_state "
+        "SELECT device_id, ts, value, tags, WRITETIME(ts) AS wt "
+        f"FROM {db.keyspace}.latest_events_by_state "
         "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ? "
     )
     out: list[StateRow] = []
@@ -194,7 +198,11 @@ async def devices_page(
             params.append(upper)
         rows = await _read_state(db, stmt, (*params, want), tenant, state, buckets)
         scanned += len(rows)
+        stale = await _stale(db, tenant, state, bucket, gens.get(bucket, 0), rows)
         for r in rows:
+            if r.device_id in stale:
+                after = r.device_id
+                continue
             tags = dict(r.tags or {})
             if tag is None or tags.get(tag[0]) == tag[1]:
                 out.append(StateRow(r.device_id, r.ts, _json(r.value), tags))
@@ -210,6 +218,62 @@ async def devices_page(
             continue  # more in this bucket
         bucket, after = bucket + 1, ""
     return DevicePage(out, None)
+
+
+# Concurrent point reads of latest_events_by_device per page (a page is at most MAX_PAGE rows).
+VERIFY_CONCURRENCY = 64
+
+
+async def _stale(
+    db: Database, tenant: str, state: str, bucket: int, gen: int, rows: list[Any]
+) -> set[str]:
+    """The devices of ``rows`` whose newest state-bearing write is elsewhere.
+
+    latest_events_by_device, with the write timestamp of its ``state``, is the
+    truth. A state row older than the device's newest write into another
+    state is a leftover that a delete never reached: with several gateway
+    instances, one can write a device's newer event before it knows a state
+    another instance just registered, or skip the deletes because its own
+    previous write for the device was in the same state. Such a row is left
+    out of the answer and deleted as of that newest write (``USING
+    TIMESTAMP``), so a later write that really puts the device back in this
+    state, being newer, is untouched. Cost: one point read per row read.
+    """
+    if not rows:
+        return set()
+    newest = await db.prepared(
+        f"SELECT state, WRITETIME(state) AS wt FROM {db.keyspace}.latest_events_by_device "
+        "WHERE tenant = ? AND device_id = ?"
+    )
+    gate = asyncio.Semaphore(VERIFY_CONCURRENCY)
+
+    async def one(row: Any) -> tuple[str, int] | None:
+        async with gate:
+            found = await db.execute(newest, (tenant, row.device_id))
+        if not found:
+            return None
+        truth = found[0]
+        if truth.state != state and truth.wt is not None and truth.wt > (row.wt or 0):
+            return row.device_id, int(truth.wt)
+        return None
+
+    leftovers = [hit for hit in await asyncio.gather(*(one(r) for r in rows)) if hit]
+    if leftovers:
+        repair = await db.prepared(
+            f"DELETE FROM {db.keyspace}.latest_events_by_state USING TIMESTAMP ? "
+            "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ? AND device_id = ?"
+        )
+        await asyncio.gather(
+            *(db.execute(repair, (wt, tenant, state, bucket, gen, dev)) for dev, wt in leftovers)
+        )
+        log.info(
+            "tenant %r state %r: %d leftover rows of devices whose newest event is in "
+            "another state left out and deleted",
+            tenant,
+            state,
+            len(leftovers),
+        )
+    return {device for device, _ in leftovers}
 
 
 def _next(bucket: int, buckets: int) -> str | None:

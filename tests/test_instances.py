@@ -1,0 +1,77 @@
+"""Several gateway instances writing one tenant (issue: past one machine).
+
+Two in-process gateways, each with its own MQTT client id and its own topic
+template, both mapping to the same tenant: ``tenants/{tenant}/devices/...``
+on one, ``sites/{device_id}/events`` (fixed tenant) on the other. A device
+may publish through either. Whatever the order, "which devices are in state
+X" must list each device once, in the state of its newest event.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+from gateway.config import Config, TopicTemplate
+from gateway.store import queries
+from gateway.store.database import Database
+
+from .helpers import device_row, make_config, publish, running_gateway
+
+
+def _instances(tenant: str) -> tuple[Config, Config]:
+    a = make_config()
+    b = make_config()
+    b = b.model_copy(
+        update={"topics": [TopicTemplate(template="sites/{device_id}/events", tenant=tenant)]}
+    )
+    return a, b
+
+
+async def _listed(db: Database, config: Config, tenant: str, state: str) -> set[str]:
+    page = await queries.devices_page(db, config, tenant, state, limit=1000)
+    return {row.device_id for row in page.devices}
+
+
+async def test_a_state_new_to_one_instance_leaves_no_phantom(db: Database, tenant: str) -> None:
+    """Instance B knows the tenant's states ({ok}); A registers "alarm" for d1;
+    B then writes d1's newer "ok" before its next states refresh (10 s), so
+    its deletes do not cover "alarm"."""
+    a_cfg, b_cfg = _instances(tenant)
+    t0 = 1_790_000_000_000
+    via_a = f"tenants/{tenant}/devices/d1/events"
+    via_b = "sites/d1/events"
+    async with running_gateway(a_cfg) as a, running_gateway(b_cfg) as b:
+        await publish([("sites/d0/events", orjson.dumps({"ts": t0, "state": "ok"}))])
+        await b.wait_handled(1)
+        await publish([(via_a, orjson.dumps({"ts": t0 + 1000, "state": "alarm"}))])
+        await a.wait_handled(1)
+        await publish([(via_b, orjson.dumps({"ts": t0 + 2000, "state": "ok"}))])
+        await b.wait_handled(2)
+    assert (await device_row(db, tenant, "d1")).state == "ok"
+    assert "d1" in await _listed(db, a_cfg, tenant, "ok")
+    assert "d1" not in await _listed(db, a_cfg, tenant, "alarm")
+
+
+async def test_a_device_on_two_instances_ends_in_its_newest_state(
+    db: Database, tenant: str
+) -> None:
+    """A writes ok, B writes a newer alarm, A writes a newer ok: A's last write
+    is in the same state as its previous one, so it sends no deletes, and
+    B's alarm row would stay."""
+    a_cfg, b_cfg = _instances(tenant)
+    t0 = 1_790_000_000_000
+    via_a = f"tenants/{tenant}/devices/d1/events"
+    via_b = "sites/d1/events"
+    async with running_gateway(a_cfg) as a, running_gateway(b_cfg) as b:
+        # Every state known to both first: only the second gap is exercised.
+        await publish([(via_a, orjson.dumps({"ts": t0, "state": "alarm"}))])
+        await a.wait_handled(1)
+        await publish([(via_a, orjson.dumps({"ts": t0 + 1, "state": "ok"}))])
+        await a.wait_handled(2)
+        await publish([(via_b, orjson.dumps({"ts": t0 + 1000, "state": "alarm"}))])
+        await b.wait_handled(1)
+        await publish([(via_a, orjson.dumps({"ts": t0 + 2000, "state": "ok"}))])
+        await a.wait_handled(3)
+    assert (await device_row(db, tenant, "d1")).state == "ok"
+    assert "d1" in await _listed(db, a_cfg, tenant, "ok")
+    assert "d1" not in await _listed(db, a_cfg, tenant, "alarm")
