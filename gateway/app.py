@@ -271,7 +271,7 @@ async def open_gateway(
             if writer is not None:
                 await writer.prepare(session)
         worker: RollupWorker | None = None
-        if marks is not None:
+        if marks is not None and config.rollups.worker:
             # Its own session (the CLI's driver, which pages): its reads never
             # queue behind the write path's in-flight cap. Started before any
             # mark is written, so its cursor is never ahead of one.

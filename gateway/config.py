@@ -367,6 +367,9 @@ class RollupsConfig(_Model):
     # A minute's dirty marks are read this long after the minute ends: time for
     # the raw writes sent with them to land (and for other instances' clocks).
     grace: Annotated[float, BeforeValidator(parse_duration), Field(ge=1, le=3600)] = 30.0
+    # Run the worker in this process. With several gateway instances one
+    # worker is enough (more only repeat the work); marks are written either way.
+    worker: bool = True
     # How often the worker looks for minutes that came due.
     interval: Annotated[float, BeforeValidator(parse_duration), Field(gt=0, le=600)] = 5.0
     # (device, window, minute) marks this process remembers as written (LRU);
