@@ -359,6 +359,8 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
         step = queries.parse_step(args.step)
     except QueryError as exc:
         raise ConfigError(f"--{exc}") from None
+    if since >= until:
+        raise ConfigError("--since: must be before --until")
     async with connect(config.cassandra) as db:
         try:
             rows = await queries.rollups(
