@@ -13,8 +13,16 @@ from gateway.store import queries
 from gateway.store.database import Database
 from gateway.web.tokens import TokenStore
 
-from .helpers import make_config, publish, run_cli, running_gateway, topic
+from .helpers import make_config, publish, run_cli, running_gateway
 from .test_read_api import client
+
+# A topic tree of their own: other tenants' traffic on the shared broker would
+# add metadata writes to the counts checked here.
+TOPICS = '[{template = "meta-test/{tenant}/devices/{device_id}/events"}]'
+
+
+def topic(tenant: str, device: str) -> str:
+    return f"meta-test/{tenant}/devices/{device}/events"
 
 
 def event(tags: dict[str, str], **metrics: float) -> bytes:
@@ -32,7 +40,7 @@ async def test_metadata_is_kept_on_ingest_and_served(
         (topic(tenant, "d3"), event({"floor": "4"})),
         (topic(tenant, "d1"), event({"floor": "3", "room": "a"}, temp=20.5)),  # nothing new
     ]
-    async with running_gateway(make_config()) as gw:
+    async with running_gateway(make_config(GATEWAY_TOPICS=TOPICS)) as gw:
         await publish(messages)
         await gw.wait_handled(len(messages))
         # d1's second event added nothing: one write per new entry.
@@ -72,7 +80,7 @@ async def test_a_tenant_over_its_metadata_cap_is_counted_and_its_events_still_st
 ) -> None:
     # A tag whose value never repeats (a serial number, say).
     messages = [(topic(tenant, f"d{i}"), event({"serial": f"s{i}"})) for i in range(8)]
-    config = make_config(GATEWAY_METADATA__MAX_PER_TENANT="5")
+    config = make_config(GATEWAY_METADATA__MAX_PER_TENANT="5", GATEWAY_TOPICS=TOPICS)
     async with running_gateway(config) as gw:
         await publish(messages)
         await gw.wait_handled(len(messages))

@@ -63,6 +63,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+from cassandra.query import BatchStatement, BatchType
+
 from ..config import Config
 from ..event import Event
 from ..lru import LRU
@@ -214,8 +216,8 @@ class RollupWorker:
             "WHERE minute = ? AND shard = ?"
         )
         self._read_minutes = await prepare(
-            f"SELECT start, count, min, max, sum, last, last_ts, last_id FROM {ks}.rollups "
-            "WHERE tenant = ? AND device_id = ? AND step = 60 AND bucket = ? AND metric = ? "
+            f"SELECT metric, count, min, max, sum, last, last_ts, last_id FROM {ks}.rollups "
+            "WHERE tenant = ? AND device_id = ? AND step = 60 AND bucket = ? AND metric IN ? "
             "AND start >= ? AND start < ?"
         )
         self._write = await prepare(
@@ -291,13 +293,13 @@ class RollupWorker:
     async def recompute(self, windows: set[tuple[str, str, int]]) -> None:
         """Recompute these 1-minute windows from the raw rows, then the hours
         they belong to from their minutes."""
-        touched = await asyncio.gather(*(self._minute(*w) for w in sorted(windows)))
-        hours = {
-            (tenant, device, start - start % HOUR_MS, metric)
-            for (tenant, device, start), metrics in zip(sorted(windows), touched, strict=True)
-            for metric in metrics
-        }
-        await asyncio.gather(*(self._hour(*h) for h in sorted(hours)))
+        ordered = sorted(windows)
+        touched = await asyncio.gather(*(self._minute(*w) for w in ordered))
+        hours: dict[tuple[str, str, int], set[str]] = {}
+        for (tenant, device, start), metrics in zip(ordered, touched, strict=True):
+            if metrics:
+                hours.setdefault((tenant, device, start - start % HOUR_MS), set()).update(metrics)
+        await asyncio.gather(*(self._hour(*h, sorted(m)) for h, m in sorted(hours.items())))
 
     async def _minute(self, tenant: str, device_id: str, start_ms: int) -> set[str]:
         async with self._slots:
@@ -312,64 +314,67 @@ class RollupWorker:
                 for metric, value in numeric_metrics(num, r.metrics):
                     samples.setdefault(metric, []).append((ts, r.event_id, value))
             ttl = int(self._config.tenant(tenant).rollup_ttl_1m)
-            await asyncio.gather(
-                *(
-                    self._store(tenant, device_id, 60, metric, start_ms, aggregate(s), ttl, read_at)
-                    for metric, s in samples.items()
-                )
-            )
+            aggregates = {metric: aggregate(s) for metric, s in samples.items()}
+            await self._store(tenant, device_id, 60, start_ms, aggregates, ttl, read_at)
             self._stats.rollup_windows += 1
             return set(samples)
 
-    async def _hour(self, tenant: str, device_id: str, hour_ms: int, metric: str) -> None:
+    async def _hour(self, tenant: str, device_id: str, hour_ms: int, metrics: list[str]) -> None:
         async with self._slots:
             read_at = time.time()
             bucket = queries.rollup_bucket(hour_ms, 60)
             rows = await self._db.execute(
                 self._read_minutes,
-                (tenant, device_id, bucket, metric, hour_ms, hour_ms + HOUR_MS),
+                (tenant, device_id, bucket, metrics, hour_ms, hour_ms + HOUR_MS),
             )
-            parts = [
-                Aggregate(r.count, r.min, r.max, r.sum, r.last, epoch_ms(r.last_ts), r.last_id)
-                for r in rows
-            ]
-            if not parts:
-                return
+            parts: dict[str, list[Aggregate]] = {}
+            for r in rows:
+                parts.setdefault(r.metric, []).append(
+                    Aggregate(r.count, r.min, r.max, r.sum, r.last, epoch_ms(r.last_ts), r.last_id)
+                )
             ttl = int(self._config.tenant(tenant).rollup_ttl_1h)
-            await self._store(tenant, device_id, 3600, metric, hour_ms, merge(parts), ttl, read_at)
+            aggregates = {metric: merge(p) for metric, p in parts.items()}
+            await self._store(tenant, device_id, 3600, hour_ms, aggregates, ttl, read_at)
 
     async def _store(
         self,
         tenant: str,
         device_id: str,
         step: int,
-        metric: str,
         start_ms: int,
-        agg: Aggregate,
+        aggregates: dict[str, Aggregate],
         ttl: int,
         read_at: float,
     ) -> None:
-        await self._db.execute(
-            self._write,
-            (
-                tenant,
-                device_id,
-                step,
-                queries.rollup_bucket(start_ms, step),
-                metric,
-                start_ms,
-                agg.count,
-                agg.min,
-                agg.max,
-                agg.sum,
-                agg.last,
-                agg.last_ts,
-                agg.last_id,
-                ttl,
-                # The later read wins (module docstring), in microseconds.
-                int(read_at * 1_000_000),
-            ),
-        )
+        """One window's rows, every metric, in one request: they share a partition."""
+        if not aggregates:
+            return
+        batch = BatchStatement(batch_type=BatchType.UNLOGGED)
+        bucket = queries.rollup_bucket(start_ms, step)
+        # The later read wins (module docstring), in microseconds.
+        stamp = int(read_at * 1_000_000)
+        for metric, agg in aggregates.items():
+            batch.add(
+                self._write,
+                (
+                    tenant,
+                    device_id,
+                    step,
+                    bucket,
+                    metric,
+                    start_ms,
+                    agg.count,
+                    agg.min,
+                    agg.max,
+                    agg.sum,
+                    agg.last,
+                    agg.last_ts,
+                    agg.last_id,
+                    ttl,
+                    stamp,
+                ),
+            )
+        await self._db.execute(batch)
 
 
 def _dt(ms: int) -> datetime:
