@@ -4,8 +4,8 @@
 ``AsyncExitStack`` (write session, sink, spool, HTTP server) and hands each
 its dependencies at construction; leaving it closes them in reverse order.
 :meth:`Gateway.run` runs the tasks (receive, the spool's three tasks in spool
-mode, the write loop, the status line) in one ``TaskGroup`` until ``stop`` is
-set, and then shuts down as the pipeline promises: stop reading, write and
+mode, the write loop, the status line, the roll-up worker) in one ``TaskGroup``
+until ``stop`` is set, and then shuts down as the pipeline promises: stop reading, write and
 acknowledge what was read (within ``shutdown_deadline``), log one summary line.
 
 Where a message goes::
