@@ -61,11 +61,11 @@ import time
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 
 from cassandra.query import BatchStatement, BatchType
 
-from ..config import Config
+from ..config import MAX_BUCKET_SECONDS, Config
 from ..event import Event
 from ..lru import LRU
 from ..stats import Stats
@@ -82,8 +82,6 @@ HOUR_MS = 3_600_000
 MARK_SHARDS = 16
 VALUE_METRIC = "value"
 PROGRESS = "default"
-# The raw rows a window may hold that one recomputation reads.
-MAX_WINDOW_ROWS = 1_000_000
 
 
 def mark_shard(tenant: str, device_id: str) -> int:
@@ -215,6 +213,15 @@ class RollupWorker:
             f"SELECT tenant, device_id, window_start FROM {ks}.rollup_marks "
             "WHERE minute = ? AND shard = ?"
         )
+        self._read_index = await prepare(
+            f"SELECT bucket_start, shard, bucket_seconds FROM {ks}.telemetry_partitions "
+            "WHERE tenant = ? AND device_id = ? AND bucket_start <= ? AND bucket_start > ?"
+        )
+        self._read_raw = await prepare(
+            f"SELECT ts, event_id, value_num, metrics FROM {ks}.telemetry "
+            "WHERE tenant = ? AND device_id = ? AND bucket_start = ? AND shard = ? "
+            "AND ts >= ? AND ts <= ?"
+        )
         self._read_minutes = await prepare(
             f"SELECT metric, count, min, max, sum, last, last_ts, last_id FROM {ks}.rollups "
             "WHERE tenant = ? AND device_id = ? AND step = 60 AND bucket = ? AND metric IN ? "
@@ -304,20 +311,48 @@ class RollupWorker:
     async def _minute(self, tenant: str, device_id: str, start_ms: int) -> set[str]:
         async with self._slots:
             read_at = time.time()
-            since = _dt(start_ms)
-            until = _dt(start_ms + MINUTE_MS - 1)
-            rows = await queries.history(self._db, tenant, device_id, since, until, MAX_WINDOW_ROWS)
             samples: dict[str, list[tuple[int, int, float]]] = {}
-            for r in rows:
-                num = r.value if isinstance(r.value, float) else None
-                ts = epoch_ms(r.ts)
-                for metric, value in numeric_metrics(num, r.metrics):
-                    samples.setdefault(metric, []).append((ts, r.event_id, value))
+            for (ts, event_id), (num, metrics) in (
+                await self._raw(tenant, device_id, start_ms)
+            ).items():
+                for metric, value in numeric_metrics(num, metrics):
+                    samples.setdefault(metric, []).append((ts, event_id, value))
             ttl = int(self._config.tenant(tenant).rollup_ttl_1m)
             aggregates = {metric: aggregate(s) for metric, s in samples.items()}
             await self._store(tenant, device_id, 60, start_ms, aggregates, ttl, read_at)
             self._stats.rollup_windows += 1
             return set(samples)
+
+    async def _raw(
+        self, tenant: str, device_id: str, start_ms: int
+    ) -> dict[tuple[int, int], tuple[float | None, dict[str, float]]]:
+        """The window's raw rows, each (ts, event_id) once, from every partition
+        that may hold them (found as ``gateway history`` finds them; prepared
+        statements and only the numeric columns, since this runs per window)."""
+        end_ms = start_ms + MINUTE_MS - 1
+        index = await self._db.execute(
+            self._read_index,
+            (tenant, device_id, end_ms, start_ms - MAX_BUCKET_SECONDS * 1000),
+        )
+        longest: dict[tuple[int, int], int] = {}
+        for p in index:
+            key = (epoch_ms(p.bucket_start), p.shard)
+            longest[key] = max(longest.get(key, 0), p.bucket_seconds)
+        parts = await asyncio.gather(
+            *(
+                self._db.execute(
+                    self._read_raw, (tenant, device_id, bucket, shard, start_ms, end_ms)
+                )
+                for (bucket, shard), seconds in longest.items()
+                if bucket + seconds * 1000 > start_ms
+            )
+        )
+        # A redelivered copy can sit in two partitions (queries.history): once.
+        return {
+            (epoch_ms(r.ts), r.event_id): (r.value_num, dict(r.metrics or {}))
+            for rows in parts
+            for r in rows
+        }
 
     async def _hour(self, tenant: str, device_id: str, hour_ms: int, metrics: list[str]) -> None:
         async with self._slots:
@@ -375,7 +410,3 @@ class RollupWorker:
                 ),
             )
         await self._db.execute(batch)
-
-
-def _dt(ms: int) -> datetime:
-    return datetime(1970, 1, 1, tzinfo=UTC) + timedelta(milliseconds=ms)
