@@ -5,6 +5,7 @@ dirty marks survive a SIGKILL after the ack; the CLI and the API serve them."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import time
@@ -285,3 +286,20 @@ async def test_cli_and_api_serve_the_rollups(
         assert body["detail"].startswith("step:")
         status, body, _ = await api.get("/api/v1/tenants/other/devices/m1/rollups")
         assert status == 403
+
+
+async def test_the_worker_waits_while_writes_are_being_retried(db: Database) -> None:
+    """A raw row being retried could land after its mark was read: while this
+    process retries writes (and a grace period after), no minute is finished."""
+    stats = Stats()
+    config = make_config(GATEWAY_ROLLUPS__GRACE="1s")
+    w = RollupWorker(
+        db, config, stats, name=f"test-{uuid.uuid4().hex[:8]}", clock=lambda: time.time() + 120
+    )
+    first = minute_now()
+    await w.start(first)
+    stats.retries += 1  # what Requests counts when a write is retried
+    assert await w.catch_up() == 0
+    assert w.cursor_ms == first
+    await asyncio.sleep(1.1)  # the grace period with no further retry
+    assert await w.catch_up() >= 1
