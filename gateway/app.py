@@ -4,8 +4,8 @@
 ``AsyncExitStack`` (write session, sink, spool, HTTP server) and hands each
 its dependencies at construction; leaving it closes them in reverse order.
 :meth:`Gateway.run` runs the tasks (receive, the spool's three tasks in spool
-mode, the write loop, the status line) in one ``TaskGroup`` until ``stop`` is
-set, and then shuts down as the pipeline promises: stop reading, write and
+mode, the write loop, the status line, the roll-up worker) in one ``TaskGroup``
+until ``stop`` is set, and then shuts down as the pipeline promises: stop reading, write and
 acknowledge what was read (within ``shutdown_deadline``), log one summary line.
 
 Where a message goes::
@@ -14,6 +14,7 @@ Where a message goes::
     ingest/spool.py    (spool mode) Delivery → SQLite → Delivery
     ingest/pipeline.py classify (ingest/topics, decode, sampling) → queue → chunks
     store/latest.py, store/telemetry.py, store/rejects.py   rows for each table
+    store/rollups.py, store/metadata.py   dirty-window marks, metadata entries
     store/sink.py      batches per partition → store/requests.py (retries) → Cassandra
     → Ack.done(): PUBACK, in receive order
 """
@@ -23,8 +24,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 
@@ -40,8 +42,10 @@ from .stats import Stats
 from .store.database import Database, connect
 from .store.hot import HotPartitions
 from .store.latest import LatestState
+from .store.metadata import Metadata
 from .store.rejects import Rejects
 from .store.requests import Requests
+from .store.rollups import RollupMarks, RollupWorker
 from .store.rotate import StateRotation
 from .store.schema import missing_from
 from .store.sink import Sink
@@ -72,6 +76,7 @@ class Gateway:
         sampler: Sampler,
         spool: SpoolSource | None,
         shutdown_deadline: float,
+        rollups: RollupWorker | None = None,
     ) -> None:
         self.config = config
         self.stats = stats
@@ -83,6 +88,7 @@ class Gateway:
         self._sampler = sampler
         self._spool = spool
         self._shutdown_deadline = shutdown_deadline
+        self._rollups = rollups
 
     # -- answers for the HTTP side -------------------------------------------
 
@@ -154,6 +160,8 @@ class Gateway:
             tasks.create_task(self._receive(handler, stop, feeding))
             tasks.create_task(self._status(stop))
             tasks.create_task(self._rotate(stop))
+            if self._rollups is not None:
+                tasks.create_task(self._until_stop(self._rollups.run(), stop))
             tasks.create_task(self._signal_ready(stop, ready))
         log.info("stopped: %s", self.stats.summary())
         return self.stats
@@ -171,6 +179,20 @@ class Gateway:
             await asyncio.gather(rotating, stopping, return_exceptions=True)
         if rotating.done() and not rotating.cancelled() and rotating.exception() is not None:
             raise rotating.exception()  # type: ignore[misc]
+
+    async def _until_stop(self, work: Coroutine[Any, Any, None], stop: asyncio.Event) -> None:
+        """Run ``work`` (the roll-up worker) until ``stop``; a minute it was
+        cut short in is done again after the next start (store/rollups.py)."""
+        working = asyncio.create_task(work)
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({working, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (working, stopping):
+                task.cancel()
+            await asyncio.gather(working, stopping, return_exceptions=True)
+        if working.done() and not working.cancelled() and working.exception() is not None:
+            raise working.exception()  # type: ignore[misc]
 
     async def _receive(
         self, handler: Handler, stop: asyncio.Event, feeding: list[asyncio.Task[None]]
@@ -265,8 +287,19 @@ async def open_gateway(
         latest = LatestState(requests, config, stats)
         rotation = StateRotation(requests, latest, config, stats)
         rejects = Rejects(config, stats)
-        for writer in (latest, rotation, telemetry, rejects):
-            await writer.prepare(session)
+        marks = RollupMarks(config, stats) if config.rollups.enabled else None
+        metadata = Metadata(config, stats) if config.metadata.enabled else None
+        for writer in (latest, rotation, telemetry, rejects, marks, metadata):
+            if writer is not None:
+                await writer.prepare(session)
+        worker: RollupWorker | None = None
+        if marks is not None and config.rollups.worker:
+            # Its own session (the CLI's driver, which pages): its reads never
+            # queue behind the write path's in-flight cap. Started before any
+            # mark is written, so its cursor is never ahead of one.
+            rollup_db = await stack.enter_async_context(connect(config.cassandra))
+            worker = RollupWorker(rollup_db, config, stats)
+            await worker.start()
         sampler = Sampler(config.sampling)
         classifier = Classifier(config, sampler, stats)
         receiver = Receiver(
@@ -286,7 +319,17 @@ async def open_gateway(
         # In spool mode the spool source, not the pipeline, holds the broker back.
         flow: Flow = receiver if spool is None else NoFlow()
         pipeline = Pipeline(
-            config, classifier, latest, rotation, telemetry, rejects, sink, stats, flow
+            config,
+            classifier,
+            latest,
+            rotation,
+            telemetry,
+            rejects,
+            sink,
+            stats,
+            flow,
+            rollups=marks,
+            metadata=metadata,
         )
         source = (
             SpoolSource(
@@ -311,6 +354,7 @@ async def open_gateway(
             sampler=sampler,
             spool=source,
             shutdown_deadline=shutdown_deadline,
+            rollups=worker,
         )
         if config.api.enabled:
             # The read side gets a session of its own (the CLI's driver): its

@@ -320,6 +320,9 @@ class TenantConfig(_Model):
     slow_below: float = Field(default=1 / 60, gt=0)
     # Cassandra's TTL is whole seconds, at most 20 years.
     ttl: Annotated[LongDuration, Field(ge=60)] = 30 * 86400.0
+    # Roll-up rows (gateway/store/rollups.py) outlive the raw rows they summarise.
+    rollup_ttl_1m: Annotated[LongDuration, Field(ge=60)] = 90 * 86400.0
+    rollup_ttl_1h: Annotated[LongDuration, Field(ge=3600)] = 2 * 365 * 86400.0
 
     @field_validator("telemetry_bucket", "fast_bucket", "slow_bucket")
     @classmethod
@@ -355,6 +358,37 @@ class HotPartitionConfig(_Model):
     # Partitions counted per window; writes to partitions beyond it are not
     # tracked (counted as untracked).
     max_tracked: int = Field(default=100_000, ge=100, le=10_000_000)
+
+
+class RollupsConfig(_Model):
+    # 1-minute and 1-hour aggregates per device and numeric metric
+    # (gateway/store/rollups.py). Off: no marks written, no worker.
+    enabled: bool = True
+    # A minute's dirty marks are read this long after the minute ends: time for
+    # the raw writes sent with them to land (and for other instances' clocks).
+    grace: Annotated[float, BeforeValidator(parse_duration), Field(ge=1, le=3600)] = 30.0
+    # Run the worker in this process. With several gateway instances one
+    # worker is enough (more only repeat the work); marks are written either way.
+    worker: bool = True
+    # How often the worker looks for minutes that came due.
+    interval: Annotated[float, BeforeValidator(parse_duration), Field(gt=0, le=600)] = 5.0
+    # (device, window, minute) marks this process remembers as written (LRU);
+    # past it one is forgotten, which costs one more idempotent mark write.
+    mark_cache_size: int = Field(default=100_000, ge=100, le=10_000_000)
+    # Windows the worker recomputes at once (Cassandra reads in flight).
+    concurrency: int = Field(default=16, ge=1, le=1024)
+
+
+class MetadataConfig(_Model):
+    # Metric names, tag keys and values, and devices by tag value
+    # (gateway/store/metadata.py), maintained on ingest.
+    enabled: bool = True
+    # Entries this process remembers as written (LRU); a forgotten one costs
+    # one idempotent write when it is seen again.
+    cache_size: int = Field(default=100_000, ge=100, le=10_000_000)
+    # New entries one tenant may add per gateway process; beyond, they are
+    # not written and are counted (gateway_metadata_capped_total).
+    max_per_tenant: int = Field(default=10_000, ge=1, le=10_000_000)
 
 
 class SpoolConfig(_Model):
@@ -521,6 +555,8 @@ class Config(_Model):
     spool: SpoolConfig = Field(default_factory=SpoolConfig)
     hot_partitions: HotPartitionConfig = Field(default_factory=HotPartitionConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    rollups: RollupsConfig = Field(default_factory=RollupsConfig)
+    metadata: MetadataConfig = Field(default_factory=MetadataConfig)
     # [tenants.default] applies to every tenant without a section of its own.
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
 

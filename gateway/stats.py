@@ -118,12 +118,20 @@ class Stats:
     throttle_events: int = 0  # times that limit was reached
     read_pauses: int = 0  # times the pipeline queue filled and socket reads paused
     overflow: int = 0  # messages read after a pause took effect (held, never dropped)
+    rollup_marks: int = 0  # dirty-window marks written (store/rollups.py)
+    rollup_mark_evictions: int = 0  # marks forgotten at rollups.mark_cache_size (rewritten if seen)
+    rollup_windows: int = 0  # 1-minute windows recomputed from their raw rows
+    rollup_failures: int = 0  # roll-up worker passes that failed (retried; marks stay)
+    rollup_lag_s: float = 0.0  # how far the roll-up worker is behind its due minutes
+    metadata_writes: int = 0  # new metadata entries written (store/metadata.py)
+    metadata_capped: int = 0  # new entries not written: tenant at metadata.max_per_tenant
     # Seconds from the device's publish time to the Cassandra ack of its event.
     write_latency: Histogram = field(default_factory=lambda: Histogram(WRITE_LATENCY_BUCKETS))
     batch_rows: Histogram = field(default_factory=lambda: Histogram(BATCH_ROWS_BUCKETS))
     hot_by_table: LabelledCounts = field(default_factory=LabelledCounts)
     quota_by_tenant: LabelledCounts = field(default_factory=LabelledCounts)
     sampled_out_by_tenant: LabelledCounts = field(default_factory=LabelledCounts)
+    metadata_capped_by_tenant: LabelledCounts = field(default_factory=LabelledCounts)
     _last: tuple[float, int, int] | None = None  # (time, received, written) at the last line
 
     def status_line(self) -> str:

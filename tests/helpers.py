@@ -112,6 +112,9 @@ def base_env(**extra: str) -> dict[str, str]:
         "GATEWAY_PIPELINE__STATUS_INTERVAL": "1",
         # Several test gateways may run at once: metrics on any free port.
         "GATEWAY_API__PORT": "0",
+        # They share one keyspace, so one roll-up progress cursor: the roll-up
+        # tests drive workers of their own (tests/test_rollups.py).
+        "GATEWAY_ROLLUPS__WORKER": "false",
     }
     return env | extra
 

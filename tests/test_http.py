@@ -113,6 +113,11 @@ def test_every_stats_total_is_mirrored_under_its_name() -> None:
         "gateway_latest_deletes_saved_total": "deletes_saved",
         "gateway_write_ts_ties_total": "tie_breaks",
         "gateway_stale_latest_total": "stale_latest",
+        "gateway_rollup_marks_total": "rollup_marks",
+        "gateway_rollup_mark_evictions_total": "rollup_mark_evictions",
+        "gateway_rollup_windows_total": "rollup_windows",
+        "gateway_rollup_failures_total": "rollup_failures",
+        "gateway_metadata_writes_total": "metadata_writes",
     }
     stats = Stats()
     for i, attr in enumerate(expected.values()):
@@ -130,6 +135,8 @@ def test_every_stats_total_is_mirrored_under_its_name() -> None:
     assert scrape.types["gateway_cassandra_in_flight"] == "gauge"
     assert scrape.value("gateway_cassandra_in_flight") == 3
     assert scrape.value("gateway_queue_depth") == 17
+    stats.rollup_lag_s = 42.5
+    assert scrape_of(registry).value("gateway_rollup_lag_seconds") == 42.5
     assert 0 <= scrape.value("gateway_uptime_seconds") < 60
     # Families come in name order, as they always did.
     assert scrape.order == sorted(scrape.order)

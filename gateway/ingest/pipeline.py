@@ -4,7 +4,7 @@
     classify      topics.py → decode.py → sampling.py: an Event, or a Rejection
     (queue)       bounded asyncio.Queue of pipeline.queue_size
     write loop    chunks of the queue → the table writers in gateway/store/
-                  (latest, telemetry, rejects) → the sink
+                  (latest, telemetry, roll-up marks, metadata, rejects) → the sink
     → the delivery's ``ack.done()`` once every write of it is acknowledged
 
 Promises: every delivery ends up written (event or rejection) before it is
@@ -30,7 +30,9 @@ from ..errors import DecodeError
 from ..event import Event
 from ..stats import Stats
 from ..store.latest import LatestState
+from ..store.metadata import Metadata
 from ..store.rejects import Rejection, Rejects
+from ..store.rollups import RollupMarks
 from ..store.rotate import StateRotation
 from ..store.sink import Pending, Sink, Write
 from ..store.telemetry import Telemetry
@@ -159,7 +161,12 @@ class Pipeline:
         sink: Sink,
         stats: Stats,
         flow: Flow,
+        *,
+        rollups: RollupMarks | None = None,
+        metadata: Metadata | None = None,
     ) -> None:
+        self._rollups = rollups
+        self._metadata = metadata
         self._max_states = config.pipeline.max_states_per_tenant
         self._classify = classifier.classify
         self._latest = latest
@@ -301,6 +308,7 @@ class Pipeline:
                 newest[key] = e
         writes: list[Write] = []
         stats = self._stats
+        rollups, metadata = self._rollups, self._metadata
         for item in chunk:
             pending = Pending(self._done_callback(item))
             event = item.event
@@ -325,8 +333,14 @@ class Pipeline:
                 else:
                     mine = []
                     stats.coalesced += 1
+                if metadata is not None:
+                    mine += metadata.writes(event, pending)
                 if verdict.keep_raw:
                     mine += self._telemetry.writes(event, pending)
+                    if rollups is not None:
+                        # Its window's dirty mark goes with the raw row, so it
+                        # is in Cassandra before the ack (store/rollups.py).
+                        mine += rollups.writes(event, pending)
                 else:
                     stats.sampled_out += 1
                     stats.sampled_out_by_tenant.add(event.tenant)

@@ -559,3 +559,125 @@ async def rejected(
         ]
         start -= hour
     return out
+
+
+# -- roll-ups (written by store/rollups.py) ----------------------------------
+
+ROLLUP_STEPS = {"1m": 60, "1h": 3600}
+# Rows of one step share a partition per bucket of this span (schema/005_rollups.cql).
+ROLLUP_BUCKET_MS = {60: 86_400_000, 3600: 64 * 86_400_000}
+# Windows one roll-up read may return: a week of minutes, over a year of hours.
+MAX_ROLLUP_WINDOWS = 10_080
+
+
+def rollup_bucket(start_ms: int, step: int) -> int:
+    span = ROLLUP_BUCKET_MS[step]
+    return start_ms - start_ms % span
+
+
+@dataclass(frozen=True, slots=True)
+class RollupRow:
+    start: datetime
+    count: int
+    min: float
+    max: float
+    sum: float
+    last: float
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "start": iso(self.start),
+            "count": self.count,
+            "min": self.min,
+            "max": self.max,
+            "sum": self.sum,
+            "last": self.last,
+        }
+
+
+def parse_step(text: str) -> int:
+    try:
+        return ROLLUP_STEPS[text]
+    except KeyError:
+        raise bad_parameter("step", f"expected 1m or 1h (got {text!r})") from None
+
+
+async def rollups(
+    db: Database,
+    tenant: str,
+    device_id: str,
+    metric: str,
+    step: int,
+    since: datetime,
+    until: datetime,
+) -> list[RollupRow]:
+    """The ``step`` windows of ``metric`` that start in [since, until), oldest
+    first; windows without stored raw rows are absent."""
+    since_ms, until_ms = epoch_ms(since), epoch_ms(until)
+    if since_ms >= until_ms:
+        raise bad_parameter("since", "must be before until")
+    step_ms = step * 1000
+    first = since_ms - since_ms % step_ms
+    if (until_ms - first) // step_ms > MAX_ROLLUP_WINDOWS:
+        raise bad_parameter(
+            "since", f"the range holds more than {MAX_ROLLUP_WINDOWS} windows of {step} s"
+        )
+    stmt = await db.prepared(
+        f"SELECT start, count, min, max, sum, last FROM {db.keyspace}.rollups "
+        "WHERE tenant = ? AND device_id = ? AND step = ? AND bucket = ? AND metric = ? "
+        "AND start >= ? AND start < ?"
+    )
+    buckets = range(rollup_bucket(first, step), until_ms, ROLLUP_BUCKET_MS[step])
+    parts = await asyncio.gather(
+        *(db.execute(stmt, (tenant, device_id, step, b, metric, first, until_ms)) for b in buckets)
+    )
+    return [
+        RollupRow(r.start, r.count, r.min, r.max, r.sum, r.last) for rows in parts for r in rows
+    ]
+
+
+# -- metadata (written by store/metadata.py) ---------------------------------
+
+# Entries one metadata answer lists at most (metadata.max_per_tenant bounds them too).
+MAX_META = 10_000
+
+
+async def meta_metrics(db: Database, tenant: str) -> list[str]:
+    stmt = await db.prepared(
+        f"SELECT metric FROM {db.keyspace}.meta_metrics WHERE tenant = ? LIMIT {MAX_META}"
+    )
+    return [r.metric for r in await db.execute(stmt, (tenant,))]
+
+
+async def meta_tag_keys(db: Database, tenant: str) -> list[str]:
+    stmt = await db.prepared(
+        f"SELECT tag_key FROM {db.keyspace}.meta_tag_keys WHERE tenant = ? LIMIT {MAX_META}"
+    )
+    return [r.tag_key for r in await db.execute(stmt, (tenant,))]
+
+
+async def meta_tag_values(db: Database, tenant: str, key: str) -> list[str]:
+    stmt = await db.prepared(
+        f"SELECT tag_value FROM {db.keyspace}.meta_tag_values WHERE tenant = ? AND tag_key = ? "
+        f"LIMIT {MAX_META}"
+    )
+    return [r.tag_value for r in await db.execute(stmt, (tenant, key))]
+
+
+async def meta_tag_devices(db: Database, tenant: str, key: str, value: str) -> list[str]:
+    """Devices that have carried tag ``key`` = ``value`` (ever: entries are never removed)."""
+    stmt = await db.prepared(
+        f"SELECT device_id FROM {db.keyspace}.meta_tag_devices "
+        f"WHERE tenant = ? AND tag_key = ? AND tag_value = ? LIMIT {MAX_META}"
+    )
+    return [r.device_id for r in await db.execute(stmt, (tenant, key, value))]
+
+
+def parse_tag_value(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` (the CLI's form; the API's ``tag`` takes KEY:VALUE too)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        key, sep, value = text.partition(":")
+    if not sep or not key:
+        raise bad_parameter("tag", f"expected KEY=VALUE, e.g. floor=3 (got {text!r})")
+    return key, value

@@ -35,6 +35,13 @@ REQUIRED_TABLES = (
     "telemetry",
     "telemetry_partitions",
     "rejected_messages",
+    "rollups",
+    "rollup_marks",
+    "rollup_progress",
+    "meta_metrics",
+    "meta_tag_keys",
+    "meta_tag_values",
+    "meta_tag_devices",
 )
 
 

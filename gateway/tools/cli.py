@@ -1,6 +1,6 @@
 """Command line: ``gateway init | run | serve | schema apply|migrate|print | check | devices |
-device | history | rejected | simulate | token add/list/revoke``. The only place that configures
-logging and reads argv.
+device | history | rollup | meta | rejected | simulate | token add/list/revoke``. The only
+place that configures logging and reads argv.
 
 Exit codes: 0 success, 1 runtime failure (service unreachable, write refused,
 nothing found), 2 usage or configuration error.
@@ -157,6 +157,36 @@ def _parser() -> argparse.ArgumentParser:
     his.add_argument("--until", help="RFC 3339 time (default now)")
     his.add_argument("--limit", type=int, default=1000)
     his.add_argument("--json", action="store_true")
+
+    rol = sub.add_parser(
+        "rollup", parents=[common], help="a device's 1-minute or 1-hour aggregates, oldest first"
+    )
+    rol.add_argument("--tenant", required=True)
+    rol.add_argument("device_id")
+    rol.add_argument("--metric", default="value", help="a metrics key, or value (the default)")
+    rol.add_argument("--step", required=True, help="1m or 1h")
+    rol.add_argument("--since", help="RFC 3339 time or a duration ago like 2h (default 24h)")
+    rol.add_argument("--until", help="RFC 3339 time or a duration ago (default now)")
+    rol.add_argument("--json", action="store_true", help="print a JSON array")
+
+    meta = sub.add_parser(
+        "meta", parents=[common], help="metric names, tag keys and values, devices by tag"
+    )
+    meta_sub = meta.add_subparsers(dest="meta_command", required=True, metavar="WHAT")
+    for name, what in (("metrics", "metric names"), ("tags", "tag keys")):
+        one_meta = meta_sub.add_parser(name, parents=[common], help=f"the tenant's {what}")
+        one_meta.add_argument("--tenant", required=True)
+        one_meta.add_argument("--json", action="store_true")
+    values = meta_sub.add_parser("values", parents=[common], help="the values of a tag key")
+    values.add_argument("key", metavar="KEY")
+    values.add_argument("--tenant", required=True)
+    values.add_argument("--json", action="store_true")
+    tagged = meta_sub.add_parser(
+        "devices", parents=[common], help="devices that carry a tag value (KEY=VALUE)"
+    )
+    tagged.add_argument("tag", metavar="KEY=VALUE")
+    tagged.add_argument("--tenant", required=True)
+    tagged.add_argument("--json", action="store_true")
 
     rej = sub.add_parser("rejected", parents=[common], help="recently rejected messages and why")
     rej.add_argument("--tenant", default="", help="tenant ('' for topics that named none)")
@@ -387,6 +417,62 @@ async def _history(config: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+async def _rollup(config: Config, args: argparse.Namespace) -> int:
+    now = datetime.now(UTC)
+    since = _time_arg("--since", args.since, now - timedelta(hours=24))
+    until = _time_arg("--until", args.until, now)
+    try:
+        step = queries.parse_step(args.step)
+    except QueryError as exc:
+        raise ConfigError(f"--{exc}") from None
+    if since >= until:
+        raise ConfigError("--since: must be before --until")
+    async with connect(config.cassandra) as db:
+        try:
+            rows = await queries.rollups(
+                db, args.tenant, args.device_id, args.metric, step, since, until
+            )
+        except QueryError as exc:
+            if exc.parameter is None:
+                raise
+            raise ConfigError(f"--{exc}") from None
+    if args.json:
+        _print_json([r.as_json() for r in rows])
+    else:
+        for r in rows:
+            print(
+                f"{queries.iso(r.start)}\tcount={r.count}\tmin={r.min}\tmax={r.max}"
+                f"\tsum={r.sum}\tlast={r.last}"
+            )
+        print(f"({len(rows)} windows of {args.step} for {args.metric!r})", file=sys.stderr)
+    return 0
+
+
+async def _meta(config: Config, args: argparse.Namespace) -> int:
+    what = args.meta_command
+    if what == "devices":
+        try:
+            key, value = queries.parse_tag_value(args.tag)
+        except QueryError as exc:
+            raise ConfigError(str(exc)) from None
+    async with connect(config.cassandra) as db:
+        if what == "metrics":
+            found = await queries.meta_metrics(db, args.tenant)
+        elif what == "tags":
+            found = await queries.meta_tag_keys(db, args.tenant)
+        elif what == "values":
+            found = await queries.meta_tag_values(db, args.tenant, args.key)
+        else:
+            found = await queries.meta_tag_devices(db, args.tenant, key, value)
+    if args.json:
+        _print_json(found)
+    else:
+        for entry in found:
+            print(entry)
+        print(f"({len(found)} for tenant {args.tenant!r})", file=sys.stderr)
+    return 0
+
+
 async def _rejected(config: Config, args: argparse.Namespace) -> int:
     since = datetime.now(UTC) - timedelta(hours=args.hours)
     async with connect(config.cassandra) as db:
@@ -541,6 +627,8 @@ def _main(argv: Sequence[str] | None) -> int:
         "device": lambda: _device(config, args),
         "history": lambda: _history(config, args),
         "rejected": lambda: _rejected(config, args),
+        "rollup": lambda: _rollup(config, args),
+        "meta": lambda: _meta(config, args),
         "simulate": lambda: _simulate(config, args),
         "forget-session": lambda: _forget_session(config),
     }

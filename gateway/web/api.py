@@ -9,6 +9,11 @@ through, so the page, curl and ``gateway devices`` always agree. Routes (all
     /api/v1/tenants/{t}/states/{s}/devices              one page of a state's devices
     /api/v1/tenants/{t}/devices/{d}                     a device's latest event
     /api/v1/tenants/{t}/devices/{d}/history             its raw events, newest first
+    /api/v1/tenants/{t}/devices/{d}/rollups             its 1-minute or 1-hour aggregates
+    /api/v1/tenants/{t}/meta/metrics                    metric names the tenant uses
+    /api/v1/tenants/{t}/meta/tags                       tag keys
+    /api/v1/tenants/{t}/meta/tags/{k}/values            a tag key's values
+    /api/v1/tenants/{t}/meta/devices?tag=KEY=VALUE      devices that carry a tag value
     /api/v1/tenants/{t}/rejected                        bad messages and why
     /api/v1/openapi.json                                this API, as OpenAPI 3.1
 
@@ -102,6 +107,11 @@ class ReadApi:
             ("/tenants/{tenant}/states/{state}/devices", self._devices),
             ("/tenants/{tenant}/devices/{device_id}", self._device),
             ("/tenants/{tenant}/devices/{device_id}/history", self._history),
+            ("/tenants/{tenant}/devices/{device_id}/rollups", self._rollups),
+            ("/tenants/{tenant}/meta/metrics", self._meta),
+            ("/tenants/{tenant}/meta/tags", self._meta),
+            ("/tenants/{tenant}/meta/tags/{key}/values", self._meta),
+            ("/tenants/{tenant}/meta/devices", self._meta),
             ("/tenants/{tenant}/rejected", self._rejected),
         ]
         for path, handler in routes:
@@ -286,6 +296,52 @@ class ReadApi:
             }
         )
 
+    async def _rollups(self, request: web.Request) -> _Cached:
+        tenant, device = request.match_info["tenant"], request.match_info["device_id"]
+        self._grant(request, tenant)
+        query = request.query
+        now = datetime.now(UTC)
+        since = _time(query, "since", now - timedelta(hours=24), now)
+        until = _time(query, "until", now, now)
+        step = queries.parse_step(query.get("step") or "1m")
+        metric = query.get("metric") or "value"
+
+        async def compute() -> tuple[Any, float]:
+            rows = await queries.rollups(self._db, tenant, device, metric, step, since, until)
+            return {
+                "tenant": tenant,
+                "device_id": device,
+                "metric": metric,
+                "step": query.get("step") or "1m",
+                "rollups": [r.as_json() for r in rows],
+            }, 0
+
+        return await self._cached(f"rollups:{request.path_qs}", LIST_TTL, compute)
+
+    async def _meta(self, request: web.Request) -> _Cached:
+        tenant = request.match_info["tenant"]
+        self._grant(request, tenant)
+        what = request.path.rsplit("/", 1)[-1]
+        db = self._db
+        if what == "devices":
+            text = request.query.get("tag", "")
+            key, value = queries.parse_tag_value(text)
+        else:
+            key = request.match_info.get("key", "")
+
+        async def compute() -> tuple[Any, float]:
+            if what == "metrics":
+                return {"tenant": tenant, "metrics": await queries.meta_metrics(db, tenant)}, 0
+            if what == "tags":
+                return {"tenant": tenant, "tags": await queries.meta_tag_keys(db, tenant)}, 0
+            if what == "values":
+                found = await queries.meta_tag_values(db, tenant, key)
+                return {"tenant": tenant, "tag": key, "values": found}, 0
+            found = await queries.meta_tag_devices(db, tenant, key, value)
+            return {"tenant": tenant, "tag": key, "value": value, "devices": found}, 0
+
+        return await self._cached(f"meta:{request.path_qs}", COUNTS_TTL, compute)
+
     async def _rejected(self, request: web.Request) -> _Cached:
         tenant = request.match_info["tenant"]
         self._grant(request, tenant)
@@ -380,6 +436,24 @@ OPENAPI: dict[str, Any] = {
             "device_id",
             extra="query: since, until (RFC 3339 or a duration ago like 2h; default the "
             f"last 24 h), limit (1-{MAX_LIMIT}), cursor",
+        ),
+        PREFIX + "/tenants/{tenant}/devices/{device_id}/rollups": _path(
+            "A device's 1-minute or 1-hour aggregates of one metric, oldest first",
+            "tenant",
+            "device_id",
+            extra="query: metric (default value), step (1m or 1h, default 1m), since, until "
+            "(RFC 3339 or a duration ago; default the last 24 h; at most "
+            f"{queries.MAX_ROLLUP_WINDOWS} windows)",
+        ),
+        PREFIX + "/tenants/{tenant}/meta/metrics": _path("Metric names the tenant uses", "tenant"),
+        PREFIX + "/tenants/{tenant}/meta/tags": _path("Tag keys the tenant uses", "tenant"),
+        PREFIX + "/tenants/{tenant}/meta/tags/{key}/values": _path(
+            "The values a tag key has had", "tenant", "key"
+        ),
+        PREFIX + "/tenants/{tenant}/meta/devices": _path(
+            "Devices that have carried a tag value",
+            "tenant",
+            extra="query: tag (KEY=VALUE or KEY:VALUE, required)",
         ),
         PREFIX + "/tenants/{tenant}/rejected": _path(
             "Messages the gateway rejected, and why",

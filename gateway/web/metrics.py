@@ -165,6 +165,31 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
         "stale_latest",
         "Events older than their device's newest write: latest-table writes skipped.",
     ),
+    (
+        "gateway_rollup_marks_total",
+        "rollup_marks",
+        "Dirty-window marks written with raw rows (roll-ups).",
+    ),
+    (
+        "gateway_rollup_mark_evictions_total",
+        "rollup_mark_evictions",
+        "Written marks forgotten at rollups.mark_cache_size (written again when seen again).",
+    ),
+    (
+        "gateway_rollup_windows_total",
+        "rollup_windows",
+        "1-minute windows recomputed from their raw rows.",
+    ),
+    (
+        "gateway_rollup_failures_total",
+        "rollup_failures",
+        "Roll-up worker passes that failed (retried; the marks stay in Cassandra).",
+    ),
+    (
+        "gateway_metadata_writes_total",
+        "metadata_writes",
+        "New metadata entries written (metric names, tag keys and values, devices by tag).",
+    ),
 )
 
 # (metric name, help, label name, Stats attribute holding a LabelledCounts)
@@ -186,6 +211,12 @@ _STATS_BY_LABEL: tuple[tuple[str, str, str, str], ...] = (
         "Events not written because of sampling, by tenant.",
         "tenant",
         "sampled_out_by_tenant",
+    ),
+    (
+        "gateway_metadata_capped_total",
+        "New metadata entries not written: the tenant reached metadata.max_per_tenant.",
+        "tenant",
+        "metadata_capped_by_tenant",
     ),
 )
 
@@ -292,6 +323,11 @@ class GatewayCollector(Collector):
             "gateway_queue_depth",
             "Messages in the pipeline queue (as last sampled).",
             value=stats.queue_depth,
+        )
+        yield GaugeMetricFamily(
+            "gateway_rollup_lag_seconds",
+            "How far the roll-up worker is behind the minutes that are due.",
+            value=stats.rollup_lag_s,
         )
         yield GaugeMetricFamily(
             "gateway_uptime_seconds",

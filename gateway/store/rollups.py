@@ -1,0 +1,412 @@
+"""Roll-ups: 1-minute and 1-hour count/min/max/sum/last per device and numeric
+metric (the event's ``value`` when numeric, as metric ``value``, and each
+entry of ``metrics``), kept exact under shuffled, duplicated, late and
+back-filled events.
+
+How, and why this way (the tsdb-cassandra README's "re-write the window"):
+
+* **Recompute, never increment.** A window an event touched is recomputed
+  from the raw rows stored for it (``telemetry``, read exactly as ``gateway
+  history`` reads it, de-duplicated by (ts, event_id)) and its row re-written
+  whole. A redelivered copy is the same raw row, so it counts once; a late
+  event makes its window dirty again and the re-write replaces the partial
+  aggregate. Incrementing in memory would double-count redeliveries and lose
+  whatever was open at a crash. The roll-up is therefore defined over the
+  raw rows that are *stored*: events the sampler left out (``sampled_out``)
+  are not in it.
+* **Durable dirty marks.** With the raw row, in the same chunk and before the
+  message is acknowledged, the pipeline writes a mark "window W of device D"
+  into ``rollup_marks``, in the partition of the wall-clock minute the mark
+  was written in (16 shards). So a SIGKILL after the ack loses nothing: the
+  mark is in Cassandra. Partitions by writing minute, not by window, make
+  back-fill and late data cost the same as fresh data, and keep the table
+  append-only: marks are never deleted (no tombstones for the worker to
+  read), they expire after 7 days.
+* **One worker** (:class:`RollupWorker`, a task of the application object)
+  keeps a cursor in ``rollup_progress``: the first writing minute it has not
+  finished. Once that minute is over plus ``rollups.grace`` it reads the
+  minute's mark partitions, recomputes each marked 1-minute window, then each
+  touched hour from its 1-minute rows (a merge: counts and sums add, min and
+  max and the newest ``last`` carry over), and only then moves the cursor on.
+  A crash in between repeats the minute at the next start; recomputing twice
+  writes the same rows. Marks left by an earlier run are picked up from the
+  cursor.
+* **Raw before mark.** The raw row and its mark are sent together; the
+  worker reads a minute's marks ``grace`` after the minute ends, and it waits
+  while Cassandra requests of this process are being retried (a raw write
+  could then land after its mark), so the raw rows a mark stands for are
+  there when the window is read.
+* **Order between recomputations.** An aggregate is written with ``USING
+  TIMESTAMP`` of the moment its raw read began: of two recomputations of a
+  window (a repeat, another instance) the one that read later, and so saw at
+  least as many rows, wins.
+
+Bounds: the write side remembers marks it wrote (``rollups.mark_cache_size``
+entries, LRU): one mark per (device, window, writing minute) at most, and at
+the bound a forgotten mark is simply written again (idempotent, counted as
+``rollup_mark_evictions``); nothing is held in memory that a crash would lose.
+The worker holds one minute's marks at a time and recomputes at most
+``rollups.concurrency`` windows at once; when it falls behind, marks wait in
+Cassandra and ``rollup_lag_seconds`` grows. Sums are ``math.fsum`` of the
+window's values (exactly rounded, whatever order the rows come in); an hour's
+sum adds its minutes' sums.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from cassandra.query import BatchStatement, BatchType
+
+from ..config import MAX_BUCKET_SECONDS, Config
+from ..event import Event
+from ..lru import LRU
+from ..stats import Stats
+from ..units import epoch_ms
+from . import queries
+from .database import Database
+from .sink import Pending, Write
+from .write_session import Prepared, WriteSession
+
+log = logging.getLogger(__name__)
+
+MINUTE_MS = 60_000
+HOUR_MS = 3_600_000
+MARK_SHARDS = 16
+VALUE_METRIC = "value"
+PROGRESS = "default"
+
+
+def mark_shard(tenant: str, device_id: str) -> int:
+    return zlib.crc32(f"{tenant}/{device_id}".encode()) % MARK_SHARDS
+
+
+def numeric_metrics(value: float | None, metrics: dict[str, float]) -> Iterable[tuple[str, float]]:
+    """The (metric, value) pairs of one event that roll-ups keep."""
+    if value is not None:
+        yield VALUE_METRIC, value
+    yield from metrics.items()
+
+
+class RollupMarks:
+    """The write side: a durable mark per window an event touches."""
+
+    _insert: Prepared
+
+    def __init__(self, config: Config, stats: Stats, clock: Callable[[], float] = time.time):
+        self._stats = stats
+        self._clock = clock
+        self._written: LRU[tuple[str, str, int, int], bool] = LRU(config.rollups.mark_cache_size)
+
+    async def prepare(self, session: WriteSession) -> None:
+        self._insert = await session.prepare(
+            "INSERT INTO {keyspace}.rollup_marks "
+            "(minute, shard, tenant, device_id, window_start) VALUES (?, ?, ?, ?, ?)",
+            timestamps=(0, 4),
+        )
+
+    def writes(self, event: Event, pending: Pending) -> list[Write]:
+        if event.value_num is None and not event.metrics:
+            return []
+        now_ms = int(self._clock() * 1000)
+        # The minute the mark is written in (not the event's): the worker
+        # reads minutes in order, so a back-filled window is found as soon
+        # as a fresh one.
+        minute = now_ms - now_ms % MINUTE_MS
+        window = event.ts_ms - event.ts_ms % MINUTE_MS
+        key = (event.tenant, event.device_id, window, minute)
+        written = self._written
+        if written.touch(key):
+            return []
+        evictions = written.evictions
+        written.put(key, True)
+        self._stats.rollup_mark_evictions += written.evictions - evictions
+        self._stats.rollup_marks += 1
+        shard = mark_shard(event.tenant, event.device_id)
+        return [
+            Write(
+                ("rollup_marks", minute, shard),
+                self._insert,
+                (minute, shard, event.tenant, event.device_id, window),
+                pending,
+            )
+        ]
+
+
+@dataclass(slots=True)
+class Aggregate:
+    count: int
+    min: float
+    max: float
+    sum: float
+    last: float
+    last_ts: int  # epoch ms of the newest raw row
+    last_id: int  # its event id (ties in ts go to the larger)
+
+
+def aggregate(samples: list[tuple[int, int, float]]) -> Aggregate:
+    """(ts ms, event id, value) samples, in any order, to their aggregate."""
+    values = [v for _, _, v in samples]
+    last_ts, last_id, last = max(samples)
+    total = math.fsum(values)
+    return Aggregate(len(values), min(values), max(values), total, last, last_ts, last_id)
+
+
+def merge(parts: list[Aggregate]) -> Aggregate:
+    newest = max(parts, key=lambda a: (a.last_ts, a.last_id))
+    return Aggregate(
+        sum(a.count for a in parts),
+        min(a.min for a in parts),
+        max(a.max for a in parts),
+        math.fsum(a.sum for a in parts),
+        newest.last,
+        newest.last_ts,
+        newest.last_id,
+    )
+
+
+class RollupWorker:
+    """Recomputes the windows the marks name, minute by minute (module docstring)."""
+
+    def __init__(
+        self,
+        db: Database,
+        config: Config,
+        stats: Stats,
+        *,
+        name: str = PROGRESS,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._db = db
+        self._config = config
+        self._stats = stats
+        self._name = name
+        self._clock = clock
+        self._grace_ms = int(config.rollups.grace * 1000)
+        self._interval = config.rollups.interval
+        self._slots = asyncio.Semaphore(config.rollups.concurrency)
+        self._cursor = 0
+        self._retries_seen = stats.retries
+        self._quiet_since = time.monotonic()
+        self._ready = False
+
+    async def start(self, first_minute_ms: int | None = None) -> None:
+        """Prepare, and read the cursor (a new one starts at this minute, or at
+        ``first_minute_ms``; no mark can be older than that)."""
+        ks = self._db.keyspace
+        prepare = self._db.prepared
+        self._read_cursor = await prepare(f"SELECT minute FROM {ks}.rollup_progress WHERE name = ?")
+        self._init_cursor = await prepare(
+            f"INSERT INTO {ks}.rollup_progress (name, minute) VALUES (?, ?) IF NOT EXISTS"
+        )
+        self._write_cursor = await prepare(
+            f"INSERT INTO {ks}.rollup_progress (name, minute) VALUES (?, ?)"
+        )
+        self._read_marks = await prepare(
+            f"SELECT tenant, device_id, window_start FROM {ks}.rollup_marks "
+            "WHERE minute = ? AND shard = ?"
+        )
+        self._read_index = await prepare(
+            f"SELECT bucket_start, shard, bucket_seconds FROM {ks}.telemetry_partitions "
+            "WHERE tenant = ? AND device_id = ? AND bucket_start <= ? AND bucket_start > ?"
+        )
+        self._read_raw = await prepare(
+            f"SELECT ts, event_id, value_num, metrics FROM {ks}.telemetry "
+            "WHERE tenant = ? AND device_id = ? AND bucket_start = ? AND shard = ? "
+            "AND ts >= ? AND ts <= ?"
+        )
+        self._read_minutes = await prepare(
+            f"SELECT metric, count, min, max, sum, last, last_ts, last_id FROM {ks}.rollups "
+            "WHERE tenant = ? AND device_id = ? AND step = 60 AND bucket = ? AND metric IN ? "
+            "AND start >= ? AND start < ?"
+        )
+        self._write = await prepare(
+            f"INSERT INTO {ks}.rollups (tenant, device_id, step, bucket, metric, start, count, "
+            "min, max, sum, last, last_ts, last_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+            "USING TTL ? AND TIMESTAMP ?"
+        )
+        now_ms = int(self._clock() * 1000)
+        first = first_minute_ms if first_minute_ms is not None else now_ms - now_ms % MINUTE_MS
+        await self._db.execute(self._init_cursor, (self._name, first))
+        rows = await self._db.execute(self._read_cursor, (self._name,))
+        self._cursor = epoch_ms(rows[0].minute)
+        self._ready = True
+        log.info(
+            "roll-ups: marks from %s on still to do",
+            queries.iso(datetime.fromtimestamp(self._cursor / 1000, UTC)),
+        )
+
+    @property
+    def cursor_ms(self) -> int:
+        return self._cursor
+
+    async def run(self) -> None:
+        """Catch up every ``rollups.interval`` until cancelled. A failing pass
+        (Cassandra away) is logged, counted and tried again; the cursor stays."""
+        failing = False
+        while True:
+            try:
+                await self.catch_up()
+                if failing:
+                    log.warning("roll-ups: the worker works again")
+                failing = False
+            except Exception as exc:
+                self._stats.rollup_failures += 1
+                if not failing:
+                    log.warning("roll-ups: a pass failed, retrying: %s", exc)
+                failing = True
+            await asyncio.sleep(self._interval)
+
+    async def catch_up(self) -> int:
+        """Finish every minute of marks that is due; returns how many."""
+        assert self._ready, "start() first"
+        stats = self._stats
+        if stats.retries != self._retries_seen:
+            # This process's writes are being retried: a raw row may land after
+            # its mark. Wait until they have gone through for a grace period.
+            self._retries_seen = stats.retries
+            self._quiet_since = time.monotonic()
+        if time.monotonic() - self._quiet_since < self._grace_ms / 1000 and stats.retries:
+            return 0
+        done = 0
+        while True:
+            now_ms = int(self._clock() * 1000)
+            due_at = self._cursor + MINUTE_MS + self._grace_ms
+            stats.rollup_lag_s = max(0.0, (now_ms - due_at) / 1000)
+            if due_at > now_ms:
+                return done
+            await self.process_minute(self._cursor)
+            self._cursor += MINUTE_MS
+            await self._db.execute(self._write_cursor, (self._name, self._cursor))
+            done += 1
+
+    async def process_minute(self, minute_ms: int) -> None:
+        """Recompute every window marked in ``minute_ms``, then their hours."""
+        parts = await asyncio.gather(
+            *(self._db.execute(self._read_marks, (minute_ms, s)) for s in range(MARK_SHARDS))
+        )
+        windows = {
+            (r.tenant, r.device_id, epoch_ms(r.window_start)) for rows in parts for r in rows
+        }
+        await self.recompute(windows)
+
+    async def recompute(self, windows: set[tuple[str, str, int]]) -> None:
+        """Recompute these 1-minute windows from the raw rows, then the hours
+        they belong to from their minutes."""
+        ordered = sorted(windows)
+        touched = await asyncio.gather(*(self._minute(*w) for w in ordered))
+        hours: dict[tuple[str, str, int], set[str]] = {}
+        for (tenant, device, start), metrics in zip(ordered, touched, strict=True):
+            if metrics:
+                hours.setdefault((tenant, device, start - start % HOUR_MS), set()).update(metrics)
+        await asyncio.gather(*(self._hour(*h, sorted(m)) for h, m in sorted(hours.items())))
+
+    async def _minute(self, tenant: str, device_id: str, start_ms: int) -> set[str]:
+        async with self._slots:
+            read_at = time.time()
+            samples: dict[str, list[tuple[int, int, float]]] = {}
+            for (ts, event_id), (num, metrics) in (
+                await self._raw(tenant, device_id, start_ms)
+            ).items():
+                for metric, value in numeric_metrics(num, metrics):
+                    samples.setdefault(metric, []).append((ts, event_id, value))
+            ttl = int(self._config.tenant(tenant).rollup_ttl_1m)
+            aggregates = {metric: aggregate(s) for metric, s in samples.items()}
+            await self._store(tenant, device_id, 60, start_ms, aggregates, ttl, read_at)
+            self._stats.rollup_windows += 1
+            return set(samples)
+
+    async def _raw(
+        self, tenant: str, device_id: str, start_ms: int
+    ) -> dict[tuple[int, int], tuple[float | None, dict[str, float]]]:
+        """The window's raw rows, each (ts, event_id) once, from every partition
+        that may hold them (found as ``gateway history`` finds them; prepared
+        statements and only the numeric columns, since this runs per window)."""
+        end_ms = start_ms + MINUTE_MS - 1
+        index = await self._db.execute(
+            self._read_index,
+            (tenant, device_id, end_ms, start_ms - MAX_BUCKET_SECONDS * 1000),
+        )
+        longest: dict[tuple[int, int], int] = {}
+        for p in index:
+            key = (epoch_ms(p.bucket_start), p.shard)
+            longest[key] = max(longest.get(key, 0), p.bucket_seconds)
+        parts = await asyncio.gather(
+            *(
+                self._db.execute(
+                    self._read_raw, (tenant, device_id, bucket, shard, start_ms, end_ms)
+                )
+                for (bucket, shard), seconds in longest.items()
+                if bucket + seconds * 1000 > start_ms
+            )
+        )
+        # A redelivered copy can sit in two partitions (queries.history): once.
+        return {
+            (epoch_ms(r.ts), r.event_id): (r.value_num, dict(r.metrics or {}))
+            for rows in parts
+            for r in rows
+        }
+
+    async def _hour(self, tenant: str, device_id: str, hour_ms: int, metrics: list[str]) -> None:
+        async with self._slots:
+            read_at = time.time()
+            bucket = queries.rollup_bucket(hour_ms, 60)
+            rows = await self._db.execute(
+                self._read_minutes,
+                (tenant, device_id, bucket, metrics, hour_ms, hour_ms + HOUR_MS),
+            )
+            parts: dict[str, list[Aggregate]] = {}
+            for r in rows:
+                parts.setdefault(r.metric, []).append(
+                    Aggregate(r.count, r.min, r.max, r.sum, r.last, epoch_ms(r.last_ts), r.last_id)
+                )
+            ttl = int(self._config.tenant(tenant).rollup_ttl_1h)
+            aggregates = {metric: merge(p) for metric, p in parts.items()}
+            await self._store(tenant, device_id, 3600, hour_ms, aggregates, ttl, read_at)
+
+    async def _store(
+        self,
+        tenant: str,
+        device_id: str,
+        step: int,
+        start_ms: int,
+        aggregates: dict[str, Aggregate],
+        ttl: int,
+        read_at: float,
+    ) -> None:
+        """One window's rows, every metric, in one request: they share a partition."""
+        if not aggregates:
+            return
+        batch = BatchStatement(batch_type=BatchType.UNLOGGED)
+        bucket = queries.rollup_bucket(start_ms, step)
+        # The later read wins (module docstring), in microseconds.
+        stamp = int(read_at * 1_000_000)
+        for metric, agg in aggregates.items():
+            batch.add(
+                self._write,
+                (
+                    tenant,
+                    device_id,
+                    step,
+                    bucket,
+                    metric,
+                    start_ms,
+                    agg.count,
+                    agg.min,
+                    agg.max,
+                    agg.sum,
+                    agg.last,
+                    agg.last_ts,
+                    agg.last_id,
+                    ttl,
+                    stamp,
+                ),
+            )
+        await self._db.execute(batch)

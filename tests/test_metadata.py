@@ -1,0 +1,98 @@
+"""Metadata against the real broker and Cassandra: metric names, tag keys and
+values, and devices by tag value, maintained on ingest, written once per new
+entry, capped per tenant (counted), and served by the CLI and the API."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import orjson
+
+from gateway.store import queries
+from gateway.store.database import Database
+from gateway.web.tokens import TokenStore
+
+from .helpers import make_config, publish, run_cli, running_gateway
+from .test_read_api import client
+
+# A topic tree of their own: other tenants' traffic on the shared broker would
+# add metadata writes to the counts checked here.
+TOPICS = '[{template = "meta-test/{tenant}/devices/{device_id}/events"}]'
+
+
+def topic(tenant: str, device: str) -> str:
+    return f"meta-test/{tenant}/devices/{device}/events"
+
+
+def event(tags: dict[str, str], **metrics: float) -> bytes:
+    return orjson.dumps(
+        {"ts": int(time.time() * 1000), "value": 1.5, "metrics": metrics, "tags": tags}
+    )
+
+
+async def test_metadata_is_kept_on_ingest_and_served(
+    db: Database, tenant: str, tmp_path: Path
+) -> None:
+    messages = [
+        (topic(tenant, "d1"), event({"floor": "3", "room": "a"}, temp=20.0)),
+        (topic(tenant, "d2"), event({"floor": "3"}, temp=21.0, hum=40.0)),
+        (topic(tenant, "d3"), event({"floor": "4"})),
+        (topic(tenant, "d1"), event({"floor": "3", "room": "a"}, temp=20.5)),  # nothing new
+    ]
+    async with running_gateway(make_config(GATEWAY_TOPICS=TOPICS)) as gw:
+        await publish(messages)
+        await gw.wait_handled(len(messages))
+        # d1's second event added nothing: one write per new entry.
+        # metrics value/temp/hum, keys floor/room, values 3/4/a, devices 4 pairs.
+        assert gw.stats.metadata_writes == 3 + 2 + 3 + 4
+        assert gw.stats.metadata_capped == 0
+    assert sorted(await queries.meta_metrics(db, tenant)) == ["hum", "temp", "value"]
+    assert sorted(await queries.meta_tag_keys(db, tenant)) == ["floor", "room"]
+    assert sorted(await queries.meta_tag_values(db, tenant, "floor")) == ["3", "4"]
+    assert sorted(await queries.meta_tag_devices(db, tenant, "floor", "3")) == ["d1", "d2"]
+
+    result = run_cli("meta", "devices", "floor=3", "--tenant", tenant, "--json")
+    assert result.returncode == 0, result.stderr
+    assert sorted(orjson.loads(result.stdout)) == ["d1", "d2"]
+    result = run_cli("meta", "devices", "floor", "--tenant", tenant)
+    assert result.returncode == 2
+    assert "KEY=VALUE" in result.stderr
+
+    tokens = TokenStore(tmp_path / "tokens.jsonl")
+    async with client(db, make_config(), tokens, tenant) as api:
+        base = f"/api/v1/tenants/{tenant}/meta"
+        status, body, _ = await api.get(f"{base}/tags")
+        assert (status, sorted(body["tags"])) == (200, ["floor", "room"])
+        status, body, _ = await api.get(f"{base}/tags/floor/values")
+        assert (status, sorted(body["values"])) == (200, ["3", "4"])
+        status, body, _ = await api.get(f"{base}/metrics")
+        assert (status, sorted(body["metrics"])) == (200, ["hum", "temp", "value"])
+        status, body, _ = await api.get(f"{base}/devices?tag=floor=4")
+        assert (status, body["devices"]) == (200, ["d3"])
+        status, body, _ = await api.get(f"{base}/devices")
+        assert status == 400
+        assert body["detail"].startswith("tag:")
+
+
+async def test_a_tenant_over_its_metadata_cap_is_counted_and_its_events_still_stored(
+    db: Database, tenant: str
+) -> None:
+    # A tag whose value never repeats (a serial number, say).
+    messages = [(topic(tenant, f"d{i}"), event({"serial": f"s{i}"})) for i in range(8)]
+    config = make_config(GATEWAY_METADATA__MAX_PER_TENANT="5", GATEWAY_TOPICS=TOPICS)
+    async with running_gateway(config) as gw:
+        await publish(messages)
+        await gw.wait_handled(len(messages))
+        assert gw.stats.written == len(messages)
+        assert gw.stats.metadata_writes == 5
+        assert gw.stats.metadata_capped > 0
+        assert gw.stats.metadata_capped_by_tenant.counts[tenant] == gw.stats.metadata_capped
+    stored = (
+        len(await queries.meta_metrics(db, tenant))
+        + len(await queries.meta_tag_keys(db, tenant))
+        + len(await queries.meta_tag_values(db, tenant, "serial"))
+    )
+    for i in range(8):
+        stored += len(await queries.meta_tag_devices(db, tenant, "serial", f"s{i}"))
+    assert stored == 5

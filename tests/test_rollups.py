@@ -1,0 +1,305 @@
+"""Roll-ups against the real broker and Cassandra: whatever order, copies and
+lateness the events come in, once the worker has caught up the 1-minute and
+1-hour aggregates equal a recomputation from the raw rows read back; the
+dirty marks survive a SIGKILL after the ack; the CLI and the API serve them."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest_asyncio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway.stats import Stats
+from gateway.store import queries
+from gateway.store.database import Database
+from gateway.store.rollups import MINUTE_MS, RollupWorker
+from gateway.web.tokens import TokenStore
+
+from .helpers import (
+    RunningGateway,
+    as_ms,
+    base_env,
+    make_config,
+    publish,
+    run_cli,
+    running_gateway,
+    wait_until_blocking,
+)
+from .test_read_api import client
+
+HOUR_MS = 3_600_000
+# A topic tree of their own: other gateways' traffic on the shared broker
+# would only add windows for the workers here to recompute.
+TOPICS = '[{template = "rollup-test/{tenant}/devices/{device_id}/events"}]'
+
+
+def topic(tenant: str, device: str) -> str:
+    return f"rollup-test/{tenant}/devices/{device}/events"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def gateway(db: Database) -> AsyncIterator[RunningGateway]:
+    """One gateway for the module (it writes the marks; the tests drive the worker)."""
+    async with running_gateway(make_config(GATEWAY_TOPICS=TOPICS)) as gw:
+        yield gw
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def worker(db: Database) -> RollupWorker:
+    w = RollupWorker(db, make_config(), Stats(), name=f"test-{uuid.uuid4().hex[:8]}")
+    await w.start()
+    return w
+
+
+async def publish_and_wait(gateway: RunningGateway, messages: list[tuple[str, bytes]]) -> None:
+    """Publish, then wait until the gateway has stored and acknowledged them."""
+    want = gateway.stats.written + gateway.stats.sampled_out + len(messages)
+    await publish(messages)
+    await gateway.wait_for(lambda s: s.written + s.sampled_out >= want and s.acked >= s.received)
+
+
+def minute_now() -> int:
+    now = int(time.time() * 1000)
+    return now - now % MINUTE_MS
+
+
+async def settle(worker: RollupWorker, first_minute: int) -> None:
+    """Recompute every window marked from ``first_minute`` to this minute."""
+    for minute in range(first_minute, minute_now() + 1, MINUTE_MS):
+        await worker.process_minute(minute)
+
+
+@dataclass(frozen=True)
+class Ev:
+    ts_ms: int
+    value: float | str | None
+    metrics: dict[str, float]
+
+    def payload(self) -> bytes:
+        body: dict[str, Any] = {"ts": self.ts_ms, "metrics": self.metrics}
+        if self.value is not None:
+            body["value"] = self.value
+        return orjson.dumps(body)
+
+
+# Two minutes before an hour ends, three hours ago: windows on both sides of
+# an hour boundary, and every event is back-fill (never sampled out).
+BASE = (int(time.time() * 1000) - 3 * HOUR_MS) // HOUR_MS * HOUR_MS + 58 * MINUTE_MS
+
+numbers = st.one_of(
+    st.integers(-3, 3).map(float),
+    st.integers(-1000, 1000).map(float),
+    st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False),
+)
+events = st.builds(
+    Ev,
+    # Whole seconds over four minutes: several events share a millisecond.
+    ts_ms=st.integers(0, 4 * 60 - 1).map(lambda s: BASE + s * 1000),
+    value=st.one_of(st.none(), numbers, st.just("text")),
+    metrics=st.dictionaries(st.sampled_from(["a", "b"]), numbers, max_size=2),
+)
+
+
+@st.composite
+def deliveries(draw: st.DrawFn) -> tuple[list[Ev], list[Ev]]:
+    """Distinct events, published shuffled with copies, in two rounds: the
+    second (late events and more copies) after the first was rolled up."""
+    evs = draw(st.lists(events, min_size=1, max_size=30, unique_by=Ev.payload))
+    copies = draw(st.lists(st.sampled_from(evs), max_size=10))
+    order = draw(st.permutations(evs + copies))
+    cut = draw(st.integers(0, len(order)))
+    return order[:cut], order[cut:]
+
+
+async def raw_samples(
+    db: Database, tenant: str, device: str
+) -> dict[str, list[tuple[int, int, float]]]:
+    """(ts, event id, value) per metric, from every raw row read back, each row once."""
+    parts = await db.execute(
+        f"SELECT bucket_start, shard FROM {db.keyspace}.telemetry_partitions "
+        "WHERE tenant = %s AND device_id = %s",
+        (tenant, device),
+    )
+    rows: dict[tuple[int, int], Any] = {}
+    for p in parts:
+        for r in await db.execute(
+            f"SELECT ts, event_id, value_num, metrics FROM {db.keyspace}.telemetry "
+            "WHERE tenant = %s AND device_id = %s AND bucket_start = %s AND shard = %s",
+            (tenant, device, p.bucket_start, p.shard),
+        ):
+            rows[(as_ms(r.ts), r.event_id)] = r
+    out: dict[str, list[tuple[int, int, float]]] = {}
+    for (ts, event_id), r in rows.items():
+        pairs = ([("value", r.value_num)] if r.value_num is not None else []) + list(
+            (r.metrics or {}).items()
+        )
+        for metric, v in pairs:
+            out.setdefault(metric, []).append((ts, event_id, v))
+    return out
+
+
+def expected(samples: list[tuple[int, int, float]], step_ms: int) -> dict[int, tuple[Any, ...]]:
+    windows: dict[int, list[tuple[int, int, float]]] = {}
+    for s in samples:
+        windows.setdefault(s[0] - s[0] % step_ms, []).append(s)
+    return {
+        start: (
+            len(w),
+            min(v for *_, v in w),
+            max(v for *_, v in w),
+            sum(v for *_, v in w),
+            max(w)[2],
+        )
+        for start, w in windows.items()
+    }
+
+
+async def assert_rollups_match_raw(db: Database, tenant: str, device: str) -> None:
+    samples = await raw_samples(db, tenant, device)
+    since = datetime.fromtimestamp((BASE - HOUR_MS) / 1000, UTC)
+    until = since + timedelta(hours=3)
+    for metric in ("value", "a", "b"):
+        for step, step_ms in ((60, MINUTE_MS), (3600, HOUR_MS)):
+            got = {
+                as_ms(r.start): (r.count, r.min, r.max, r.sum, r.last)
+                for r in await queries.rollups(db, tenant, device, metric, step, since, until)
+            }
+            want = expected(samples.get(metric, []), step_ms)
+            assert got.keys() == want.keys(), (metric, step)
+            for start, (count, low, high, total, last) in want.items():
+                g = got[start]
+                assert (g[0], g[1], g[2], g[4]) == (count, low, high, last), (metric, step, start)
+                # Sums agree to rounding: the worker adds exactly (fsum), in its own order.
+                assert math.isclose(g[3], total, rel_tol=1e-9, abs_tol=1e-6), (metric, step)
+
+
+@settings(
+    max_examples=10,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(rounds=deliveries())
+async def test_rollups_equal_a_recomputation_from_the_raw_rows(
+    db: Database,
+    gateway: RunningGateway,
+    worker: RollupWorker,
+    rounds: tuple[list[Ev], list[Ev]],
+) -> None:
+    tenant = f"rup{uuid.uuid4().hex[:10]}"
+    device = "meter"
+    for batch in rounds:
+        first_minute = minute_now()
+        await publish_and_wait(gateway, [(topic(tenant, device), e.payload()) for e in batch])
+        await settle(worker, first_minute)
+    await assert_rollups_match_raw(db, tenant, device)
+
+
+async def test_marks_survive_a_sigkill_after_the_ack_and_the_cursor_resumes(
+    db: Database, tenant: str, gateway_process: Any
+) -> None:
+    first = minute_now()
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    proc = gateway_process(GATEWAY_TOPICS=TOPICS)
+    proc.start()
+    base = BASE + 10 * MINUTE_MS
+    sent = [Ev(base + i * 1000, float(i), {"t": 20.0 + i}) for i in range(5)]
+    await publish([(topic(tenant, "pump"), e.payload()) for e in sent])
+
+    def acked() -> bool:
+        found = re.findall(r"acked=(\d+)", proc.output())
+        return bool(found) and int(found[-1]) >= len(sent)
+
+    wait_until_blocking(acked, 30, "the gateway acknowledged every event")
+    proc.kill()  # SIGKILL: nothing held in memory survives, only what is in Cassandra
+    # A worker that had started before the events, and never ran: the marks
+    # wait in Cassandra until a worker of the same name starts again.
+    await RollupWorker(db, make_config(), Stats(), name=name).start(first)
+    later = RollupWorker(db, make_config(), Stats(), name=name, clock=lambda: time.time() + 120)
+    await later.start()
+    assert later.cursor_ms == first
+    assert await later.catch_up() >= 1
+    assert later.cursor_ms > minute_now()
+    since = datetime.fromtimestamp(base / 1000, UTC)
+    rows = await queries.rollups(db, tenant, "pump", "t", 60, since, since + timedelta(minutes=1))
+    assert [r.as_json() for r in rows] == [
+        {
+            "start": queries.iso(since),
+            "count": 5,
+            "min": 20.0,
+            "max": 24.0,
+            "sum": 110.0,
+            "last": 24.0,
+        }
+    ]
+    hour = await queries.rollups(
+        db, tenant, "pump", "value", 3600, since, since + timedelta(hours=1)
+    )
+    assert [(r.count, r.sum, r.last) for r in hour] == [(5, 10.0, 4.0)]
+    # A restart resumes where the worker stopped.
+    again = RollupWorker(db, make_config(), Stats(), name=name)
+    await again.start()
+    assert again.cursor_ms == later.cursor_ms
+
+
+async def test_cli_and_api_serve_the_rollups(
+    db: Database, tenant: str, gateway: RunningGateway, worker: RollupWorker, tmp_path: Path
+) -> None:
+    first = minute_now()
+    start = BASE + 20 * MINUTE_MS
+    events = [Ev(start + i * 7000, None, {"kwh": float(i)}) for i in range(4)]
+    await publish_and_wait(gateway, [(topic(tenant, "m1"), e.payload()) for e in events])
+    await settle(worker, first)
+    iso = queries.iso(datetime.fromtimestamp(start / 1000, UTC))
+    until = queries.iso(datetime.fromtimestamp((start + HOUR_MS) / 1000, UTC))
+    want = [{"start": iso, "count": 4, "min": 0.0, "max": 3.0, "sum": 6.0, "last": 3.0}]
+    args = ("rollup", "--tenant", tenant, "m1", "--metric", "kwh", "--step", "1m")
+    result = run_cli(*args, "--since", iso, "--until", until, "--json")
+    assert result.returncode == 0, result.stderr
+    assert orjson.loads(result.stdout) == want
+    bad = run_cli(*args[:-1], "5m", "--since", iso, "--json")
+    assert bad.returncode == 2
+    assert "--step" in bad.stderr
+    bad = run_cli(*args, "--since", until, "--until", iso, env=base_env())
+    assert bad.returncode == 2
+    assert "--since" in bad.stderr
+
+    tokens = TokenStore(tmp_path / "tokens.jsonl")
+    async with client(db, make_config(), tokens, tenant) as api:
+        path = f"/api/v1/tenants/{tenant}/devices/m1/rollups?metric=kwh&step=1m"
+        status, body, _ = await api.get(f"{path}&since={iso}&until={until}")
+        assert status == 200, body
+        assert body["rollups"] == want
+        status, body, _ = await api.get(f"/api/v1/tenants/{tenant}/devices/m1/rollups?step=2m")
+        assert status == 400
+        assert body["detail"].startswith("step:")
+        status, body, _ = await api.get("/api/v1/tenants/other/devices/m1/rollups")
+        assert status == 403
+
+
+async def test_the_worker_waits_while_writes_are_being_retried(db: Database) -> None:
+    """A raw row being retried could land after its mark was read: while this
+    process retries writes (and a grace period after), no minute is finished."""
+    stats = Stats()
+    config = make_config(GATEWAY_ROLLUPS__GRACE="1s")
+    w = RollupWorker(
+        db, config, stats, name=f"test-{uuid.uuid4().hex[:8]}", clock=lambda: time.time() + 120
+    )
+    first = minute_now()
+    await w.start(first)
+    stats.retries += 1  # what Requests counts when a write is retried
+    assert await w.catch_up() == 0
+    assert w.cursor_ms == first
+    await asyncio.sleep(1.1)  # the grace period with no further retry
+    assert await w.catch_up() >= 1
