@@ -198,14 +198,19 @@ async def devices_page(
             params.append(upper)
         rows = await _read_state(db, stmt, (*params, want), tenant, state, buckets)
         scanned += len(rows)
-        stale = await _stale(db, tenant, state, bucket, gens.get(bucket, 0), rows)
+        gen = gens.get(bucket, 0)
+        matching = [r for r in rows if tag is None or (r.tags or {}).get(tag[0]) == tag[1]]
+        seen, checked, stale = 0, 0, set[str]()
         for r in rows:
-            if r.device_id in stale:
-                after = r.device_id
-                continue
-            tags = dict(r.tags or {})
-            if tag is None or tags.get(tag[0]) == tag[1]:
-                out.append(StateRow(r.device_id, r.ts, _json(r.value), tags))
+            if tag is None or (r.tags or {}).get(tag[0]) == tag[1]:
+                if seen == checked:
+                    # Check only rows that may be given out, as many as the page still needs.
+                    batch = matching[checked : checked + limit - len(out)]
+                    stale |= await _stale(db, tenant, state, bucket, gen, batch)
+                    checked += len(batch)
+                seen += 1
+                if r.device_id not in stale:
+                    out.append(StateRow(r.device_id, r.ts, _json(r.value), dict(r.tags or {})))
             after = r.device_id
             if len(out) == limit:
                 break
