@@ -209,8 +209,16 @@ class CassandraConfig(_Model):
     consistency: Consistency = "LOCAL_QUORUM"
     connect_timeout: Duration = 10.0
     request_timeout: Duration = 10.0
-    # Cap on concurrent requests to Cassandra (the writer's semaphore).
-    max_in_flight: int = Field(default=64, ge=1, le=4096)
+    # Requests to Cassandra in flight at once (gateway/store/limit.py): the
+    # limit adapts to the measured latency, from 64 at start-up, between
+    # min_in_flight and this hard cap (a 100 ms link needs several hundred).
+    # adaptive_in_flight = false pins it at max_in_flight (the old fixed cap).
+    max_in_flight: int = Field(default=1024, ge=1, le=4096)
+    min_in_flight: int = Field(default=16, ge=1, le=4096)
+    adaptive_in_flight: bool = True
+    # Protocol compression of request and response bodies: "lz4" (python
+    # driver only, needs the lz4 package) or "none".
+    compression: Literal["none", "lz4"] = "none"
     # A write failing with timeouts/unavailable is retried with capped backoff.
     # After this long without success the gateway stops with an error; nothing
     # is lost because unwritten messages were never acknowledged to the broker.
@@ -231,6 +239,16 @@ class CassandraConfig(_Model):
                 "cassandra.datacenters is required with NetworkTopologyStrategy, e.g. {dc1 = 3}"
             )
         _load_password(self, "cassandra")
+        if self.min_in_flight > self.max_in_flight:
+            raise ValueError(
+                f"cassandra.min_in_flight ({self.min_in_flight}) is above "
+                f"cassandra.max_in_flight ({self.max_in_flight})"
+            )
+        if self.compression != "none" and self.driver == "acsylla":
+            raise ValueError(
+                f'cassandra.compression = "{self.compression}" needs driver = "python": '
+                "acsylla (the C++ driver) has no protocol compression"
+            )
         if self.driver == "acsylla" and self.tls.enabled and self.tls.ca_file is None:
             raise ValueError(
                 'cassandra.driver = "acsylla" with TLS needs cassandra.tls.ca_file '

@@ -10,6 +10,7 @@ and run in an executor, never on the event loop.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import ssl
 from collections.abc import AsyncIterator, Sequence
@@ -29,7 +30,7 @@ from cassandra.query import PreparedStatement, Statement, dict_factory
 from cassandra import ConsistencyLevel
 
 from ..config import CassandraConfig
-from ..errors import SinkError
+from ..errors import ConfigError, SinkError
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,9 @@ def build_cluster(config: CassandraConfig, ssl_context: ssl.SSLContext | None = 
         auth = PlainTextAuthProvider(username=config.username, password=password)
     return Cluster(
         contact_points=list(config.contact_points),
+        # The driver's default (True) compresses whenever lz4 or snappy happens
+        # to be installed; only cassandra.compression decides here.
+        compression=_compression(config),
         port=config.port,
         execution_profiles={EXEC_PROFILE_DEFAULT: profile, DICT_ROWS: dict_rows},
         auth_provider=auth,
@@ -142,6 +146,18 @@ def build_cluster(config: CassandraConfig, ssl_context: ssl.SSLContext | None = 
         # (protocol v4+); more would only cost memory on a small edge host.
         protocol_version=4,
     )
+
+
+def _compression(config: CassandraConfig) -> str | bool:
+    if config.compression == "none":
+        return False
+    # The driver compresses with the lz4 package, an optional dependency.
+    if importlib.util.find_spec("lz4") is None:
+        raise ConfigError(
+            f'cassandra.compression = "{config.compression}" needs the lz4 package '
+            '(pip install lz4), or set it to "none"'
+        )
+    return config.compression
 
 
 @asynccontextmanager
