@@ -39,6 +39,8 @@ class DelayProxy:
         self.delay = delay  # seconds, one way
         self.port = port
         self.connections = 0
+        self.bytes_out = 0  # towards the target
+        self.bytes_in = 0  # from the target
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -75,8 +77,8 @@ class DelayProxy:
             self.connections += 1
             try:
                 async with asyncio.TaskGroup() as group:
-                    group.create_task(self._pipe(client_r, server_w))
-                    group.create_task(self._pipe(server_r, client_w))
+                    group.create_task(self._pipe(client_r, server_w, outwards=True))
+                    group.create_task(self._pipe(server_r, client_w, outwards=False))
             except* (ConnectionError, OSError):
                 pass  # one side went away: cut the other too
             finally:
@@ -85,7 +87,9 @@ class DelayProxy:
         finally:
             self._tasks.discard(task)
 
-    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    async def _pipe(
+        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, *, outwards: bool
+    ) -> None:
         """Read as fast as the sender sends; deliver each chunk at arrival + delay."""
         queue: deque[tuple[float, bytes]] = deque()
         queued = 0
@@ -120,6 +124,10 @@ class DelayProxy:
             try:
                 while data := await src.read(CHUNK):
                     queue.append((loop.time() + self.delay, data))
+                    if outwards:
+                        self.bytes_out += len(data)
+                    else:
+                        self.bytes_in += len(data)
                     queued += len(data)
                     more.set()
                     if queued >= MAX_QUEUED:
