@@ -266,14 +266,19 @@ def main() -> None:
             say(f"case {case.name}")
             drain(case, db, args.count, args.devices, args.seconds)
             run.cases.append(case)
+            save(run, args.out)  # after every case: a long run cut short keeps what it measured
     finally:
         cluster.shutdown()
+    print(save(run, args.out))
+
+
+def save(run: Run, out: str) -> str:
     command = " ".join([".venv/bin/python", *sys.argv])
     text = markdown(run, command)
-    print(text)
-    Path(args.out + ".md").write_text(text)
+    Path(out + ".md").write_text(text)
     data = {"command": command, **asdict(run)}
-    Path(args.out + ".json").write_text(json.dumps(data, indent=1) + "\n")
+    Path(out + ".json").write_text(json.dumps(data, indent=1) + "\n")
+    return text
 
 
 if __name__ == "__main__":

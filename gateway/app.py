@@ -231,7 +231,7 @@ async def open_gateway(
         limit = InFlightLimit(
             stats,
             initial=INITIAL_IN_FLIGHT,
-            minimum=cassandra.min_in_flight,
+            minimum=cassandra.in_flight_floor,
             maximum=cassandra.max_in_flight,
             adaptive=cassandra.adaptive_in_flight,
         )

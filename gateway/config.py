@@ -192,6 +192,8 @@ class TopicTemplate(_Model):
         return self
 
 
+DEFAULT_MIN_IN_FLIGHT = 64
+
 Consistency = Literal["ONE", "LOCAL_ONE", "QUORUM", "LOCAL_QUORUM", "EACH_QUORUM", "ALL"]
 
 
@@ -212,9 +214,13 @@ class CassandraConfig(_Model):
     # Requests to Cassandra in flight at once (gateway/store/limit.py): the
     # limit adapts to the measured latency, from 64 at start-up, between
     # min_in_flight and this hard cap (a 100 ms link needs several hundred).
-    # adaptive_in_flight = false pins it at max_in_flight (the old fixed cap).
+    # The floor (unset: 64, the old fixed cap, or max_in_flight if lower): on a
+    # busy host the measured latency includes the gateway's own scheduling
+    # delays, and a lower floor cost throughput there
+    # (bench/results/slow_link.md). adaptive_in_flight = false pins the limit
+    # at max_in_flight.
     max_in_flight: int = Field(default=1024, ge=1, le=4096)
-    min_in_flight: int = Field(default=16, ge=1, le=4096)
+    min_in_flight: int | None = Field(default=None, ge=1, le=4096)
     adaptive_in_flight: bool = True
     # Protocol compression of request and response bodies: "lz4" (python
     # driver only, needs the lz4 package) or "none".
@@ -232,6 +238,13 @@ class CassandraConfig(_Model):
     # and TLS is off, else the Python driver. The CLI always reads with the latter.
     driver: Literal["auto", "acsylla", "python"] = "auto"
 
+    @property
+    def in_flight_floor(self) -> int:
+        """min_in_flight, or its default: 64 (the old fixed cap) or max_in_flight if lower."""
+        if self.min_in_flight is not None:
+            return self.min_in_flight
+        return min(DEFAULT_MIN_IN_FLIGHT, self.max_in_flight)
+
     @model_validator(mode="after")
     def _check(self) -> CassandraConfig:
         if self.replication == "NetworkTopologyStrategy" and not self.datacenters:
@@ -239,7 +252,7 @@ class CassandraConfig(_Model):
                 "cassandra.datacenters is required with NetworkTopologyStrategy, e.g. {dc1 = 3}"
             )
         _load_password(self, "cassandra")
-        if self.min_in_flight > self.max_in_flight:
+        if self.min_in_flight is not None and self.min_in_flight > self.max_in_flight:
             raise ValueError(
                 f"cassandra.min_in_flight ({self.min_in_flight}) is above "
                 f"cassandra.max_in_flight ({self.max_in_flight})"
