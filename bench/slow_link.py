@@ -32,6 +32,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -152,7 +153,16 @@ def register_states(session: Session, tenant: str) -> None:
         session.execute(insert, (tenant, state, since))
 
 
-def drain(case: Case, db: Session, count: int, devices: int, seconds: float) -> None:
+def spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    """py-spy (from the venv) sampling the gateway, as bench/drain.py --profile does."""
+    py_spy = Path(sys.executable).with_name("py-spy")
+    cmd = [str(py_spy), "record", "--pid", str(pid), "--format", "raw", "--output", str(out)]
+    return subprocess.Popen([*cmd, "--rate", "250", "--threads"], stdout=subprocess.DEVNULL)
+
+
+def drain(
+    case: Case, db: Session, count: int, devices: int, seconds: float, profile: Path | None
+) -> None:
     key = uuid.uuid4().hex[:6]
     cid, tenant = f"gwbench-link-{key}", f"link{key}"
     create_session(cid)  # fresh and empty: only the backlog below is queued
@@ -171,6 +181,9 @@ def drain(case: Case, db: Session, count: int, devices: int, seconds: float) -> 
         try:
             proc.wait_ready(120)
             assert proc.ready_at is not None
+            profiler = None
+            if profile is not None:
+                profiler = spy(proc.pid, profile / f"{case.name.replace(' ', '_')}.txt")
             bytes0 = (proxy.bytes_in + proxy.bytes_out) if proxy else 0
             limits: list[int] = []
             offset = 0
@@ -192,6 +205,9 @@ def drain(case: Case, db: Session, count: int, devices: int, seconds: float) -> 
                 case.bytes_per_msg = moved / proc.count
             if proc.count < stats.sent:
                 case.note = f"stopped at {seconds:.0f} s: {proc.count}/{stats.sent}"
+            if profiler is not None:
+                profiler.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+                profiler.wait(60)
         finally:
             proc.stop()
             clear_session(cid)
@@ -252,6 +268,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="no python-driver cases")
     parser.add_argument("--only", nargs="*", help="case names to run (default: all)")
     parser.add_argument("--out", default=str(RESULTS / "slow_link"), help="results path stem")
+    parser.add_argument(
+        "--profile", type=Path, help="py-spy each gateway into this folder (bench/profile_top.py)"
+    )
     args = parser.parse_args()
     LOGS.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, GATEWAY_CASSANDRA__KEYSPACE=rows.KEYSPACE)
@@ -264,7 +283,7 @@ def main() -> None:
             if args.only and case.name not in args.only:
                 continue
             say(f"case {case.name}")
-            drain(case, db, args.count, args.devices, args.seconds)
+            drain(case, db, args.count, args.devices, args.seconds, args.profile)
             run.cases.append(case)
             save(run, args.out)  # after every case: a long run cut short keeps what it measured
     finally:
