@@ -82,6 +82,7 @@ class Case:
     limit_max: int | None = None
     bytes_per_msg: float | None = None
     ratio_to_local: float | None = None
+    ratio_to_proxy0: float | None = None  # to the 0 ms proxy case: same proxy CPU
     note: str = ""
 
     def env(self, cid: str, port: int) -> dict[str, str]:
@@ -232,27 +233,32 @@ def cases(rtts: list[float], quick: bool) -> list[Case]:
 
 def markdown(run: Run, command: str) -> str:
     local = {c.driver: c.msg_per_s for c in run.cases if c.rtt_ms is None and c.adaptive}
+    proxy0 = {c.driver: c.msg_per_s for c in run.cases if c.rtt_ms == 0 and c.adaptive}
     lines = [
         "# A slow link to Cassandra",
         "",
         f"Command: `{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}).",
         f"Backlog of {run.args['count']} messages from {run.args['devices']} devices per "
         f"case, each drain stopped after {run.args['seconds']:.0f} s at most; msg/s counts "
-        "from the gateway's ready line (start-up of the limit included). One run on the "
-        "2-core shared box: figures move by ±30% between runs.",
+        "from the gateway's ready line (start-up of the limit included). The proxy runs "
+        "in Python on the same 2 cores, so `x 0 ms` (against the adaptive case through the "
+        "proxy at 0 ms) compares like with like; `x local` is against the direct adaptive "
+        "case. One run on the 2-core shared box: figures move by ±30% between runs.",
         "",
-        "| Case | RTT ms | Limit | Driver | msg/s | x local | CPU µs/msg | limit last (max) "
-        "| bytes/msg via proxy | Note |",
-        "|---|---:|---|---|---:|---:|---:|---|---:|---|",
+        "| Case | RTT ms | Limit | Driver | msg/s | x local | x 0 ms | CPU µs/msg "
+        "| limit last (max) | bytes/msg via proxy | Note |",
+        "|---|---:|---|---|---:|---:|---:|---:|---|---:|---|",
     ]
     for c in run.cases:
-        ref = local.get(c.driver)
+        ref, ref0 = local.get(c.driver), proxy0.get(c.driver)
         c.ratio_to_local = c.msg_per_s / ref if ref else None
+        c.ratio_to_proxy0 = c.msg_per_s / ref0 if ref0 and c.rtt_ms is not None else None
+        x0 = "" if c.ratio_to_proxy0 is None else f"{c.ratio_to_proxy0:.2f}"
         lines.append(
             f"| {c.name} | {'direct' if c.rtt_ms is None else f'{c.rtt_ms:g}'} "
             f"| {'adaptive' if c.adaptive else 'fixed 64'} | {c.driver}"
             f"{' + ' + c.compression if c.compression != 'none' else ''} "
-            f"| {c.msg_per_s:,.0f} | {c.ratio_to_local or 0:.2f} | {c.cpu_us_per_msg:.0f} "
+            f"| {c.msg_per_s:,.0f} | {c.ratio_to_local or 0:.2f} | {x0} | {c.cpu_us_per_msg:.0f} "
             f"| {c.limit_last} ({c.limit_max}) "
             f"| {'' if c.bytes_per_msg is None else f'{c.bytes_per_msg:,.0f}'} | {c.note} |"
         )
@@ -271,7 +277,15 @@ def main() -> None:
     parser.add_argument(
         "--profile", type=Path, help="py-spy each gateway into this folder (bench/profile_top.py)"
     )
+    parser.add_argument("--render", type=Path, help="only rewrite the .md of this results .json")
     args = parser.parse_args()
+    if args.render is not None:
+        data = json.loads(args.render.read_text())
+        known = set(Case.__dataclass_fields__)
+        cases = [Case(**{k: v for k, v in c.items() if k in known}) for c in data["cases"]]
+        old = Run(args=data["args"], cases=cases)
+        args.render.with_suffix(".md").write_text(markdown(old, data["command"]))
+        return
     LOGS.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, GATEWAY_CASSANDRA__KEYSPACE=rows.KEYSPACE)
     schema = [sys.executable, "-m", "gateway", "schema", "apply"]
