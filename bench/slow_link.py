@@ -282,8 +282,8 @@ def main() -> None:
     if args.render is not None:
         data = json.loads(args.render.read_text())
         known = set(Case.__dataclass_fields__)
-        cases = [Case(**{k: v for k, v in c.items() if k in known}) for c in data["cases"]]
-        old = Run(args=data["args"], cases=cases)
+        loaded = [Case(**{k: v for k, v in c.items() if k in known}) for c in data["cases"]]
+        old = Run(args=data["args"], cases=loaded)
         args.render.with_suffix(".md").write_text(markdown(old, data["command"]))
         return
     LOGS.mkdir(parents=True, exist_ok=True)
