@@ -16,7 +16,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import prometheus_client
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import CassandraConfig, PipelineConfig
 from gateway.stats import Stats
@@ -26,6 +28,7 @@ from gateway.store.requests import Requests
 from gateway.store.sink import Pending, Sink, Write
 from gateway.store.write_session import Prepared, open_write_session
 from gateway.tools.delay_proxy import DelayProxy
+from gateway.web.metrics import gateway_registry
 
 from .helpers import CQL_PORT, wait_until
 
@@ -139,3 +142,18 @@ def test_the_floor_defaults_to_the_old_cap_and_never_exceeds_the_cap() -> None:
     assert CassandraConfig(min_in_flight=8).in_flight_floor == 8
     with pytest.raises(ValueError, match=r"cassandra\.min_in_flight \(100\).*max_in_flight"):
         CassandraConfig(min_in_flight=100, max_in_flight=50)
+
+
+async def test_the_limit_is_in_the_metrics_and_the_status_line(keyspace: str) -> None:
+    async with slow_link(keyspace, one_way=0.01) as link:
+        await link.write(500)
+        text = prometheus_client.generate_latest(gateway_registry(link.stats)).decode()
+        values = {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+        assert values["gateway_cassandra_in_flight_limit"] == link.limit.limit
+        assert values["gateway_cassandra_latency_floor_seconds"] >= 0.02
+        assert values["gateway_cassandra_in_flight_waits_total"] == link.stats.in_flight_waits
+        assert f"in_flight=0/{link.limit.limit} " in link.stats.status_line()
