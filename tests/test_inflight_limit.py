@@ -157,3 +157,32 @@ async def test_the_limit_is_in_the_metrics_and_the_status_line(keyspace: str) ->
         assert values["gateway_cassandra_latency_floor_seconds"] >= 0.02
         assert values["gateway_cassandra_in_flight_waits_total"] == link.stats.in_flight_waits
         assert f"in_flight=0/{link.limit.limit} " in link.stats.status_line()
+
+
+async def test_admission_is_bounded_fifo_and_a_cancelled_waiter_hands_its_slot_on() -> None:
+    stats = Stats()
+    limit = InFlightLimit(stats, initial=2, minimum=2, maximum=2)
+    await limit.acquire()
+    await limit.acquire()
+    order: list[str] = []
+
+    async def wait(name: str) -> None:
+        await limit.acquire()
+        order.append(name)
+
+    first = asyncio.create_task(wait("first"))
+    second = asyncio.create_task(wait("second"))
+    third = asyncio.create_task(wait("third"))
+    await asyncio.sleep(0)
+    assert (limit.in_flight, stats.in_flight_waits) == (2, 3)
+    limit.release()  # granted to "first", which is cancelled before it runs
+    first.cancel()
+    async with asyncio.timeout(5):
+        await second  # the slot went on to the next in line
+    assert order == ["second"]
+    assert not third.done()
+    limit.release()
+    async with asyncio.timeout(5):
+        await third
+    assert order == ["second", "third"]
+    assert limit.in_flight == 2

@@ -71,6 +71,7 @@ class InFlightLimit:
         self.maximum = maximum
         self.adaptive = adaptive
         self._limit = float(min(max(initial, minimum), maximum) if adaptive else maximum)
+        self._slots = int(self._limit)  # what is admitted (the limit moves in fractions)
         self._in_flight = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
         # The current window.
@@ -86,7 +87,7 @@ class InFlightLimit:
 
     @property
     def limit(self) -> int:
-        return int(self._limit)
+        return self._slots
 
     @property
     def floor(self) -> float | None:
@@ -102,7 +103,7 @@ class InFlightLimit:
 
     async def acquire(self) -> None:
         """Wait until fewer than ``limit`` requests are in flight; take a slot."""
-        if self._in_flight < self._limit and not self._waiters:
+        if self._in_flight < self._slots and not self._waiters:
             self._take()
             return
         self._stats.in_flight_waits += 1
@@ -127,7 +128,7 @@ class InFlightLimit:
 
     def _admit(self) -> None:
         waiters = self._waiters
-        while waiters and self._in_flight < self._limit:
+        while waiters and self._in_flight < self._slots:
             waiter = waiters.popleft()
             if not waiter.done():
                 self._take()
@@ -175,6 +176,7 @@ class InFlightLimit:
     def _set(self, limit: float, why: str) -> None:
         before = self.limit
         self._limit = min(max(limit, self.minimum), self.maximum)
+        self._slots = int(self._limit)
         if why and self.limit < before:
             log.info("Cassandra in-flight limit %d -> %d (%s)", before, self.limit, why)
         self._publish()
