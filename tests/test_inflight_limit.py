@@ -108,19 +108,19 @@ async def test_the_limit_grows_on_a_50ms_link(keyspace: str, driver: str) -> Non
 
 
 async def test_the_limit_shrinks_when_latency_rises_well_above_its_floor(keyspace: str) -> None:
-    async with slow_link(keyspace, one_way=0.01) as link:
-        await link.write(2000)
+    async with slow_link(keyspace, one_way=0.025) as link:
+        await link.write(3000)
         grown = link.limit.limit
         assert grown >= 4 * START
         # The link becomes ten times slower: requests queue somewhere.
-        link.proxy.delay = 0.1
+        link.proxy.delay = 0.25
         await link.write(grown * 3)
         assert link.limit.limit < grown * 0.75, (grown, link.limit.limit)
 
 
 async def test_timeouts_halve_the_limit_and_nothing_is_lost(keyspace: str) -> None:
-    async with slow_link(keyspace, one_way=0.01, request_timeout=1.0) as link:
-        await link.write(2000)
+    async with slow_link(keyspace, one_way=0.025, request_timeout=1.0) as link:
+        await link.write(3000)
         grown = link.limit.limit
         assert grown >= 4 * START
         # The link stalls past the request timeout: every request times out.
@@ -131,7 +131,7 @@ async def test_timeouts_halve_the_limit_and_nothing_is_lost(keyspace: str) -> No
             assert link.stats.retries > 0
         finally:
             # The link recovers: every write still completes (retried, not lost).
-            link.proxy.delay = 0.01
+            link.proxy.delay = 0.025
             await writing
         assert link.limit.limit >= 4  # never below the minimum
 
