@@ -104,3 +104,10 @@ bench-receive: up
 # Writes bench/results/read_api.{json,md}.
 bench-api: up
 	$(VPY) bench/read_api.py $(BENCH_ARGS)
+
+# The gateway with Cassandra 0/20/50/100 ms round trip away (through a delaying
+# proxy), adaptive in-flight limit vs the old fixed 64, lz4 on the Python driver
+# (~8 min). Writes bench/results/slow_link.{json,md}.
+.PHONY: bench-link
+bench-link: up
+	$(VPY) bench/slow_link.py $(BENCH_ARGS)

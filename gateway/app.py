@@ -42,6 +42,7 @@ from .stats import Stats
 from .store.database import Database, connect
 from .store.hot import HotPartitions
 from .store.latest import LatestState
+from .store.limit import INITIAL_IN_FLIGHT, InFlightLimit
 from .store.metadata import Metadata
 from .store.rejects import Rejects
 from .store.requests import Requests
@@ -270,7 +271,15 @@ async def open_gateway(
         session = await stack.enter_async_context(open_write_session(config.cassandra))
         await _check_schema(session, config)
         log.info("writing to Cassandra through %s", session.name)
-        requests = Requests(session, config.cassandra, stats)
+        cassandra = config.cassandra
+        limit = InFlightLimit(
+            stats,
+            initial=INITIAL_IN_FLIGHT,
+            minimum=cassandra.in_flight_floor,
+            maximum=cassandra.max_in_flight,
+            adaptive=cassandra.adaptive_in_flight,
+        )
+        requests = Requests(session, cassandra, stats, limit)
         telemetry = Telemetry(config)
         hot_cfg = config.hot_partitions
         hot = HotPartitions(
@@ -281,9 +290,7 @@ async def open_gateway(
             on_hot=telemetry.mark_hot,
             on_window=telemetry.window_ended,
         )
-        sink = await stack.enter_async_context(
-            Sink(requests, config.pipeline, config.cassandra.max_in_flight, hot, stats)
-        )
+        sink = await stack.enter_async_context(Sink(requests, config.pipeline, hot, stats))
         latest = LatestState(requests, config, stats)
         rotation = StateRotation(requests, latest, config, stats)
         rejects = Rejects(config, stats)

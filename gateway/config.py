@@ -192,6 +192,8 @@ class TopicTemplate(_Model):
         return self
 
 
+DEFAULT_MIN_IN_FLIGHT = 64
+
 Consistency = Literal["ONE", "LOCAL_ONE", "QUORUM", "LOCAL_QUORUM", "EACH_QUORUM", "ALL"]
 
 
@@ -209,8 +211,21 @@ class CassandraConfig(_Model):
     consistency: Consistency = "LOCAL_QUORUM"
     connect_timeout: Duration = 10.0
     request_timeout: Duration = 10.0
-    # Cap on concurrent requests to Cassandra (the writer's semaphore).
-    max_in_flight: int = Field(default=64, ge=1, le=4096)
+    # Requests to Cassandra in flight at once (gateway/store/limit.py): the
+    # limit adapts to the measured latency, from 64 at start-up, between
+    # min_in_flight and this hard cap (a 100 ms link at 4,000 msg/s needs about
+    # 1,400; memory stays bounded by the queue and mqtt.receive_maximum).
+    # The floor (unset: 64, the old fixed cap, or max_in_flight if lower): on a
+    # busy host the measured latency includes the gateway's own scheduling
+    # delays, and a lower floor cost throughput there
+    # (bench/results/slow_link.md). adaptive_in_flight = false pins the limit
+    # at max_in_flight.
+    max_in_flight: int = Field(default=2048, ge=1, le=4096)
+    min_in_flight: int | None = Field(default=None, ge=1, le=4096)
+    adaptive_in_flight: bool = True
+    # Protocol compression of request and response bodies: "lz4" (python
+    # driver only, needs the lz4 package) or "none".
+    compression: Literal["none", "lz4"] = "none"
     # A write failing with timeouts/unavailable is retried with capped backoff.
     # After this long without success the gateway stops with an error; nothing
     # is lost because unwritten messages were never acknowledged to the broker.
@@ -224,6 +239,13 @@ class CassandraConfig(_Model):
     # and TLS is off, else the Python driver. The CLI always reads with the latter.
     driver: Literal["auto", "acsylla", "python"] = "auto"
 
+    @property
+    def in_flight_floor(self) -> int:
+        """min_in_flight, or its default: 64 (the old fixed cap) or max_in_flight if lower."""
+        if self.min_in_flight is not None:
+            return self.min_in_flight
+        return min(DEFAULT_MIN_IN_FLIGHT, self.max_in_flight)
+
     @model_validator(mode="after")
     def _check(self) -> CassandraConfig:
         if self.replication == "NetworkTopologyStrategy" and not self.datacenters:
@@ -231,6 +253,16 @@ class CassandraConfig(_Model):
                 "cassandra.datacenters is required with NetworkTopologyStrategy, e.g. {dc1 = 3}"
             )
         _load_password(self, "cassandra")
+        if self.min_in_flight is not None and self.min_in_flight > self.max_in_flight:
+            raise ValueError(
+                f"cassandra.min_in_flight ({self.min_in_flight}) is above "
+                f"cassandra.max_in_flight ({self.max_in_flight})"
+            )
+        if self.compression != "none" and self.driver == "acsylla":
+            raise ValueError(
+                f'cassandra.compression = "{self.compression}" needs driver = "python": '
+                "acsylla (the C++ driver) has no protocol compression"
+            )
         if self.driver == "acsylla" and self.tls.enabled and self.tls.ca_file is None:
             raise ValueError(
                 'cassandra.driver = "acsylla" with TLS needs cassandra.tls.ca_file '

@@ -92,6 +92,9 @@ class Stats:
     rows: int = 0  # statements in those requests
     retries: int = 0  # Cassandra requests retried after a transient error
     in_flight: int = 0  # Cassandra requests not yet answered
+    in_flight_limit: int = 0  # how many may be (store/limit.py adapts it to the latency)
+    in_flight_waits: int = 0  # requests that waited for the in-flight limit
+    latency_floor: float = 0.0  # seconds: lowest recent Cassandra request latency (0: none yet)
     queue_depth: int = 0
     connects: int = 0  # successful MQTT connections
     disconnects: int = 0
@@ -143,7 +146,7 @@ class Stats:
             f"in={self.received} ({(self.received - rx0) / span:.0f}/s) "
             f"written={self.written} ({(self.written - wr0) / span:.0f}/s) "
             f"rejected={self.rejected} sampled_out={self.sampled_out} "
-            f"queue={self.queue_depth} in_flight={self.in_flight} "
+            f"queue={self.queue_depth} in_flight={self.in_flight}/{self.in_flight_limit} "
             f"retries={self.retries} acked={self.acked}"
             + (
                 f" spool={self.spool.depth} (oldest {self.spool.oldest_age():.0f}s)"

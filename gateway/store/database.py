@@ -10,6 +10,7 @@ and run in an executor, never on the event loop.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import re
 import ssl
@@ -30,7 +31,7 @@ from cassandra.query import PreparedStatement, Statement, dict_factory
 from cassandra import ConsistencyLevel
 
 from ..config import CassandraConfig
-from ..errors import CassandraUnreachable, SinkError
+from ..errors import CassandraUnreachable, ConfigError, SinkError
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,9 @@ def build_cluster(config: CassandraConfig, ssl_context: ssl.SSLContext | None = 
         auth = PlainTextAuthProvider(username=config.username, password=password)
     return Cluster(
         contact_points=list(config.contact_points),
+        # The driver's default (True) compresses whenever lz4 or snappy happens
+        # to be installed; only cassandra.compression decides here.
+        compression=_compression(config),
         port=config.port,
         execution_profiles={EXEC_PROFILE_DEFAULT: profile, DICT_ROWS: dict_rows},
         auth_provider=auth,
@@ -161,6 +165,18 @@ def build_cluster(config: CassandraConfig, ssl_context: ssl.SSLContext | None = 
         # (protocol v4+); more would only cost memory on a small edge host.
         protocol_version=4,
     )
+
+
+def _compression(config: CassandraConfig) -> str | bool:
+    if config.compression == "none":
+        return False
+    # The driver compresses with the lz4 package, an optional dependency.
+    if importlib.util.find_spec("lz4") is None:
+        raise ConfigError(
+            f'cassandra.compression = "{config.compression}" needs the lz4 package '
+            '(pip install lz4), or set it to "none"'
+        )
+    return config.compression
 
 
 @asynccontextmanager

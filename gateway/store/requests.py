@@ -12,6 +12,8 @@ batches, and the latest-state reads and state registrations. Promises:
   concerned were never acknowledged, so the broker still has them.
 * When a request succeeds again after failures, every request sleeping in
   backoff retries at once instead of finishing its sleep.
+* Every attempt's outcome is reported to the in-flight limit (``limit.py``):
+  its latency when answered, an overload when it failed transiently.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 from ..config import CassandraConfig
 from ..errors import SinkError
 from ..stats import Stats
+from .limit import InFlightLimit
 from .write_session import Prepared, Rows, WriteSession
 
 log = logging.getLogger(__name__)
@@ -34,8 +37,11 @@ BACKOFF_MAX = 10.0
 
 
 class Requests:
-    def __init__(self, session: WriteSession, config: CassandraConfig, stats: Stats) -> None:
+    def __init__(
+        self, session: WriteSession, config: CassandraConfig, stats: Stats, limit: InFlightLimit
+    ) -> None:
         self.session = session
+        self.limit = limit
         self._transient = session.transient
         self._give_up_after = config.give_up_after
         self._stats = stats
@@ -64,13 +70,16 @@ class Requests:
     async def send(self, request: Any, rows: int) -> Rows:
         """A bound statement or batch of ``rows`` statements, with retries."""
         stats = self._stats
+        limit = self.limit
         attempt = 0
         while True:
             stats.requests += 1
             stats.rows += rows
+            sent = time.monotonic()
             try:
                 result = await self.session.execute(request)
             except self._transient as exc:
+                limit.overloaded()
                 now = time.monotonic()
                 if self._failing_since is None:
                     self._failing_since = now
@@ -92,6 +101,7 @@ class Requests:
                 continue
             except Exception as exc:
                 raise SinkError(f"Cassandra refused a write: {short(exc)}") from None
+            limit.answered(time.monotonic() - sent)
             if self._failing_since is not None:
                 log.warning(
                     "Cassandra writes succeed again after %.1f s",

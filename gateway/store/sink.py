@@ -7,8 +7,9 @@ The table writers (``latest``, ``telemetry``, ``rejects``) turn a message into
 * Rows of one partition are grouped into UNLOGGED batches of at most
   ``pipeline.batch_max_rows`` (one partition per batch: one replica set, no
   batch log). Rows of different partitions are never batched.
-* At most ``cassandra.max_in_flight`` requests are outstanding; ``submit``
-  waits for a free slot, which is how a slow Cassandra slows the reader down.
+* At most ``limit`` requests are outstanding (``limit.py``: adapted to the
+  measured latency, never above ``cassandra.max_in_flight``); ``submit`` waits
+  for a free slot, which is how a slow Cassandra slows the reader down.
 * Every partition written is counted by :class:`HotPartitions` (``hot.py``).
 * Failures are retried as ``requests.py`` says; a :class:`SinkError` from there
   stops the gateway with nothing unwritten acknowledged.
@@ -66,7 +67,6 @@ class Sink:
         self,
         requests: Requests,
         config: PipelineConfig,
-        max_in_flight: int,
         hot: HotPartitions,
         stats: Stats,
     ) -> None:
@@ -74,7 +74,7 @@ class Sink:
         self._session = requests.session
         self._hot = hot
         self._max_rows = config.batch_max_rows
-        self._slots = asyncio.BoundedSemaphore(max_in_flight)
+        self._slots = requests.limit
         self._stats = stats
         self._tasks = asyncio.TaskGroup()
         self._idle = asyncio.Event()

@@ -8,8 +8,9 @@ Two drivers sit behind one small interface, chosen by ``cassandra.driver``:
   it is installed there with the gateway.
 * ``python``: the DataStax Python driver (``cassandra-driver``), available on
   every platform. The CLI's reads and ``schema apply`` always use it.
-* ``auto`` (the default): acsylla when it is installed and Cassandra TLS is
-  off, else python. The C++ driver cannot use the system's CA store, so TLS
+* ``auto`` (the default): acsylla when it is installed, Cassandra TLS is
+  off and ``cassandra.compression`` is ``none``, else python (the C++ driver
+  offers no protocol compression). The C++ driver cannot use the system's CA store, so TLS
   through acsylla needs ``cassandra.tls.ca_file`` and ``driver = "acsylla"``.
 
 What both keep, so the stages don't care which one runs:
@@ -272,7 +273,9 @@ def choose_driver(config: CassandraConfig) -> str:
                 'or set cassandra.driver = "python"'
             )
         return "acsylla"  # with TLS, the config checked that tls.ca_file is set
-    return "acsylla" if acsylla_installed() and not config.tls.enabled else "python"
+    # Only the Python driver compresses (the C++ driver has no compression).
+    plain = not config.tls.enabled and config.compression == "none"
+    return "acsylla" if acsylla_installed() and plain else "python"
 
 
 def _forward_log(message: Any) -> None:

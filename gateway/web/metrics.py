@@ -84,6 +84,11 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
         "retries",
         "Cassandra requests retried after a transient error.",
     ),
+    (
+        "gateway_cassandra_in_flight_waits_total",
+        "in_flight_waits",
+        "Cassandra requests that waited because the in-flight limit was reached.",
+    ),
     ("gateway_mqtt_connects_total", "connects", "Successful MQTT connections."),
     ("gateway_mqtt_disconnects_total", "disconnects", "MQTT connections lost or closed."),
     (
@@ -318,6 +323,16 @@ class GatewayCollector(Collector):
             "gateway_cassandra_in_flight",
             "Cassandra requests not yet answered.",
             value=stats.in_flight,
+        )
+        yield GaugeMetricFamily(
+            "gateway_cassandra_in_flight_limit",
+            "Cassandra requests allowed in flight (adapted to the measured latency).",
+            value=stats.in_flight_limit,
+        )
+        yield GaugeMetricFamily(
+            "gateway_cassandra_latency_floor_seconds",
+            "Lowest recent Cassandra request latency, the in-flight limit's reference.",
+            value=stats.latency_floor,
         )
         yield GaugeMetricFamily(
             "gateway_queue_depth",
