@@ -160,30 +160,17 @@ class Gateway:
                 handler = self._pipeline.accept
             tasks.create_task(self._receive(handler, stop, feeding))
             tasks.create_task(self._status(stop))
-            tasks.create_task(self._rotate(stop))
+            tasks.create_task(self._until_stop(self._rotation.run(), stop))
             if self._rollups is not None:
                 tasks.create_task(self._until_stop(self._rollups.run(), stop))
             tasks.create_task(self._signal_ready(stop, ready))
         log.info("stopped: %s", self.stats.summary())
         return self.stats
 
-    async def _rotate(self, stop: asyncio.Event) -> None:
-        """State-partition rotations (store/rotate.py) until ``stop``: one cut
-        short here is finished after the next start."""
-        rotating = asyncio.create_task(self._rotation.run())
-        stopping = asyncio.create_task(stop.wait())
-        try:
-            await asyncio.wait({rotating, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (rotating, stopping):
-                task.cancel()
-            await asyncio.gather(rotating, stopping, return_exceptions=True)
-        if rotating.done() and not rotating.cancelled() and rotating.exception() is not None:
-            raise rotating.exception()  # type: ignore[misc]
-
     async def _until_stop(self, work: Coroutine[Any, Any, None], stop: asyncio.Event) -> None:
-        """Run ``work`` (the roll-up worker) until ``stop``; a minute it was
-        cut short in is done again after the next start (store/rollups.py)."""
+        """Run ``work`` until ``stop``: state-partition rotations (store/rotate.py)
+        and the roll-up worker (store/rollups.py). Either, cut short, finishes
+        what it was doing after the next start."""
         working = asyncio.create_task(work)
         stopping = asyncio.create_task(stop.wait())
         try:
