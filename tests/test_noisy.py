@@ -45,7 +45,7 @@ async def raw_rows(db: Database, tenant: str, device: str) -> dict[int, Any]:
     return out
 
 
-@pytest.mark.slow  # publishes for 20 s
+@pytest.mark.slow  # publishes for 12 s
 async def test_noisy_devices_are_sampled_and_every_state_change_is_kept(
     db: Database, tenant: str
 ) -> None:
@@ -56,7 +56,7 @@ async def test_noisy_devices_are_sampled_and_every_state_change_is_kept(
         GATEWAY_SAMPLING__TARGET_RATE="1",
         GATEWAY_SAMPLING__QUIET_BELOW="2",
     )
-    duration = 20.0
+    duration = 12.0
     async with running_gateway(config) as gw:
         # One publisher in order: "the device's previous state" is well defined.
         stats = await publish(
@@ -84,11 +84,11 @@ async def test_noisy_devices_are_sampled_and_every_state_change_is_kept(
         assert (await device_row(db, tenant, device)).state == last["state"]
         assert device in await state_rows(db, tenant, last["state"])
         if device in noisy:
-            # ~72 msg/s for 20 s sampled to about 1 msg/s, plus what is always
+            # ~72 msg/s for 12 s sampled to about 1 msg/s, plus what is always
             # kept (state changes) and the first second, before the rate
             # estimate crosses noisy_above.
             rate = len(events) / duration
-            assert len(events) > 1000
+            assert len(events) > 600
             assert len(rows) <= duration * 1.5 + len(changes) + rate, (len(rows), len(changes))
             assert len(rows) < len(events) / 5
         else:

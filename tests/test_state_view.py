@@ -353,7 +353,7 @@ def _newest_states(events: list[Ev], order: list[int], tenant: str) -> dict[str,
 
 @pytest.mark.slow
 @settings(
-    max_examples=30,
+    max_examples=20,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
