@@ -360,6 +360,8 @@ async def test_history_range_and_rejected_messages(page: Page, url: str, api: Fa
         }
     ]
     await log_in(page, url, TENANT_TOKEN)
+    # A one-tenant token lands on its tenant; go on from there, not mid-redirect.
+    await expect(page).to_have_url(f"{url}#/t/acme")
     await page.goto(f"{url}#/t/acme/d/meter")
     await expect(page.locator("#range")).to_have_value("24h")
     await expect(page.locator("#history-rows tr")).to_have_count(3)

@@ -501,6 +501,8 @@
       async refresh(signal) {
         const { data, changed } = await api("me", null, signal);
         me = data;
+        // Someone went elsewhere while this was on its way: don't take them back.
+        if (signal.aborted) return;
         if (!changed && drawn) return;
         drawn = true;
         const tenants = [...(data.tenants || [])].sort();
