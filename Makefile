@@ -27,7 +27,6 @@ help:
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q -e '.[test]'
 	@touch $@
 

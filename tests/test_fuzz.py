@@ -314,7 +314,7 @@ ALL_TOPICS = st.one_of(SHAPED_TOPICS, RANDOM_TOPICS, GOOD_TOPICS)
 
 
 @pytest.mark.slow
-@_fuzz(650)
+@_fuzz(400)
 @given(
     topic=PAYLOAD_TOPICS,
     payload=st.one_of(
@@ -344,7 +344,7 @@ def test_fuzz_arbitrary_bytes(
 
 
 @pytest.mark.slow
-@_fuzz(450)
+@_fuzz(280)
 @given(
     topic=PAYLOAD_TOPICS,
     obj=st.one_of(JSON_VALUES, _shaped(JSON_VALUES, TEXT)),
@@ -364,7 +364,7 @@ def test_fuzz_json_objects(
 
 
 @pytest.mark.slow
-@_fuzz(450)
+@_fuzz(280)
 @given(
     topic=PAYLOAD_TOPICS,
     obj=st.one_of(MSGPACK_VALUES, _shaped(MSGPACK_VALUES, _MP_KEYS)),
@@ -457,7 +457,7 @@ def mutated_events(draw: st.DrawFn) -> tuple[bytes, str]:
 
 
 @pytest.mark.slow
-@_fuzz(650)
+@_fuzz(400)
 @given(
     topic=PAYLOAD_TOPICS,
     mutated=mutated_events(),
@@ -474,7 +474,7 @@ def test_fuzz_mutated_events(
     check(topic, payload, content_type, received_ms)
 
 
-@_fuzz(650)
+@_fuzz(400)
 @given(topic=ALL_TOPICS, received_ms=RECEIVED)
 def test_fuzz_topics(topic: str, received_ms: int) -> None:
     payload = b'{"value": 1}'
@@ -502,7 +502,7 @@ def round_trip_cases(draw: st.DrawFn) -> tuple[dict[str, Any], int | None, int]:
 
 
 @pytest.mark.slow
-@_fuzz(450)
+@_fuzz(280)
 @given(
     topic=GOOD_TOPICS,
     case=round_trip_cases(),
