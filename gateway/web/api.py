@@ -279,9 +279,7 @@ class ReadApi:
         tenant, device = request.match_info["tenant"], request.match_info["device_id"]
         self._grant(request, tenant)
         query = request.query
-        now = datetime.now(UTC)
-        since = _time(query, "since", now - timedelta(hours=24), now)
-        until = _time(query, "until", now, now)
+        since, until = _day_range(query)
         if since >= until:
             raise queries.bad_parameter("since", "must be before until")
         limit = _int(query, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
@@ -300,9 +298,7 @@ class ReadApi:
         tenant, device = request.match_info["tenant"], request.match_info["device_id"]
         self._grant(request, tenant)
         query = request.query
-        now = datetime.now(UTC)
-        since = _time(query, "since", now - timedelta(hours=24), now)
-        until = _time(query, "until", now, now)
+        since, until = _day_range(query)
         step = queries.parse_step(query.get("step") or "1m")
         metric = query.get("metric") or "value"
 
@@ -381,6 +377,12 @@ def _int(query: Any, name: str, default: int, low: int, high: int) -> int:
     if not low <= value <= high:
         raise queries.bad_parameter(name, f"must be between {low} and {high} (got {value})")
     return value
+
+
+def _day_range(query: Any) -> tuple[datetime, datetime]:
+    """``since`` and ``until`` from the query: the last 24 hours unless given."""
+    now = datetime.now(UTC)
+    return _time(query, "since", now - timedelta(hours=24), now), _time(query, "until", now, now)
 
 
 def _time(query: Any, name: str, default: datetime, now: datetime) -> datetime:
