@@ -193,12 +193,12 @@ async def devices_page(
         cql = base + f"AND device_id {lower_op} ? " + ("AND device_id < ? " if upper else "")
         want = limit - len(out) if tag is None else min(MAX_PAGE, SCAN_BUDGET - scanned)
         stmt = await db.prepared(cql + "LIMIT ?")
-        params: list[Any] = [tenant, state, bucket, gens.get(bucket, 0), lower]
+        gen = gens.get(bucket, 0)
+        params: list[Any] = [tenant, state, bucket, gen, lower]
         if upper:
             params.append(upper)
         rows = await _read_state(db, stmt, (*params, want), tenant, state, buckets)
         scanned += len(rows)
-        gen = gens.get(bucket, 0)
         matching = [r for r in rows if tag is None or (r.tags or {}).get(tag[0]) == tag[1]]
         seen, checked, stale = 0, 0, set[str]()
         for r in rows:
