@@ -186,3 +186,21 @@ async def test_admission_is_bounded_fifo_and_a_cancelled_waiter_hands_its_slot_o
         await third
     assert order == ["second", "third"]
     assert limit.in_flight == 2
+
+
+async def test_a_waiter_cancelled_as_a_slot_frees_leaves_the_limit_consistent() -> None:
+    """Cancel a waiting acquire, then release a slot before the cancelled task
+    runs again: the release passes over the cancelled waiter and drops it, and
+    the task's own clean-up must cope (it raised ValueError out of the sink and
+    ended the gateway's stop with a traceback, seen in tests/test_spool.py)."""
+    limit = InFlightLimit(Stats(), initial=1, minimum=1, maximum=1, adaptive=False)
+    await limit.acquire()
+    waiting = asyncio.create_task(limit.acquire())
+    await asyncio.sleep(0)  # it is queued behind the one slot
+    waiting.cancel()
+    limit.release()  # in the same step: the waiter is cancelled but its task has not run
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert limit.in_flight == 0
+    await asyncio.wait_for(limit.acquire(), 1)  # the freed slot is still there
+    assert limit.in_flight == 1

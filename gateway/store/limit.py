@@ -114,7 +114,7 @@ class InFlightLimit:
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():
                 self.release()  # granted as we were cancelled: hand the slot on
-            else:
+            elif waiter in self._waiters:  # _admit drops cancelled waiters it meets
                 self._waiters.remove(waiter)
             raise
 
