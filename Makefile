@@ -43,6 +43,9 @@ up: venv
 
 down:
 	-@bash mosquitto/mosquitto.sh stop
+	-@for d in $(STATE_DIR)/test-broker-*; do \
+		[ -d "$$d" ] && STATE_DIR=$$d bash mosquitto/mosquitto.sh stop; \
+	done; true
 	-@bash cassandra/cassandra.sh stop
 
 # Exits non-zero when Mosquitto or Cassandra is not running (each line is
@@ -65,13 +68,31 @@ run: up
 browser:
 	@bash tests/browser/chromium.sh install
 
-test: up browser
-	$(VPY) -m pytest $(PYTEST_ARGS)
+# The suite runs in TEST_WORKERS pytest-xdist workers (a test file per worker
+# at a time): most of its time is waiting on the services, not CPU. Worker N
+# talks to a Mosquitto of its own on port 1883 + N (worker 0 to the one `make
+# up` starts), so no worker's gateway receives another's messages; Cassandra is
+# shared (fresh tenant names keep tests apart). The fault tests restart the
+# shared services, so they run afterwards, alone. Exit status 5 (nothing
+# selected, e.g. PYTEST_ARGS names a file with no fault tests) is not a failure.
+TEST_WORKERS ?= 2
+.PHONY: test-brokers
+test-brokers:
+	@for i in $$(seq 1 $$(( $(TEST_WORKERS) - 1 ))); do \
+		MQTT_PORT=$$((1883 + i)) STATE_DIR=$(STATE_DIR)/test-broker-$$i bash mosquitto/mosquitto.sh start || exit 1; \
+	done
+
+test: up browser test-brokers
+	@rc=0; \
+	$(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not faults" $(PYTEST_ARGS) || rc=$$?; \
+	[ $$rc = 5 ] && rc=0; \
+	$(VPY) -m pytest -m faults $(PYTEST_ARGS) || { r=$$?; [ $$r = 5 ] || rc=$$r; }; \
+	exit $$rc
 
 # Everything but the fault tests (which restart the services) and the slow ones.
 .PHONY: test-quick
-test-quick: up browser
-	$(VPY) -m pytest -m "not faults and not slow" $(PYTEST_ARGS)
+test-quick: up browser test-brokers
+	$(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not faults and not slow" $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check gateway tests bench

@@ -5,6 +5,9 @@ integration test would hide exactly the breakage it exists to catch.
 Tests isolate themselves with a fresh tenant name and MQTT client id each;
 they share one test keyspace, created once per session through the CLI, and
 one Cassandra session (`db`), which lives on pytest-asyncio's session loop.
+`make test` runs them in pytest-xdist workers, a test file per worker at a
+time, each worker with a Mosquitto of its own (helpers.MQTT_PORT); the fault
+tests, which restart the shared services, run afterwards on their own.
 
 Only fixtures and hooks live here; the plain helpers they use are in helpers.py.
 """
@@ -12,6 +15,7 @@ Only fixtures and hooks live here; the plain helpers they use are in helpers.py.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import socket
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -74,8 +78,14 @@ def services() -> None:
 
 
 @pytest.fixture(scope="session")
-def keyspace(services: None) -> str:
-    result = run_cli("schema", "apply")
+def keyspace(services: None, tmp_path_factory: pytest.TempPathFactory) -> str:
+    # pytest-xdist workers start together: one applies the schema at a time
+    # (two clients creating the same table at once can leave Cassandra with
+    # two table ids); the others then find it in place, which changes nothing.
+    lock = tmp_path_factory.getbasetemp().parent / "schema-apply.lock"
+    with lock.open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        result = run_cli("schema", "apply")
     assert result.returncode == 0, result.stderr
     return TEST_KEYSPACE
 

@@ -41,7 +41,12 @@ from gateway.store.database import Database
 
 ROOT = Path(__file__).resolve().parent.parent
 MQTT_HOST = "127.0.0.1"
-MQTT_PORT = int(os.environ.get("MQTT_PORT", "1883"))
+# `make test` runs the suite in pytest-xdist workers gw0, gw1, ...: worker N
+# talks to its own Mosquitto on MQTT_PORT + N (the Makefile starts them), so
+# one worker's gateways never receive another's messages. Cassandra is shared:
+# tests isolate themselves there with fresh tenant names.
+WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+MQTT_PORT = int(os.environ.get("MQTT_PORT", "1883")) + WORKER
 CQL_PORT = 9042
 TEST_KEYSPACE = "gateway_test"
 

@@ -14,8 +14,8 @@ import pytest
 
 from gateway.tools.simulate import Fleet, FleetSpec, PublishStats, noisy_device_ids, publish
 
-BROKER_HOST = "127.0.0.1"
-BROKER_PORT = 1883
+from .helpers import MQTT_HOST, MQTT_PORT
+
 NOW_MS = 1_700_000_000_000
 
 
@@ -154,8 +154,8 @@ async def _collect(
     content_types: set[str | None] = set()
     decode = orjson.loads if spec.fmt == "json" else lambda b: msgpack.unpackb(b, raw=False)
     async with aiomqtt.Client(
-        BROKER_HOST,
-        BROKER_PORT,
+        MQTT_HOST,
+        MQTT_PORT,
         identifier=f"test-sim-sub-{uuid.uuid4().hex}",
         protocol=aiomqtt.ProtocolVersion.V5,
     ) as sub:
