@@ -88,7 +88,10 @@ async def test_noisy_devices_are_sampled_and_every_state_change_is_kept(
             # kept (state changes) and the first second, before the rate
             # estimate crosses noisy_above.
             rate = len(events) / duration
-            assert len(events) > 600
+            # At least 25 msg/s, five times noisy_above, even when a loaded box
+            # publishes less than asked (561 of ~860 seen with two test workers
+            # and other load).
+            assert len(events) > 300
             assert len(rows) <= duration * 1.5 + len(changes) + rate, (len(rows), len(changes))
             assert len(rows) < len(events) / 5
         else:

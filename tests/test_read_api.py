@@ -207,7 +207,10 @@ async def test_tenants_are_isolated(db: Database, tenant: str, tokens: TokenStor
         assert body == {"admin": False, "tenants": [tenant]}
         status, body, _ = await api.get("/api/v1/me", token=admin)
         assert body["admin"] is True
-        assert {tenant, other} <= set(body["tenants"])
+        # All tenants up to queries.tenants' cap of 1,000 (a clean clone's test
+        # keyspace is far below it; a long-used one may not be).
+        listed = body["tenants"]
+        assert {tenant, other} <= set(listed) or len(listed) == 1000
         # Revoked: refused within about a second (the store re-reads its file).
         tokens.revoke(mine.split("_")[1])
         fresh = TokenStore(tokens.path)
