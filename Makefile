@@ -134,3 +134,10 @@ bench-api: up
 .PHONY: bench-link
 bench-link: up
 	$(VPY) bench/slow_link.py $(BENCH_ARGS)
+
+# One gateway instance on two tenant shards vs two instances with one shard
+# each, the same backlog, interleaved runs (~6 min). Writes
+# bench/results/instances.{json,md}.
+.PHONY: bench-instances
+bench-instances: up
+	$(VPY) bench/instances.py $(BENCH_ARGS)

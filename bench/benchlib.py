@@ -222,9 +222,10 @@ async def _connect(client_id: str, *, clean: bool, expiry: int) -> aiomqtt.Clien
     )
 
 
-async def _create_session(client_id: str) -> None:
+async def _create_session(client_id: str, filters: Sequence[str]) -> None:
     async with await _connect(client_id, clean=True, expiry=SESSION_EXPIRY) as client:
-        await client.subscribe(SUBSCRIPTION, qos=1)
+        for topic_filter in filters:
+            await client.subscribe(topic_filter, qos=1)
 
 
 async def _clear_session(client_id: str) -> None:
@@ -232,9 +233,10 @@ async def _clear_session(client_id: str) -> None:
         pass
 
 
-def create_session(client_id: str) -> None:
-    """A fresh persistent session subscribed to the bench tree (the broker queues for it)."""
-    asyncio.run(_create_session(client_id))
+def create_session(client_id: str, filters: Sequence[str] = (SUBSCRIPTION,)) -> None:
+    """A fresh persistent session subscribed to the bench tree, or to ``filters``
+    (the broker queues for it)."""
+    asyncio.run(_create_session(client_id, filters))
 
 
 def clear_session(client_id: str) -> None:

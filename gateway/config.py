@@ -151,22 +151,70 @@ class MqttConfig(_Model):
     password: SecretStr | None = None
     password_file: Path | None = None
     tls: TlsConfig = Field(default_factory=TlsConfig)
+    # MQTT v5 shared subscriptions: every filter becomes $share/<group>/<filter>,
+    # and the broker hands each message to one member of the group. Off by
+    # default: on Mosquitto 2.x the QoS 1 messages in flight to a member that
+    # disconnects are not given to another member (eclipse/mosquitto#2662);
+    # topic-filter shards are the default way to run several instances
+    # (README, "Scaling out").
+    share_group: str | None = Field(default=None, min_length=1, max_length=128)
+
+    @field_validator("share_group")
+    @classmethod
+    def _share_name(cls, value: str | None) -> str | None:
+        # MQTT 5 §4.8.2: a ShareName must not contain "/", "+" or "#".
+        if value is not None and any(ch in value for ch in "/+#"):
+            raise ValueError(f"mqtt.share_group {value!r} must not contain '/', '+' or '#'")
+        return value
 
     @model_validator(mode="after")
     def _password_from_file(self) -> MqttConfig:
         _load_password(self, "mqtt")
         return self
 
+    def subscription(self, topic_filter: str) -> str:
+        """The filter as subscribed: inside the share group, if one is set."""
+        if self.share_group is None:
+            return topic_filter
+        return f"$share/{self.share_group}/{topic_filter}"
+
+
+# Most tenants one template may list: one subscription each.
+MAX_TEMPLATE_TENANTS = 1000
+
 
 class TopicTemplate(_Model):
     template: str = DEFAULT_TEMPLATE
     # Fixed tenant for a tree without a {tenant} level, e.g. site/{device_id}/events.
     tenant: str | None = None
+    # Only these tenants, for a template with a {tenant} level: one subscription
+    # per tenant (tenants/acme/devices/+/events, ...) instead of a '+'. This is
+    # how an instance takes its shard of the tenants (README, "Scaling out").
+    tenants: list[str] = Field(default_factory=list, max_length=MAX_TEMPLATE_TENANTS)
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not name or any(ch in name for ch in "/+#") or _control(name):
+                raise ValueError(
+                    f"tenants: {name!r} is not a topic level (empty, or holds '/', '+', '#' "
+                    "or a control character)"
+                )
+        if len(set(value)) != len(value):
+            dupes = sorted({name for name in value if value.count(name) > 1})
+            raise ValueError(f"tenants: {', '.join(map(repr, dupes))} listed twice")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> TopicTemplate:
         levels = self.template.split("/")
         names = [lvl[1:-1] for lvl in levels if lvl.startswith("{") and lvl.endswith("}")]
+        if levels[0] in ("$share", "$queue"):
+            raise ValueError(
+                f"template {self.template!r}: a shared subscription is not a template level; "
+                "set mqtt.share_group instead"
+            )
         for level in levels:
             if not level:
                 raise ValueError(f"template {self.template!r} has an empty level")
@@ -189,7 +237,16 @@ class TopicTemplate(_Model):
             raise ValueError(
                 f"template {self.template!r} has a {{tenant}} level and a fixed tenant"
             )
+        if has_tenant == 0 and self.tenants:
+            raise ValueError(
+                f"template {self.template!r}: tenants lists the tenants a {{tenant}} level "
+                "may take, and this template has none (its tenant is fixed)"
+            )
         return self
+
+
+def _control(text: str) -> bool:
+    return any(ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0 for ch in text)
 
 
 DEFAULT_MIN_IN_FLIGHT = 64
@@ -600,6 +657,14 @@ class Config(_Model):
                 f"mqtt.receive_maximum ({self.mqtt.receive_maximum}): the broker may send "
                 "that many messages before the gateway acknowledges any"
             )
+        longest = self.limits.max_topic_level_length
+        for i, template in enumerate(self.topics):
+            for name in template.tenants:
+                if len(name) > longest:
+                    raise ValueError(
+                        f"topics.{i}.tenants: {name[:32]!r}... is longer than "
+                        f"limits.max_topic_level_length ({longest}): no topic would match it"
+                    )
         return self
 
     def tenant(self, name: str) -> TenantConfig:

@@ -7,6 +7,7 @@ the first `docker compose up` on a deployment host.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shlex
@@ -15,6 +16,9 @@ from typing import Any
 
 import pytest
 import yaml
+
+from gateway.config import Config, load_config
+from gateway.ingest.topics import TopicMatcher
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "compose.yaml"
@@ -382,3 +386,116 @@ def test_mosquitto_docker_conf_values() -> None:
             assert values[0] in LOG_TYPES, f"unknown log_type {values[0]!r}"
         if directive == "log_dest":
             assert values[0] in LOG_DESTS
+
+
+# --- profile "cluster": three Cassandra nodes, two gateways with disjoint shards ---
+
+CLUSTER_NODES = ["cassandra-1", "cassandra-2", "cassandra-3"]
+CLUSTER_GATEWAYS = ["gateway-a", "gateway-b"]
+
+
+def _megabytes(size: str) -> float:
+    """A JVM size as Cassandra's env script takes it (768M, 1G)."""
+    number, unit = size[:-1], size[-1].upper()
+    return float(number) * {"M": 1, "G": 1024}[unit]
+
+
+def _config_of(service: dict[str, Any]) -> Config:
+    """The gateway configuration a service's GATEWAY_* environment gives (validated)."""
+    env = {k: str(v) for k, v in service["environment"].items() if k.startswith("GATEWAY_")}
+    return load_config(None, env)
+
+
+def _filters_overlap(one: str, two: str) -> bool:
+    """Whether some topic matches both MQTT filters."""
+    a, b = one.split("/"), two.split("/")
+    for x, y in zip(a, b, strict=False):
+        if "#" in (x, y):
+            return True
+        if x != y and "+" not in (x, y):
+            return False
+    # Every common level is compatible; the longer filter's rest must match
+    # nothing more ("t/a/#" matches "t/a" too).
+    rest = (a if len(a) > len(b) else b)[min(len(a), len(b)) :]
+    return rest in ([], ["#"])
+
+
+def test_filters_overlap_helper() -> None:
+    assert _filters_overlap("t/acme/d/+/e", "t/+/d/+/e")
+    assert not _filters_overlap("t/acme/d/+/e", "t/globex/d/+/e")
+    assert _filters_overlap("t/#", "t/acme/d/+/e")
+    assert _filters_overlap("t/acme", "t/acme/#")
+    assert not _filters_overlap("t/acme", "t/acme/x")
+
+
+def test_the_default_stack_has_no_profile(services: dict[str, Any]) -> None:
+    # `docker compose up` starts exactly the one-node stack, as before.
+    for name in SERVICES:
+        assert "profiles" not in services[name], f"{name} must stay in the default stack"
+
+
+def test_cluster_profile_services(services: dict[str, Any]) -> None:
+    cluster = {n for n, s in services.items() if "cluster" in s.get("profiles", [])}
+    assert cluster == {*CLUSTER_NODES, "schema-init-cluster", *CLUSTER_GATEWAYS}
+
+
+def test_cluster_nodes(services: dict[str, Any]) -> None:
+    nodes = [services[n] for n in CLUSTER_NODES]
+    names = {n["environment"]["CASSANDRA_CLUSTER_NAME"] for n in nodes}
+    assert len(names) == 1, "all nodes in one cluster"
+    assert names != {services["cassandra"]["environment"]["CASSANDRA_CLUSTER_NAME"]}
+    for name, node in zip(CLUSTER_NODES, nodes, strict=True):
+        env = node["environment"]
+        assert node["image"] == "cassandra:5.0"
+        # Both or neither (Cassandra's env script refuses one alone), at most 768 MB.
+        assert _megabytes(env["MAX_HEAP_SIZE"]) <= 768, name
+        assert _megabytes(env["HEAP_NEWSIZE"]) < _megabytes(env["MAX_HEAP_SIZE"]), name
+        seeds = env["CASSANDRA_SEEDS"].split(",")
+        assert set(seeds) <= set(CLUSTER_NODES), f"{name}: seeds {seeds}"
+        assert "cqlsh" in node["healthcheck"]["test"], name
+    assert len({n["environment"]["CASSANDRA_SEEDS"] for n in nodes}) == 1, "one seed list"
+    # Distinct data volumes.
+    volumes = [_named_volumes(n) for n in nodes]
+    assert all(len(v) == 1 for v in volumes)
+    assert len({v[0] for v in volumes}) == 3
+    # One at a time: each node waits until the previous one serves queries.
+    assert "depends_on" not in nodes[0]
+    for previous, name in itertools.pairwise(CLUSTER_NODES):
+        assert services[name]["depends_on"] == {previous: {"condition": "service_healthy"}}
+
+
+def test_cluster_keyspace_has_three_replicas(services: dict[str, Any]) -> None:
+    init = services["schema-init-cluster"]
+    assert init["command"] == ["gateway", "schema", "apply"]
+    assert init["depends_on"] == {CLUSTER_NODES[-1]: {"condition": "service_healthy"}}
+    config = _config_of(init)
+    assert config.cassandra.replication == "SimpleStrategy"
+    assert config.cassandra.replication_factor == 3
+    assert config.cassandra.contact_points == CLUSTER_NODES
+    assert config.cassandra.consistency == "LOCAL_QUORUM"
+
+
+def test_cluster_gateways_have_their_own_sessions_and_disjoint_shards(
+    services: dict[str, Any],
+) -> None:
+    configs = {name: _config_of(services[name]) for name in CLUSTER_GATEWAYS}
+    ids = [c.mqtt.client_id for c in configs.values()]
+    assert len(set(ids)) == len(ids), f"client ids must differ: {ids}"
+    assert "mqtt-cassandra-gateway" not in ids  # the one-node stack's default id
+    filters = {name: TopicMatcher(c.topics, c.limits).subscriptions for name, c in configs.items()}
+    a, b = (filters[name] for name in CLUSTER_GATEWAYS)
+    assert a
+    assert b
+    overlapping = [(x, y) for x in a for y in b if _filters_overlap(x, y)]
+    assert not overlapping, f"a message would reach both gateways: {overlapping}"
+    for name, config in configs.items():
+        service = services[name]
+        assert config.mqtt.host == "mosquitto"
+        assert config.mqtt.share_group is None
+        assert config.cassandra.contact_points == CLUSTER_NODES
+        assert service["depends_on"]["schema-init-cluster"] == {
+            "condition": "service_completed_successfully"
+        }
+        assert service["depends_on"]["mosquitto"] == {"condition": "service_started"}
+    # One roll-up worker in the cluster (more only repeat the work).
+    assert sum(c.rollups.worker for c in configs.values()) == 1

@@ -334,6 +334,66 @@ def test_bad_topic_templates(tmp_path: Path, entry: str, fragment: str) -> None:
     assert fragment in message
 
 
+def test_a_shard_of_tenants_loads(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        _topics_toml(
+            'template = "tenants/{tenant}/devices/{device_id}/events"\n'
+            'tenants = ["acme", "globex"]',
+        ),
+    )
+    assert load_config(path, {}).topics[0].tenants == ["acme", "globex"]
+    # From the environment too: a TOML array of inline tables.
+    env = {"GATEWAY_TOPICS": '[{template = "t/{tenant}/{device_id}", tenants = ["a", "b"]}]'}
+    assert load_config(None, env).topics[0].tenants == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("entry", "fragment"),
+    [
+        (
+            'template = "site/{device_id}/events"\ntenant = "a"\ntenants = ["b"]',
+            "tenants lists the tenants a {tenant} level may take, and this template has none",
+        ),
+        ('template = "t/{tenant}/{device_id}"\ntenants = ["a/b"]', "'a/b' is not a topic level"),
+        ('template = "t/{tenant}/{device_id}"\ntenants = ["+"]', "'+' is not a topic level"),
+        ('template = "t/{tenant}/{device_id}"\ntenants = [""]', "'' is not a topic level"),
+        ('template = "t/{tenant}/{device_id}"\ntenants = ["a", "a"]', "'a' listed twice"),
+        (
+            'template = "$share/g/t/{tenant}/{device_id}"',
+            "a shared subscription is not a template level; set mqtt.share_group instead",
+        ),
+    ],
+)
+def test_bad_tenant_shards(tmp_path: Path, entry: str, fragment: str) -> None:
+    path = _write(tmp_path, _topics_toml('template = "ok/{tenant}/{device_id}"', entry))
+    message = _error(path)
+    assert "topics.1" in message
+    assert f"(from {path})" in message
+    assert fragment in message
+
+
+def test_a_shard_tenant_longer_than_a_topic_level_may_be(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        "[limits]\nmax_topic_level_length = 8\n"
+        + _topics_toml('template = "t/{tenant}/{device_id}"\ntenants = ["ok", "far-too-long"]'),
+    )
+    message = _error(path)
+    assert "topics.0.tenants: 'far-too-long'... is longer than" in message
+    assert "limits.max_topic_level_length (8)" in message
+
+
+def test_share_group(tmp_path: Path) -> None:
+    config = load_config(None, {"GATEWAY_MQTT__SHARE_GROUP": "gateways"})
+    assert config.mqtt.subscription("a/+/b") == "$share/gateways/a/+/b"
+    assert load_config(None, {}).mqtt.subscription("a/+/b") == "a/+/b"
+    for bad in ("a/b", "a+", "#"):
+        message = _error(env={"GATEWAY_MQTT__SHARE_GROUP": bad})
+        assert "mqtt.share_group (from GATEWAY_MQTT__SHARE_GROUP)" in message
+        assert "must not contain '/', '+' or '#'" in message
+
+
 def test_no_topics_is_an_error(tmp_path: Path) -> None:
     path = _write(tmp_path, "topics = []\n")
     assert f"topics (from {path})" in _error(path)

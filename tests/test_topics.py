@@ -61,6 +61,32 @@ def test_first_matching_template_wins() -> None:
     assert _matcher(specific, catch_all).match("other/d1/events") == ("first", "d1")
 
 
+def test_a_shard_of_tenants() -> None:
+    shard = TopicTemplate(tenants=["acme", "globex"])
+    matcher = _matcher(shard)
+    assert matcher.subscriptions == [
+        "tenants/acme/devices/+/events",
+        "tenants/globex/devices/+/events",
+    ]
+    assert matcher.match("tenants/globex/devices/d1/events") == ("globex", "d1")
+    assert _reject(matcher, "tenants/initech/devices/d1/events").detail == (
+        "topic 'tenants/initech/devices/d1/events' matches no configured template"
+    )
+    assert matcher.tenant_of("tenants/initech/devices/d1/events") == ""
+    assert matcher.tenant_of("tenants/acme/devices//events") == "acme"
+
+
+def test_a_shard_leaves_other_tenants_to_later_templates() -> None:
+    # The first template that matches wins; a listed template does not match
+    # another tenant, so a later template may take it.
+    shard = TopicTemplate(template="{tenant}/{device_id}", tenants=["acme"])
+    rest = TopicTemplate(template="{_}/{device_id}", tenant="others")
+    matcher = _matcher(shard, rest)
+    assert matcher.subscriptions == ["acme/+", "+/+"]
+    assert matcher.match("acme/d1") == ("acme", "d1")
+    assert matcher.match("initech/d1") == ("others", "d1")
+
+
 def test_duplicate_subscriptions_are_merged() -> None:
     one = TopicTemplate(template="a/{device_id}", tenant="x")
     two = TopicTemplate(template="a/{device_id}", tenant="y")

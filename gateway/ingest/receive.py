@@ -176,7 +176,8 @@ class Receiver:
         shutdown_deadline: float = 10.0,
     ) -> None:
         self._config = config
-        self._subscriptions = subscriptions
+        # Inside the share group, if mqtt.share_group is set.
+        self._subscriptions = [config.subscription(f) for f in subscriptions]
         self._stats = stats
         self._max_packet_size = max_packet_size(max_payload_bytes)
         self._shutdown_deadline = shutdown_deadline

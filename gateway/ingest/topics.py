@@ -4,6 +4,8 @@ A template such as ``tenants/{tenant}/devices/{device_id}/events`` becomes one
 QoS 1 subscription (``tenants/+/devices/+/events``); for each message the
 named levels are read back from its topic. ``{_}`` matches any level and is
 ignored. A template without ``{tenant}`` has a fixed tenant from the config.
+A template with a ``tenants`` list becomes one subscription per listed tenant
+(``tenants/acme/devices/+/events``) and matches only those: an instance's shard.
 
 Promises: a topic that matches no template, or whose tenant or device level is
 empty, too long, or holds control characters, raises ``DecodeError("topic", ...)``
@@ -30,18 +32,29 @@ class _Compiled:
     tenant_index: int | None
     device_index: int
     fixed_tenant: str | None
-    subscription: str
+    only_tenants: frozenset[str] | None  # the template's tenants list, if any
+    subscriptions: tuple[str, ...]
 
 
 def _compile(template: TopicTemplate) -> _Compiled:
     parts = template.template.split("/")
     levels = tuple(None if part in _NAMED else part for part in parts)
+    tenant_index = parts.index("{tenant}") if "{tenant}" in parts else None
+    wildcards = ["+" if level is None else level for level in levels]
+    subscriptions = ["/".join(wildcards)]
+    if template.tenants:
+        assert tenant_index is not None  # guaranteed by TopicTemplate
+        subscriptions = [
+            "/".join([*wildcards[:tenant_index], name, *wildcards[tenant_index + 1 :]])
+            for name in template.tenants
+        ]
     return _Compiled(
         levels=levels,
-        tenant_index=parts.index("{tenant}") if "{tenant}" in parts else None,
+        tenant_index=tenant_index,
         device_index=parts.index("{device_id}"),
         fixed_tenant=template.tenant,
-        subscription="/".join("+" if level is None else level for level in levels),
+        only_tenants=frozenset(template.tenants) if template.tenants else None,
+        subscriptions=tuple(subscriptions),
     )
 
 
@@ -56,7 +69,7 @@ class TopicMatcher:
     def subscriptions(self) -> list[str]:
         # Two templates may share a filter (e.g. differing only in fixed words
         # that a '+' covers); subscribe once.
-        return list(dict.fromkeys(t.subscription for t in self._templates))
+        return list(dict.fromkeys(s for t in self._templates for s in t.subscriptions))
 
     def match(self, topic: str) -> tuple[str, str]:
         """Return (tenant, device_id) for a topic, or raise DecodeError('topic')."""
@@ -69,13 +82,17 @@ class TopicMatcher:
                 for fixed, part in zip(tpl.levels, parts, strict=True)
             ):
                 continue
-            device = parts[tpl.device_index]
-            self._check_level("device_id", device, topic)
             if tpl.tenant_index is None:
                 assert tpl.fixed_tenant is not None  # guaranteed by TopicTemplate
-                return tpl.fixed_tenant, device
-            tenant = parts[tpl.tenant_index]
-            self._check_level("tenant", tenant, topic)
+                tenant = tpl.fixed_tenant
+            else:
+                tenant = parts[tpl.tenant_index]
+                if tpl.only_tenants is not None and tenant not in tpl.only_tenants:
+                    continue  # not this template's tenants: another template may take it
+            device = parts[tpl.device_index]
+            self._check_level("device_id", device, topic)
+            if tpl.tenant_index is not None:
+                self._check_level("tenant", tenant, topic)
             return tenant, device
         raise DecodeError("topic", f"topic {topic!r} matches no configured template")
 
@@ -88,6 +105,8 @@ class TopicMatcher:
             if tpl.tenant_index is None:
                 return tpl.fixed_tenant or ""
             tenant = parts[tpl.tenant_index]
+            if tpl.only_tenants is not None and tenant not in tpl.only_tenants:
+                continue
             if tenant and len(tenant) <= self._max_level and not _has_control(tenant):
                 return tenant
         return ""
