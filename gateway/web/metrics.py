@@ -195,6 +195,16 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
         "metadata_writes",
         "New metadata entries written (metric names, tag keys and values, devices by tag).",
     ),
+    (
+        "gateway_metadata_reads_total",
+        "metadata_reads",
+        "Metadata entries not in the LRU (metadata.cache_size), looked up in Cassandra.",
+    ),
+    (
+        "gateway_metadata_reservations_total",
+        "metadata_reservations",
+        "Updates of a tenant's metadata entry count, each read back against the cap.",
+    ),
 )
 
 # (metric name, help, label name, Stats attribute holding a LabelledCounts)
