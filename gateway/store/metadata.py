@@ -4,40 +4,35 @@ the tsdb-cassandra README's metadata tables).
 
 Each chunk goes through two steps: :meth:`Metadata.prepare_chunk` (awaited
 by the pipeline before any of the chunk's writes are built) decides which
-entries are new and which of those the tenant's cap allows; :meth:`writes`
-then turns an event's allowed entries into rows. Promises:
+entries are new and which of those the tenant's cap lets in; :meth:`writes`
+then turns an event's entries into rows. Promises:
 
 * Written once per new entry: every entry known to be stored is remembered
   in an LRU of ``metadata.cache_size``; an entry seen again costs nothing. One
-  not in the LRU (new, forgotten, or from before a restart) costs one point
-  read of its own row (``metadata_reads``); if the row exists it is
-  remembered, not written and not counted again.
+  not in the LRU (new, forgotten, or stored before a restart) costs one point
+  read of its own row (``metadata_reads``; at most the in-flight limit of them
+  at once); if the row exists it is remembered, neither written nor counted.
 * Capped per tenant, durably and across instances: ``meta_entry_counts``
-  (schema/007_metadata_counts.cql) holds a counter per tenant. For the new
-  entries of a chunk, the gateway adds their number to it, awaited before
-  any of them is sent, then reads the total back (``metadata_reservations``,
-  once per tenant per chunk with new entries): of ``n`` new entries it
-  writes ``cap - (total - n)``, at most ``n`` and at least none
-  (``metadata.max_per_tenant``; metric names and tag keys before tag values
-  and devices). Adding before reading makes it a reservation: with reads and
-  writes at (LOCAL_)QUORUM, the default, instances that race never together
-  pass the cap, since each one's read sees at least the additions that
-  finished before its own (in one datacenter: with LOCAL_ quorums, each
-  datacenter's instances could reach the cap before seeing the others').
-  Beyond the cap entries are not written, and each occurrence is counted
+  (schema/007_metadata_counts.cql) holds each tenant's count of entries
+  taken. For a chunk's new entries the gateway moves it from N to
+  N + min(new, cap - N) in one lightweight transaction (``IF reserved = N``;
+  ``metadata_reservations`` counts the attempts), awaited before any of them
+  is written; those are written, the rest are not (``metadata.max_per_tenant``;
+  metric names and tag keys go before tag values and devices). An instance
+  that loses the race learns the count from the answer and tries again, up
+  to MAX_ATTEMPTS times per chunk: instances never together pass the cap,
+  and none starves another. Entries not written are counted per occurrence
   (``metadata_capped``, per tenant too); the event itself is stored as usual.
-* A tenant whose total reached the cap is remembered (an LRU of
-  MAX_TENANTS): from then on its entries not in the LRU above cost no reads
-  and are counted as capped, whether or not an earlier run stored them (with
-  no read, nothing tells them apart). A forgotten tenant costs reads again.
-* The count errs on the side of fewer entries, never more: a counter update
-  is not idempotent, so one retried after a timeout may count twice; a
-  reservation is counted whole even when the cap lets only part of it be
-  written (the part denied stays counted: at most one chunk's new entries
-  per tenant per start of each instance, as the tenant is remembered as
-  capped after); and a crash between the count and the rows leaves entries
-  counted but not written. Raising the cap gives back what was over-counted
-  only in part. Entries written before the count existed are not counted.
+* A tenant found at the cap is remembered (an LRU of MAX_TENANTS): from then
+  on its entries not in the LRU above cost no reads, and are counted as
+  capped whether or not an earlier run stored them (no read tells them
+  apart). A forgotten tenant costs reads again, until its count is seen.
+* The count errs on the side of fewer entries, never more: it may run above
+  what the tables hold, never below. A transaction retried after a timeout
+  it had in fact applied counts twice; two instances that both find an entry
+  absent both count it (and write the same row); a crash between the count
+  and the rows leaves entries counted but not written. Entries written before
+  the count existed (before this table) are not counted.
 * Written with the event's other rows, before its acknowledgement; the
   values are those of stored events (decode validated them), sampled-out
   events included, since they say what devices use.
@@ -57,9 +52,12 @@ from .rollups import VALUE_METRIC
 from .sink import Pending, Write
 from .write_session import Prepared, WriteSession
 
-# Tenants remembered as at their cap (LRU): a forgotten one costs existence
-# reads again until its count is read back.
+# Tenants whose counts (and being at the cap) are remembered (LRU): a
+# forgotten one costs existence reads again, and one more compare-and-set.
 MAX_TENANTS = 10_000
+# Compare-and-sets per tenant per chunk: each one lost means another instance
+# won, so this many instances may race before one chunk's entries are capped.
+MAX_ATTEMPTS = 8
 
 # An entry: (kind, tenant, *rest). Its row's values are entry[1:], its
 # partition key entry[1:-1]. Kinds: metric name, tag key, tag value, device.
@@ -84,14 +82,17 @@ def entries(event: Event) -> Iterator[Entry]:
 class Metadata:
     _insert: dict[str, Prepared]
     _exists: dict[str, Prepared]
-    _count_add: Prepared
-    _count_read: Prepared
+    _count_first: Prepared
+    _count_move: Prepared
 
     def __init__(self, requests: Requests, config: Config, stats: Stats) -> None:
         self._requests = requests
         self._stats = stats
         self._seen: LRU[Entry, bool] = LRU(config.metadata.cache_size)
         self._capped: LRU[str, bool] = LRU(MAX_TENANTS)
+        # Each tenant's count as last seen: the expected value of the next
+        # compare-and-set (exact while this instance is the only writer).
+        self._counts: LRU[str, int] = LRU(MAX_TENANTS)
         self._cap = config.metadata.max_per_tenant
         # This chunk's decisions for entries not in _seen: True to write, False capped.
         self._chunk: dict[Entry, bool] = {}
@@ -113,11 +114,12 @@ class Metadata:
                 f"SELECT {columns[-1]} FROM {{keyspace}}.{table} WHERE "
                 + " AND ".join(f"{c} = ?" for c in columns)
             )
-        self._count_add = await session.prepare(
-            "UPDATE {keyspace}.meta_entry_counts SET reserved = reserved + ? WHERE tenant = ?"
+        self._count_first = await session.prepare(
+            "INSERT INTO {keyspace}.meta_entry_counts (tenant, reserved) VALUES (?, ?) "
+            "IF NOT EXISTS"
         )
-        self._count_read = await session.prepare(
-            "SELECT reserved FROM {keyspace}.meta_entry_counts WHERE tenant = ?"
+        self._count_move = await session.prepare(
+            "UPDATE {keyspace}.meta_entry_counts SET reserved = ? WHERE tenant = ? IF reserved = ?"
         )
 
     async def prepare_chunk(self, events: list[Event]) -> None:
@@ -158,21 +160,39 @@ class Metadata:
         return absent
 
     async def _reserve(self, tenant: str, wanted: list[Entry], chunk: dict[Entry, bool]) -> None:
-        """Count ``wanted`` into the tenant's total, then read it back: those
-        that fit under the cap are to be written, the rest are capped."""
-        self._stats.metadata_reservations += 1
+        """Move the tenant's count from what it is to what it is plus the
+        entries that fit under the cap, in one compare-and-set: those are to
+        be written, the rest are capped."""
         count = len(wanted)
-        await self._requests.execute(self._count_add, (count, tenant))
-        rows = await self._requests.execute(self._count_read, (tenant,))
-        # The total includes our own update; it can only look smaller on a
-        # replica that missed it (consistency below quorum).
-        total = max(count, int(rows[0]["reserved"] or 0) if rows else 0)
-        allowed = max(0, min(count, self._cap - (total - count)))
+        known = self._counts.get(tenant)  # None: no row seen yet
+        granted = 0
+        for _ in range(MAX_ATTEMPTS):
+            before = known or 0
+            allowed = min(count, self._cap - before)
+            if allowed <= 0:
+                break
+            self._stats.metadata_reservations += 1
+            if known is None:
+                values: tuple[object, ...] = (tenant, allowed)
+                rows = await self._requests.execute(self._count_first, values)
+            else:
+                values = (before + allowed, tenant, known)
+                rows = await self._requests.execute(self._count_move, values)
+            row = rows[0]
+            if row["[applied]"]:
+                granted, known = allowed, before + allowed
+                break
+            # Another instance moved it first (or our own attempt, retried
+            # after a timeout, did: then it counts twice, fewer entries, never
+            # more). The answer carries the count now: try again from there.
+            known = int(row.get("reserved") or 0)
+        if known is not None:
+            self._counts.put(tenant, known)
+            if known >= self._cap:
+                self._capped.put(tenant, True)
         wanted.sort(key=lambda e: _PRIORITY[e[0]])
         for index, entry in enumerate(wanted):
-            chunk[entry] = index < allowed
-        if total >= self._cap:
-            self._capped.put(tenant, True)
+            chunk[entry] = index < granted
 
     def writes(self, event: Event, pending: Pending) -> list[Write]:
         """The rows of the event's entries that :meth:`prepare_chunk` let in."""

@@ -679,7 +679,7 @@ async def meta_tag_devices(db: Database, tenant: str, key: str, value: str) -> l
 
 
 async def meta_entry_count(db: Database, tenant: str) -> int:
-    """The entries the tenant has reserved against ``metadata.max_per_tenant``
+    """The entries the tenant has taken against ``metadata.max_per_tenant``
     (at least those stored; see store/metadata.py)."""
     stmt = await db.prepared(
         f"SELECT reserved FROM {db.keyspace}.meta_entry_counts WHERE tenant = ?"

@@ -190,7 +190,7 @@ def _parser() -> argparse.ArgumentParser:
     counted = meta_sub.add_parser(
         "count",
         parents=[common],
-        help="entries the tenant has reserved against metadata.max_per_tenant",
+        help="entries the tenant has taken against metadata.max_per_tenant",
     )
     counted.add_argument("--tenant", required=True)
     counted.add_argument("--json", action="store_true")

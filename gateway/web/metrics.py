@@ -203,7 +203,7 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
     (
         "gateway_metadata_reservations_total",
         "metadata_reservations",
-        "Updates of a tenant's metadata entry count, each read back against the cap.",
+        "Compare-and-sets of a tenant's metadata entry count, lost races included.",
     ),
 )
 
