@@ -23,10 +23,12 @@ then turns an event's entries into rows. Promises:
   to MAX_ATTEMPTS times per chunk: instances never together pass the cap,
   and none starves another. Entries not written are counted per occurrence
   (``metadata_capped``, per tenant too); the event itself is stored as usual.
-* A tenant found at the cap is remembered (an LRU of MAX_TENANTS): from then
-  on its entries not in the LRU above cost no reads, and are counted as
-  capped whether or not an earlier run stored them (no read tells them
-  apart). A forgotten tenant costs reads again, until its count is seen.
+* A tenant found at the cap is remembered (its count, in an LRU of
+  MAX_TENANTS): from then on its entries not in the LRU above cost no reads,
+  and are counted as capped whether or not an earlier run stored them (no
+  read tells them apart). A forgotten tenant costs reads again, until its
+  count is seen; a tenant reset by an operator (its rows and its count
+  deleted) is seen as such by each instance once it restarts.
 * The count errs on the side of fewer entries, never more: it may run above
   what the tables hold, never below. A transaction retried after a timeout
   it had in fact applied counts twice; two instances that both find an entry
@@ -52,8 +54,8 @@ from .rollups import VALUE_METRIC
 from .sink import Pending, Write
 from .write_session import Prepared, WriteSession
 
-# Tenants whose counts (and being at the cap) are remembered (LRU): a
-# forgotten one costs existence reads again, and one more compare-and-set.
+# Tenants whose counts are remembered (LRU): a forgotten one costs existence
+# reads again, and one more compare-and-set.
 MAX_TENANTS = 10_000
 # Compare-and-sets per tenant per chunk: each one lost means another instance
 # won, so this many instances may race before one chunk's entries are capped.
@@ -89,9 +91,9 @@ class Metadata:
         self._requests = requests
         self._stats = stats
         self._seen: LRU[Entry, bool] = LRU(config.metadata.cache_size)
-        self._capped: LRU[str, bool] = LRU(MAX_TENANTS)
         # Each tenant's count as last seen: the expected value of the next
-        # compare-and-set (exact while this instance is the only writer).
+        # compare-and-set (exact while this instance is the only writer), and
+        # whether the tenant is at its cap (counts never go down).
         self._counts: LRU[str, int] = LRU(MAX_TENANTS)
         self._cap = config.metadata.max_per_tenant
         # This chunk's decisions for entries not in _seen: True to write, False capped.
@@ -128,12 +130,12 @@ class Metadata:
         ones :meth:`writes` is then called for, before the next chunk."""
         chunk: dict[Entry, bool] = {}
         unknown: dict[Entry, None] = {}
-        seen, capped = self._seen, self._capped
+        seen, counts, cap = self._seen, self._counts, self._cap
         for event in events:
             for entry in entries(event):
                 if entry in seen or entry in chunk or entry in unknown:
                     continue
-                if entry[1] in capped:
+                if (counts.peek(entry[1]) or 0) >= cap:
                     chunk[entry] = False
                 else:
                     unknown[entry] = None
@@ -185,11 +187,12 @@ class Metadata:
             # Another instance moved it first (or our own attempt, retried
             # after a timeout, did: then it counts twice, fewer entries, never
             # more). The answer carries the count now: try again from there.
-            known = int(row.get("reserved") or 0)
+            # No count in the answer: the row is gone (an operator reset the
+            # tenant), so start it again.
+            reserved = row.get("reserved")
+            known = None if reserved is None else int(reserved)
         if known is not None:
             self._counts.put(tenant, known)
-            if known >= self._cap:
-                self._capped.put(tenant, True)
         wanted.sort(key=lambda e: _PRIORITY[e[0]])
         for index, entry in enumerate(wanted):
             chunk[entry] = index < granted
