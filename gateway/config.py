@@ -472,10 +472,11 @@ class MetadataConfig(_Model):
     # Metric names, tag keys and values, and devices by tag value
     # (gateway/store/metadata.py), maintained on ingest.
     enabled: bool = True
-    # Entries this process remembers as written (LRU); a forgotten one costs
-    # one idempotent write when it is seen again.
+    # Entries this process remembers as stored (LRU); one not in it costs one
+    # read of its row when it is seen (after a restart too).
     cache_size: int = Field(default=100_000, ge=100, le=10_000_000)
-    # New entries one tenant may add per gateway process; beyond, they are
+    # Entries one tenant may have, counted in Cassandra (meta_entry_counts):
+    # across restarts and shared by every instance. Beyond, new entries are
     # not written and are counted (gateway_metadata_capped_total).
     max_per_tenant: int = Field(default=10_000, ge=1, le=10_000_000)
 

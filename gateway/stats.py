@@ -128,6 +128,8 @@ class Stats:
     rollup_lag_s: float = 0.0  # how far the roll-up worker is behind its due minutes
     metadata_writes: int = 0  # new metadata entries written (store/metadata.py)
     metadata_capped: int = 0  # new entries not written: tenant at metadata.max_per_tenant
+    metadata_reads: int = 0  # metadata entries not in the LRU, looked up in Cassandra
+    metadata_reservations: int = 0  # compare-and-sets of a tenant's entry count (lost ones too)
     # Seconds from the device's publish time to the Cassandra ack of its event.
     write_latency: Histogram = field(default_factory=lambda: Histogram(WRITE_LATENCY_BUCKETS))
     batch_rows: Histogram = field(default_factory=lambda: Histogram(BATCH_ROWS_BUCKETS))

@@ -118,6 +118,8 @@ def test_every_stats_total_is_mirrored_under_its_name() -> None:
         "gateway_rollup_windows_total": "rollup_windows",
         "gateway_rollup_failures_total": "rollup_failures",
         "gateway_metadata_writes_total": "metadata_writes",
+        "gateway_metadata_reads_total": "metadata_reads",
+        "gateway_metadata_reservations_total": "metadata_reservations",
     }
     stats = Stats()
     for i, attr in enumerate(expected.values()):

@@ -288,6 +288,10 @@ class Pipeline:
             over, stale = await self._latest.prepare_chunk(events)
             await self._start_rotations()
         over_ids = {id(e) for e in over}
+        if events and self._metadata is not None:
+            # Existence reads and the tenants' entry counts, for the events
+            # that will be written (store/metadata.py).
+            await self._metadata.prepare_chunk([e for e in events if id(e) not in over_ids])
         skip = over_ids | stale
         # Latest-table writes are last-write-wins by event time, so of several
         # events of one device in a chunk only the newest needs them (its

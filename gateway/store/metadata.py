@@ -2,18 +2,39 @@
 devices use, and which devices carry a tag value (schema/006_metadata.cql;
 the tsdb-cassandra README's metadata tables).
 
-Promises:
+Each chunk goes through two steps: :meth:`Metadata.prepare_chunk` (awaited
+by the pipeline before any of the chunk's writes are built) decides which
+entries are new and which of those the tenant's cap lets in; :meth:`writes`
+then turns an event's entries into rows. Promises:
 
-* Written once per new entry: every entry written is remembered in an LRU of
-  ``metadata.cache_size``; an entry seen again costs nothing. A forgotten one
-  costs one idempotent write (key-only rows: an INSERT of an existing row
-  changes nothing).
-* Capped per tenant: a tenant adds at most ``metadata.max_per_tenant`` new
-  entries per gateway process (a tag whose values never repeat, a timestamp
-  say, cannot grow the tables without bound). Beyond, entries are not
-  written, and each is counted (``metadata_capped``, per tenant too); the
-  event itself is stored as usual. The count is per process: a restart
-  starts it again, so a tenant's tables grow by at most the cap per start.
+* Written once per new entry: every entry known to be stored is remembered
+  in an LRU of ``metadata.cache_size``; an entry seen again costs nothing. One
+  not in the LRU (new, forgotten, or stored before a restart) costs one point
+  read of its own row (``metadata_reads``; at most the in-flight limit of them
+  at once); if the row exists it is remembered, neither written nor counted.
+* Capped per tenant, durably and across instances: ``meta_entry_counts``
+  (schema/007_metadata_counts.cql) holds each tenant's count of entries
+  taken. For a chunk's new entries the gateway moves it from N to
+  N + min(new, cap - N) in one lightweight transaction (``IF reserved = N``;
+  ``metadata_reservations`` counts the attempts), awaited before any of them
+  is written; those are written, the rest are not (``metadata.max_per_tenant``;
+  metric names and tag keys go before tag values and devices). An instance
+  that loses the race learns the count from the answer and tries again, up
+  to MAX_ATTEMPTS times per chunk: instances never together pass the cap,
+  and none starves another. Entries not written are counted per occurrence
+  (``metadata_capped``, per tenant too); the event itself is stored as usual.
+* A tenant found at the cap is remembered (its count, in an LRU of
+  MAX_TENANTS): from then on its entries not in the LRU above cost no reads,
+  and are counted as capped whether or not an earlier run stored them (no
+  read tells them apart). A forgotten tenant costs reads again, until its
+  count is seen; a tenant reset by an operator (its rows and its count
+  deleted) is seen as such by each instance once it restarts.
+* The count errs on the side of fewer entries, never more: it may run above
+  what the tables hold, never below. A transaction retried after a timeout
+  it had in fact applied counts twice; two instances that both find an entry
+  absent both count it (and write the same row); a crash between the count
+  and the rows leaves entries counted but not written. Entries written before
+  the count existed (before this table) are not counted.
 * Written with the event's other rows, before its acknowledgement; the
   values are those of stored events (decode validated them), sampled-out
   events included, since they say what devices use.
@@ -21,86 +42,176 @@ Promises:
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterator
+
 from ..config import Config
 from ..event import Event
 from ..lru import LRU
 from ..stats import Stats
+from .requests import Requests
 from .rollups import VALUE_METRIC
 from .sink import Pending, Write
 from .write_session import Prepared, WriteSession
 
-# Tenants whose counts of new entries are kept (LRU): a forgotten tenant
-# starts counting again, as after a restart.
+# Tenants whose counts are remembered (LRU): a forgotten one costs existence
+# reads again, and one more compare-and-set.
 MAX_TENANTS = 10_000
+# Compare-and-sets per tenant per chunk: each one lost means another instance
+# won, so this many instances may race before one chunk's entries are capped.
+MAX_ATTEMPTS = 8
+
+# An entry: (kind, tenant, *rest). Its row's values are entry[1:], its
+# partition key entry[1:-1]. Kinds: metric name, tag key, tag value, device.
+Entry = tuple[str, ...]
+# When the cap lets only part of a chunk's new entries in: names and keys first.
+_PRIORITY = {"m": 0, "k": 1, "v": 2, "d": 3}
+
+
+def entries(event: Event) -> Iterator[Entry]:
+    """The metadata entries an event carries."""
+    tenant = event.tenant
+    if event.value_num is not None:
+        yield ("m", tenant, VALUE_METRIC)
+    for metric in event.metrics:
+        yield ("m", tenant, metric)
+    for key, value in event.tags.items():
+        yield ("k", tenant, key)
+        yield ("v", tenant, key, value)
+        yield ("d", tenant, key, value, event.device_id)
 
 
 class Metadata:
-    _metric: Prepared
-    _tag_key: Prepared
-    _tag_value: Prepared
-    _tag_device: Prepared
+    _insert: dict[str, Prepared]
+    _exists: dict[str, Prepared]
+    _count_first: Prepared
+    _count_move: Prepared
 
-    def __init__(self, config: Config, stats: Stats) -> None:
+    def __init__(self, requests: Requests, config: Config, stats: Stats) -> None:
+        self._requests = requests
         self._stats = stats
-        self._seen: LRU[tuple[str, ...], bool] = LRU(config.metadata.cache_size)
-        self._added: LRU[str, int] = LRU(MAX_TENANTS)
+        self._seen: LRU[Entry, bool] = LRU(config.metadata.cache_size)
+        # Each tenant's count as last seen: the expected value of the next
+        # compare-and-set (exact while this instance is the only writer), and
+        # whether the tenant is at its cap (counts never go down).
+        self._counts: LRU[str, int] = LRU(MAX_TENANTS)
         self._cap = config.metadata.max_per_tenant
+        # This chunk's decisions for entries not in _seen: True to write, False capped.
+        self._chunk: dict[Entry, bool] = {}
 
     async def prepare(self, session: WriteSession) -> None:
-        self._metric = await session.prepare(
-            "INSERT INTO {keyspace}.meta_metrics (tenant, metric) VALUES (?, ?)"
+        tables = {
+            "m": ("meta_metrics", ("tenant", "metric")),
+            "k": ("meta_tag_keys", ("tenant", "tag_key")),
+            "v": ("meta_tag_values", ("tenant", "tag_key", "tag_value")),
+            "d": ("meta_tag_devices", ("tenant", "tag_key", "tag_value", "device_id")),
+        }
+        self._insert, self._exists = {}, {}
+        for kind, (table, columns) in tables.items():
+            self._insert[kind] = await session.prepare(
+                f"INSERT INTO {{keyspace}}.{table} ({', '.join(columns)}) "
+                f"VALUES ({', '.join('?' for _ in columns)})"
+            )
+            self._exists[kind] = await session.prepare(
+                f"SELECT {columns[-1]} FROM {{keyspace}}.{table} WHERE "
+                + " AND ".join(f"{c} = ?" for c in columns)
+            )
+        self._count_first = await session.prepare(
+            "INSERT INTO {keyspace}.meta_entry_counts (tenant, reserved) VALUES (?, ?) "
+            "IF NOT EXISTS"
         )
-        self._tag_key = await session.prepare(
-            "INSERT INTO {keyspace}.meta_tag_keys (tenant, tag_key) VALUES (?, ?)"
+        self._count_move = await session.prepare(
+            "UPDATE {keyspace}.meta_entry_counts SET reserved = ? WHERE tenant = ? IF reserved = ?"
         )
-        self._tag_value = await session.prepare(
-            "INSERT INTO {keyspace}.meta_tag_values (tenant, tag_key, tag_value) VALUES (?, ?, ?)"
-        )
-        self._tag_device = await session.prepare(
-            "INSERT INTO {keyspace}.meta_tag_devices (tenant, tag_key, tag_value, device_id) "
-            "VALUES (?, ?, ?, ?)"
-        )
+
+    async def prepare_chunk(self, events: list[Event]) -> None:
+        """Decide, for the entries of these events not in the LRU, which are
+        new and which of those the tenants' caps allow. The events must be the
+        ones :meth:`writes` is then called for, before the next chunk."""
+        chunk: dict[Entry, bool] = {}
+        unknown: dict[Entry, None] = {}
+        seen, counts, cap = self._seen, self._counts, self._cap
+        for event in events:
+            for entry in entries(event):
+                if entry in seen or entry in chunk or entry in unknown:
+                    continue
+                if (counts.peek(entry[1]) or 0) >= cap:
+                    chunk[entry] = False
+                else:
+                    unknown[entry] = None
+        if unknown:
+            new: dict[str, list[Entry]] = {}
+            for entry in await self._absent(list(unknown)):
+                new.setdefault(entry[1], []).append(entry)
+            await asyncio.gather(
+                *(self._reserve(tenant, wanted, chunk) for tenant, wanted in new.items())
+            )
+        self._chunk = chunk
+
+    async def _absent(self, wanted: list[Entry]) -> list[Entry]:
+        """The entries whose rows are not in Cassandra; the others are remembered."""
+        self._stats.metadata_reads += len(wanted)
+        execute, exists = self._requests.execute_in_slot, self._exists
+        found = await asyncio.gather(*(execute(exists[e[0]], e[1:]) for e in wanted))
+        absent: list[Entry] = []
+        for entry, rows in zip(wanted, found, strict=True):
+            if rows:
+                self._seen.put(entry, True)
+            else:
+                absent.append(entry)
+        return absent
+
+    async def _reserve(self, tenant: str, wanted: list[Entry], chunk: dict[Entry, bool]) -> None:
+        """Move the tenant's count from what it is to what it is plus the
+        entries that fit under the cap, in one compare-and-set: those are to
+        be written, the rest are capped."""
+        count = len(wanted)
+        known = self._counts.get(tenant)  # None: no row seen yet
+        granted = 0
+        for _ in range(MAX_ATTEMPTS):
+            before = known or 0
+            allowed = min(count, self._cap - before)
+            if allowed <= 0:
+                break
+            self._stats.metadata_reservations += 1
+            if known is None:
+                values: tuple[object, ...] = (tenant, allowed)
+                rows = await self._requests.execute(self._count_first, values)
+            else:
+                values = (before + allowed, tenant, known)
+                rows = await self._requests.execute(self._count_move, values)
+            row = rows[0]
+            if row["[applied]"]:
+                granted, known = allowed, before + allowed
+                break
+            # Another instance moved it first (or our own attempt, retried
+            # after a timeout, did: then it counts twice, fewer entries, never
+            # more). The answer carries the count now: try again from there.
+            # No count in the answer: the row is gone (an operator reset the
+            # tenant), so start it again.
+            reserved = row.get("reserved")
+            known = None if reserved is None else int(reserved)
+        if known is not None:
+            self._counts.put(tenant, known)
+        wanted.sort(key=lambda e: _PRIORITY[e[0]])
+        for index, entry in enumerate(wanted):
+            chunk[entry] = index < granted
 
     def writes(self, event: Event, pending: Pending) -> list[Write]:
-        tenant = event.tenant
+        """The rows of the event's entries that :meth:`prepare_chunk` let in."""
         out: list[Write] = []
-        if event.value_num is not None:
-            self._add(out, pending, ("m", tenant, VALUE_METRIC), self._metric, (tenant,))
-        for metric in event.metrics:
-            self._add(out, pending, ("m", tenant, metric), self._metric, (tenant,))
-        for key, value in event.tags.items():
-            self._add(out, pending, ("k", tenant, key), self._tag_key, (tenant,))
-            self._add(out, pending, ("v", tenant, key, value), self._tag_value, (tenant, key))
-            self._add(
-                out,
-                pending,
-                ("d", tenant, key, value, event.device_id),
-                self._tag_device,
-                (tenant, key, value),
-            )
+        chunk, seen, stats = self._chunk, self._seen, self._stats
+        for entry in entries(event):
+            verdict = chunk.get(entry)
+            if verdict is None:
+                seen.touch(entry)  # stored already (or written earlier in this chunk)
+            elif verdict:
+                del chunk[entry]
+                seen.put(entry, True)
+                stats.metadata_writes += 1
+                kind, values = entry[0], entry[1:]
+                out.append(Write(("meta", kind, *values[:-1]), self._insert[kind], values, pending))
+            else:
+                stats.metadata_capped += 1
+                stats.metadata_capped_by_tenant.add(entry[1])
         return out
-
-    def _add(
-        self,
-        out: list[Write],
-        pending: Pending,
-        entry: tuple[str, ...],
-        prepared: Prepared,
-        partition: tuple[str, ...],
-    ) -> None:
-        seen = self._seen
-        if seen.touch(entry):
-            return
-        tenant = entry[1]
-        added = self._added.get(tenant) or 0
-        if added >= self._cap:
-            self._stats.metadata_capped += 1
-            self._stats.metadata_capped_by_tenant.add(tenant)
-            return
-        self._added.put(tenant, added + 1)
-        seen.put(entry, True)
-        self._stats.metadata_writes += 1
-        # The row's values: the partition key, then the entry's last part.
-        out.append(
-            Write(("meta", entry[0], *partition), prepared, (*partition, entry[-1]), pending)
-        )

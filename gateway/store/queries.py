@@ -678,6 +678,16 @@ async def meta_tag_devices(db: Database, tenant: str, key: str, value: str) -> l
     return [r.device_id for r in await db.execute(stmt, (tenant, key, value))]
 
 
+async def meta_entry_count(db: Database, tenant: str) -> int:
+    """The entries the tenant has taken against ``metadata.max_per_tenant``
+    (at least those stored; see store/metadata.py)."""
+    stmt = await db.prepared(
+        f"SELECT reserved FROM {db.keyspace}.meta_entry_counts WHERE tenant = ?"
+    )
+    rows = await db.execute(stmt, (tenant,))
+    return int(rows[0].reserved or 0) if rows else 0
+
+
 def parse_tag_value(text: str) -> tuple[str, str]:
     """``KEY=VALUE`` (the CLI's form; the API's ``tag`` takes KEY:VALUE too)."""
     key, sep, value = text.partition("=")

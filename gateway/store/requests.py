@@ -1,12 +1,15 @@
 """One Cassandra request at a time, retried until it succeeds or cannot.
 
 Every statement the gateway sends goes through :class:`Requests`: the sink's
-batches, and the latest-state reads and state registrations. Promises:
+batches, the latest-state reads and state registrations, and metadata's
+existence reads and entry counts. Promises:
 
 * Timeouts, unavailable replicas and lost connections (the write session's
   ``transient`` errors) are retried with capped exponential backoff and full
   jitter, which is safe because every write is idempotent (fixed keys,
-  event-time write timestamps) and every read is a read.
+  event-time write timestamps) and every read is a read. The one exception,
+  metadata's counter update, errs on the safe side when counted twice
+  (``metadata.py``).
 * After ``cassandra.give_up_after`` seconds of failing, or on an error retrying
   cannot fix, :class:`SinkError` is raised and the gateway stops: the messages
   concerned were never acknowledged, so the broker still has them.
@@ -66,6 +69,17 @@ class Requests:
     async def execute(self, prepared: Prepared, values: tuple[Any, ...]) -> Rows:
         """One statement (a read, or a write outside the sink's batches)."""
         return await self.send(self.bind(prepared, values), 1)
+
+    async def execute_in_slot(self, prepared: Prepared, values: tuple[Any, ...]) -> Rows:
+        """:meth:`execute` holding an in-flight slot (``limit.py``) as the sink's
+        writes do: for reads that come many at once (metadata's existence
+        reads), which then queue behind the limit instead of all going out."""
+        limit = self.limit
+        await limit.acquire()
+        try:
+            return await self.execute(prepared, values)
+        finally:
+            limit.release()
 
     async def send(self, request: Any, rows: int) -> Rows:
         """A bound statement or batch of ``rows`` statements, with retries."""

@@ -42,6 +42,7 @@ REQUIRED_TABLES = (
     "meta_tag_keys",
     "meta_tag_values",
     "meta_tag_devices",
+    "meta_entry_counts",
 )
 
 

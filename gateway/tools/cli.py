@@ -187,6 +187,13 @@ def _parser() -> argparse.ArgumentParser:
     tagged.add_argument("tag", metavar="KEY=VALUE")
     tagged.add_argument("--tenant", required=True)
     tagged.add_argument("--json", action="store_true")
+    counted = meta_sub.add_parser(
+        "count",
+        parents=[common],
+        help="entries the tenant has taken against metadata.max_per_tenant",
+    )
+    counted.add_argument("--tenant", required=True)
+    counted.add_argument("--json", action="store_true")
 
     rej = sub.add_parser("rejected", parents=[common], help="recently rejected messages and why")
     rej.add_argument("--tenant", default="", help="tenant ('' for topics that named none)")
@@ -456,6 +463,14 @@ async def _meta(config: Config, args: argparse.Namespace) -> int:
         except QueryError as exc:
             raise ConfigError(str(exc)) from None
     async with connect(config.cassandra) as db:
+        if what == "count":
+            count = await queries.meta_entry_count(db, args.tenant)
+            cap = config.metadata.max_per_tenant
+            if args.json:
+                _print_json({"tenant": args.tenant, "entries": count, "cap": cap})
+            else:
+                print(f"{count} of {cap} (metadata.max_per_tenant) for tenant {args.tenant!r}")
+            return 0
         if what == "metrics":
             found = await queries.meta_metrics(db, args.tenant)
         elif what == "tags":

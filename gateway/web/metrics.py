@@ -195,6 +195,16 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
         "metadata_writes",
         "New metadata entries written (metric names, tag keys and values, devices by tag).",
     ),
+    (
+        "gateway_metadata_reads_total",
+        "metadata_reads",
+        "Metadata entries not in the LRU (metadata.cache_size), looked up in Cassandra.",
+    ),
+    (
+        "gateway_metadata_reservations_total",
+        "metadata_reservations",
+        "Compare-and-sets of a tenant's metadata entry count, lost races included.",
+    ),
 )
 
 # (metric name, help, label name, Stats attribute holding a LabelledCounts)
