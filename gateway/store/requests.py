@@ -8,8 +8,8 @@ existence reads and entry counts. Promises:
   ``transient`` errors) are retried with capped exponential backoff and full
   jitter, which is safe because every write is idempotent (fixed keys,
   event-time write timestamps) and every read is a read. The one exception,
-  metadata's counter update, errs on the safe side when counted twice
-  (``metadata.py``).
+  metadata's compare-and-set of a tenant's entry count, errs on the safe
+  side when a retry counts twice (``metadata.py``).
 * After ``cassandra.give_up_after`` seconds of failing, or on an error retrying
   cannot fix, :class:`SinkError` is raised and the gateway stops: the messages
   concerned were never acknowledged, so the broker still has them.
