@@ -102,6 +102,8 @@ def run_case(case: Case, db: BenchDb, args: argparse.Namespace, code: Path | Non
     published, _ = publish_recorded(fleet_spec(tenant, args.devices, root=root), count=args.count)
     env = gateway_env(cid, root, CASSANDRA__DRIVER=case.driver)
     if code is not None:
+        # First on sys.path: `python -m` puts the working directory there (ahead
+        # of PYTHONPATH and of the editable install of this checkout).
         env["PYTHONPATH"] = str(code)
     proc = Proc(
         case.variant,
@@ -110,6 +112,7 @@ def run_case(case: Case, db: BenchDb, args: argparse.Namespace, code: Path | Non
         LOGS / f"{case.variant.replace(' ', '_')}_{case.round}.log",
         [READY],
         HANDLED,
+        cwd=code or ROOT,
     ).start()
     try:
         proc.wait_ready(120)
