@@ -3,8 +3,9 @@
 Two drivers sit behind one small interface, chosen by ``cassandra.driver``:
 
 * ``acsylla``: asyncio over the DataStax C++ driver. It costs about a quarter
-  of the CPU per row of the Python driver (``bench/drivers.py``), which is
-  most of the gateway's own CPU. Wheels exist for Linux x86_64 (and macOS);
+  of the CPU per request of the Python driver (``bench/drivers.py``); with
+  the Python driver's requests packed (below), the gateway's CPU per message
+  is about the same through either (``bench/python_driver.py``). Wheels exist for Linux x86_64 (and macOS);
   it is installed there with the gateway.
 * ``python``: the DataStax Python driver (``cassandra-driver``), available on
   every platform. The CLI's reads and ``schema apply`` always use it.
