@@ -5,8 +5,8 @@ Two drivers sit behind one small interface, chosen by ``cassandra.driver``:
 * ``acsylla``: asyncio over the DataStax C++ driver. It costs about a quarter
   of the CPU per request of the Python driver (``bench/drivers.py``); with
   the Python driver's requests packed (below), the gateway's CPU per message
-  is about the same through either (``bench/python_driver.py``). Wheels exist for Linux x86_64 (and macOS);
-  it is installed there with the gateway.
+  is no higher through it (``bench/python_driver.py``). Wheels exist for
+  Linux x86_64 (and macOS); it is installed there with the gateway.
 * ``python``: the DataStax Python driver (``cassandra-driver``), available on
   every platform. The CLI's reads and ``schema apply`` always use it.
 * ``auto`` (the default): acsylla when it is installed, Cassandra TLS is
