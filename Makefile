@@ -141,3 +141,16 @@ bench-link: up
 .PHONY: bench-instances
 bench-instances: up
 	$(VPY) bench/instances.py $(BENCH_ARGS)
+
+# What the spool costs (~8 min): spool off and on alternately, 3 pairs: a
+# drain's CPU per message and msg/s, latency and bytes written to disk at
+# 100 msg/s. Writes bench/results/spool_cost.{json,md}.
+.PHONY: bench-spool
+bench-spool: up
+	$(VPY) bench/spool_cost.py $(BENCH_ARGS)
+
+# The Python driver against acsylla, before (main) and after (~20 min): CPU
+# per message of the same drain, in rounds. Writes bench/results/python_driver.{json,md}.
+.PHONY: bench-python-driver
+bench-python-driver: up
+	$(VPY) bench/python_driver.py $(BENCH_ARGS)

@@ -58,6 +58,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def write_bytes(pid: int) -> int:
+    """Bytes the process (all its threads) caused to be written to storage
+    (/proc/<pid>/io ``write_bytes``: page cache writes it dirtied; not the file
+    system's own journal and metadata writes)."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("write_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
 def _status_kb(pid: int, key: str) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(key):
@@ -148,7 +158,8 @@ class Proc:
                     self.ready_at = time.monotonic()
                     self.ready_cpu = cpu_seconds(self.pid) if self.alive() else 0.0
             if self.progress is not None and (m := self.progress.search(line)):
-                count = int(m.group(1))
+                # Several groups (written, rejected, sampled out...) add up.
+                count = sum(int(g) for g in m.groups() if g is not None)
                 if count >= self.count:
                     self.count = count
                     self.last_progress_line = line
@@ -222,10 +233,9 @@ async def _connect(client_id: str, *, clean: bool, expiry: int) -> aiomqtt.Clien
     )
 
 
-async def _create_session(client_id: str, filters: Sequence[str]) -> None:
+async def _create_session(client_id: str, subscription: str) -> None:
     async with await _connect(client_id, clean=True, expiry=SESSION_EXPIRY) as client:
-        for topic_filter in filters:
-            await client.subscribe(topic_filter, qos=1)
+        await client.subscribe(subscription, qos=1)
 
 
 async def _clear_session(client_id: str) -> None:
@@ -233,10 +243,10 @@ async def _clear_session(client_id: str) -> None:
         pass
 
 
-def create_session(client_id: str, filters: Sequence[str] = (SUBSCRIPTION,)) -> None:
-    """A fresh persistent session subscribed to the bench tree, or to ``filters``
-    (the broker queues for it)."""
-    asyncio.run(_create_session(client_id, filters))
+def create_session(client_id: str, root: str = "gwbench") -> None:
+    """A fresh persistent session subscribed to the bench tree (the broker queues for it);
+    ``root``: its first level (a tree of one's own: see :func:`gateway_env`)."""
+    asyncio.run(_create_session(client_id, SUBSCRIPTION.replace("gwbench", root, 1)))
 
 
 def clear_session(client_id: str) -> None:
@@ -252,9 +262,40 @@ class Sent:
     sent_at: float | None  # epoch ms, publisher's clock just before the PUBLISH
 
 
-def fleet_spec(tenant: str, devices: int, rate: float = 1e9, seed: int = 1) -> FleetSpec:
+def gateway_env(client_id: str, root: str = "gwbench", **settings: str) -> dict[str, str]:
+    """The environment of a `gateway run` under test: this process's without
+    any GATEWAY_ setting, the bench keyspace, the bench tree under ``root`` (a
+    root of its own keeps other benches' load on the shared broker out of its
+    counts), a persistent session for ``client_id``, no HTTP port, a status
+    line every second; then ``settings`` (``CASSANDRA__DRIVER="python"`` sets
+    GATEWAY_CASSANDRA__DRIVER)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+    env |= {
+        "GATEWAY_MQTT__CLIENT_ID": client_id,
+        "GATEWAY_MQTT__SESSION_EXPIRY": "600",
+        "GATEWAY_CASSANDRA__KEYSPACE": KEYSPACE,
+        "GATEWAY_TOPICS": f'[{{template = "{template(root)}"}}]',
+        "GATEWAY_PIPELINE__STATUS_INTERVAL": "1s",
+        "GATEWAY_API__PORT": "0",
+    }
+    return env | {f"GATEWAY_{k}": v for k, v in settings.items()}
+
+
+# Messages a gateway has finished with: written, rejected or sampled out. In
+# spool mode "acked" counts spool commits, so it is no measure of writes.
+HANDLED = re.compile(r"status: .*written=(\d+) .*rejected=(\d+) sampled_out=(\d+)")
+READY = re.compile(r"connected to mqtt://")
+
+
+def template(root: str) -> str:
+    return TOPIC_TEMPLATE.replace("gwbench", root, 1)
+
+
+def fleet_spec(
+    tenant: str, devices: int, rate: float = 1e9, seed: int = 1, root: str = "gwbench"
+) -> FleetSpec:
     return FleetSpec(
-        devices=devices, rate=rate, tenant=tenant, topic_template=TOPIC_TEMPLATE, seed=seed
+        devices=devices, rate=rate, tenant=tenant, topic_template=template(root), seed=seed
     )
 
 

@@ -310,7 +310,7 @@ def save(run: Run, out: str) -> str:
     text = markdown(run, command)
     Path(out + ".md").write_text(text)
     data = {"command": command, **asdict(run)}
-    Path(out + ".json").write_text(json.dumps(data, indent=1) + "\n")
+    Path(out + ".json").write_text(json.dumps(data, indent=1, default=str) + "\n")
     return text
 
 

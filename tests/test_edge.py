@@ -24,6 +24,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from gateway.config import load_config
 from gateway.store import queries
 from gateway.store.database import Database
 
@@ -410,6 +411,23 @@ def test_init_writes_the_example_config_and_keeps_an_existing_file(tmp_path: Pat
     result = run_cli("init", "--force", str(path))
     assert result.returncode == 0, result.stderr
     assert path.read_text() == (ROOT / "gateway.example.toml").read_text()
+
+
+def test_init_edge_writes_a_valid_config_with_the_spool_on(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.toml"
+    result = run_cli("init", "--edge", str(path))
+    assert result.returncode == 0, result.stderr
+    edge = load_config(path, {})
+    assert edge.spool.enabled
+    assert edge.spool.path == Path("/var/lib/gateway/spool.sqlite")
+    assert edge.api.tokens_file == Path("/var/lib/gateway/tokens.jsonl")
+    # Everything else as in the example config.
+    example = load_config(ROOT / "gateway.example.toml", {})
+    changed = {"spool": {"enabled", "path"}, "api": {"tokens_file"}}
+    for section, keys in changed.items():
+        left, right = getattr(edge, section), getattr(example, section)
+        assert left.model_copy(update={k: getattr(right, k) for k in keys}) == right
+    assert edge.model_copy(update={s: getattr(example, s) for s in changed}) == example
 
 
 @pytest.mark.slow

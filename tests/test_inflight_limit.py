@@ -2,8 +2,9 @@
 through gateway/tools/delay_proxy.py: a link tens of milliseconds long.
 
 The writes go through the gateway's own Sink and Requests (one request per
-partition: rejected_messages rows of distinct hours of a fresh tenant), so the
-limit sees what it sees in production. Nothing here asserts a timing: only
+partition: rejected_messages rows of distinct hours of a fresh tenant, each
+too large to share a batch on the Python driver's path), so the limit sees
+what it sees in production. Nothing here asserts a timing: only
 what the limiter did after a given number of writes.
 """
 
@@ -26,7 +27,7 @@ from gateway.store.hot import HotPartitions
 from gateway.store.limit import InFlightLimit
 from gateway.store.requests import Requests
 from gateway.store.sink import Pending, Sink, Write
-from gateway.store.write_session import Prepared, open_write_session
+from gateway.store.write_session import PACK_BYTES, Prepared, open_write_session
 from gateway.tools.delay_proxy import DelayProxy
 from gateway.web.metrics import gateway_registry
 
@@ -39,6 +40,8 @@ INSERT = (
     "payload_size) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 START = 16  # the limit's starting value in these tests
+# Over the Python driver's pack size: one partition per request with either driver.
+PAYLOAD = bytes(PACK_BYTES + 1)
 
 
 @dataclass
@@ -67,7 +70,7 @@ class Link:
         for i in range(self.written, self.written + count):
             hour = now - now % HOUR_MS - i * HOUR_MS  # a partition per row
             pending = Pending(one_done)
-            values = (self.tenant, hour, hour, uuid.uuid1(), "t", "d", "test", "", b"", 0)
+            values = (self.tenant, hour, hour, uuid.uuid1(), "t", "d", "test", "", PAYLOAD, 0)
             writes.append(Write(("rejected", self.tenant, hour), self.insert, values, pending))
         self.written += count
         async with asyncio.timeout(deadline):

@@ -1,9 +1,11 @@
 """The write session's promises, for both drivers, against the real Cassandra:
 exact millisecond timestamps, unset versus null, unlogged batches, USING
-TIMESTAMP, lightweight-transaction results, and which driver a config picks."""
+TIMESTAMP, lightweight-transaction results, which driver a config picks, and
+how many partitions the sink puts in one request."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import uuid
 from collections.abc import AsyncIterator
@@ -13,11 +15,17 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from gateway.config import CassandraConfig
+from gateway.config import CassandraConfig, PipelineConfig
 from gateway.errors import ConfigError
+from gateway.stats import Stats
 from gateway.store import write_session
 from gateway.store.database import Database
+from gateway.store.hot import HotPartitions
+from gateway.store.limit import InFlightLimit
+from gateway.store.requests import Requests
+from gateway.store.sink import Pending, Sink, Write
 from gateway.store.write_session import (
+    PACK_BYTES,
     UNSET,
     WriteSession,
     acsylla_installed,
@@ -124,6 +132,53 @@ async def test_reads_and_lightweight_transactions_give_dicts(
     select = await session.prepare("SELECT state FROM {keyspace}.tenant_states WHERE tenant = ?")
     assert await session.execute(session.bind(select, (tenant,))) == [{"state": "on"}]
     assert await session.execute(session.bind(select, ("nobody-" + uuid.uuid4().hex,))) == []
+
+
+@on_session_loop
+async def test_the_python_driver_packs_partitions_into_shared_batches(
+    session: WriteSession, db: Database, tenant: str
+) -> None:
+    """Through acsylla one request per partition; through the Python driver up
+    to 10 partitions with the same replicas (here one node) per request, never
+    over PACK_BYTES of values, and every row lands."""
+    insert = await session.prepare(
+        "INSERT INTO {keyspace}.latest_events_by_device (tenant, device_id, state, ts, value) "
+        "VALUES (?, ?, ?, ?, ?) USING TIMESTAMP ?",
+        timestamps=(3,),
+    )
+    stats = Stats()
+    limit = InFlightLimit(stats, initial=64, minimum=64, maximum=64)
+    requests = Requests(session, session.config, stats, limit)
+    hot = HotPartitions(10.0, 1_000_000, 10_000, stats)
+    done = asyncio.Event()
+    left = 0
+
+    def one_done() -> None:
+        nonlocal left
+        left -= 1
+        if left == 0:
+            done.set()
+
+    big = "x" * (PACK_BYTES // 2)  # two of these do not fit one batch
+    values = {f"d{i:02}": "small" for i in range(40)} | {f"big{i}": big for i in range(3)}
+    writes = []
+    for device, value in values.items():
+        row = (tenant, device, "on", 1_000, value, 10)
+        writes.append(Write(("device", tenant, device), insert, row, Pending(one_done)))
+        left += 1
+    async with Sink(requests, PipelineConfig(), hot, stats) as sink:
+        async with asyncio.timeout(30):
+            await sink.submit(writes)
+            await done.wait()
+    # Python: the 40 small ones in 4 batches of 10, the 3 big ones each alone.
+    assert stats.requests == (4 + 3 if session.name.startswith("python") else 43)
+    devices = ", ".join(f"'{d}'" for d in values)
+    rows = await db.execute(
+        f"SELECT device_id, value FROM {db.keyspace}.latest_events_by_device "
+        f"WHERE tenant = %s AND device_id IN ({devices})",
+        (tenant,),
+    )
+    assert {r.device_id: r.value for r in rows} == values
 
 
 @on_session_loop

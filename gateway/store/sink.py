@@ -5,8 +5,13 @@ The table writers (``latest``, ``telemetry``, ``rejects``) turn a message into
 (``requests.py``: retries and the give-up deadline). Promises:
 
 * Rows of one partition are grouped into UNLOGGED batches of at most
-  ``pipeline.batch_max_rows`` (one partition per batch: one replica set, no
-  batch log). Rows of different partitions are never batched.
+  ``pipeline.batch_max_rows`` (no batch log). Through acsylla, rows of
+  different partitions are never batched. Through the Python driver, whose
+  CPU goes mostly into requests rather than rows, such groups of partitions
+  with the same replicas share a request, up to the write session's
+  ``batch_partitions`` (10), ``batch_max_rows`` rows and ``PACK_BYTES`` of
+  values (``write_session.py``): each replica still applies every partition
+  on its own, and a retry resends the whole batch (every write is idempotent).
 * At most ``limit`` requests are outstanding (``limit.py``: adapted to the
   measured latency, never above ``cassandra.max_in_flight``); ``submit`` waits
   for a free slot, which is how a slow Cassandra slows the reader down.
@@ -20,7 +25,7 @@ The table writers (``latest``, ``telemetry``, ``rejects``) turn a message into
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -29,7 +34,7 @@ from ..config import PipelineConfig
 from ..stats import Stats
 from .hot import HotPartitions
 from .requests import Requests
-from .write_session import Prepared
+from .write_session import PACK_BYTES, Prepared
 
 
 class Pending:
@@ -58,6 +63,16 @@ class Write:
     prepared: Prepared
     values: tuple[Any, ...]  # bound when sent (write_session.UNSET leaves one unset)
     pending: Pending
+
+
+@dataclass(slots=True)
+class _Pack:
+    """Partitions gathered into one request (the Python driver's path)."""
+
+    rows: list[Write]
+    statements: list[Any]
+    size: int  # bytes of bound values
+    partitions: int
 
 
 class Sink:
@@ -101,9 +116,43 @@ class Sink:
             write.pending.add()
             count(write.partition)
             groups.setdefault(write.partition, []).append(write)
+        if self._session.batch_partitions > 1:
+            await self._submit_packed(groups.values())
+            return
         for group in groups.values():
             for start in range(0, len(group), self._max_rows):
                 await self._send(group[start : start + self._max_rows])
+
+    async def _submit_packed(self, groups: Iterable[list[Write]]) -> None:
+        """Pack partitions with the same replicas into shared requests (the
+        Python driver's path); bound here, so that sizes are known."""
+        session = self._session
+        bind = self._requests.bind
+        max_rows, max_parts = self._max_rows, session.batch_partitions
+        packs: dict[Hashable, _Pack] = {}
+        for group in groups:
+            for start in range(0, len(group), max_rows):
+                rows = group[start : start + max_rows]
+                statements = [bind(r.prepared, r.values) for r in rows]
+                size = sum(map(session.size, statements))
+                key = session.replicas(statements[0])
+                pack = packs.get(key)
+                if pack is not None and (
+                    len(pack.rows) + len(rows) > max_rows
+                    or pack.size + size > PACK_BYTES
+                    or pack.partitions >= max_parts
+                ):
+                    del packs[key]
+                    await self._send(pack.rows, pack.statements)
+                    pack = None
+                if pack is None:
+                    pack = packs[key] = _Pack([], [], 0, 0)
+                pack.rows += rows
+                pack.statements += statements
+                pack.size += size
+                pack.partitions += 1
+        for pack in packs.values():
+            await self._send(pack.rows, pack.statements)
 
     @property
     def idle(self) -> bool:
@@ -113,11 +162,11 @@ class Sink:
         """Wait until no request is in flight (a barrier for rare schema-like work)."""
         await self._idle.wait()
 
-    async def _send(self, rows: list[Write]) -> None:
+    async def _send(self, rows: list[Write], statements: list[Any] | None = None) -> None:
         await self._slots.acquire()
         self._stats.in_flight += 1
         self._idle.clear()
-        task = self._tasks.create_task(self._run(rows))
+        task = self._tasks.create_task(self._run(rows, statements))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
@@ -126,13 +175,13 @@ class Sink:
         for task in list(self._running):
             task.cancel()
 
-    async def _run(self, rows: list[Write]) -> None:
+    async def _run(self, rows: list[Write], statements: list[Any] | None) -> None:
         try:
-            bind = self._requests.bind
-            if len(rows) == 1:
-                request = bind(rows[0].prepared, rows[0].values)
-            else:
-                request = self._session.batch([bind(r.prepared, r.values) for r in rows])
+            if statements is None:
+                bind = self._requests.bind
+                statements = [bind(r.prepared, r.values) for r in rows]
+            one = len(statements) == 1
+            request = statements[0] if one else self._session.batch(statements)
             self._stats.batch_rows.observe(len(rows))
             await self._requests.send(request, len(rows))
             for row in rows:

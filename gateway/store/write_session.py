@@ -3,9 +3,10 @@
 Two drivers sit behind one small interface, chosen by ``cassandra.driver``:
 
 * ``acsylla``: asyncio over the DataStax C++ driver. It costs about a quarter
-  of the CPU per row of the Python driver (``bench/drivers.py``), which is
-  most of the gateway's own CPU. Wheels exist for Linux x86_64 (and macOS);
-  it is installed there with the gateway.
+  of the CPU per request of the Python driver (``bench/drivers.py``); with
+  the Python driver's requests packed (below), the gateway's CPU per message
+  is no higher through it (``bench/python_driver.py``). Wheels exist for
+  Linux x86_64 (and macOS); it is installed there with the gateway.
 * ``python``: the DataStax Python driver (``cassandra-driver``), available on
   every platform. The CLI's reads and ``schema apply`` always use it.
 * ``auto`` (the default): acsylla when it is installed, Cassandra TLS is
@@ -27,6 +28,17 @@ What both keep, so the stages don't care which one runs:
   partitions (a tenant's states, one device's row), far below a page;
 * :attr:`WriteSession.transient` lists the errors worth retrying (timeouts,
   unavailable replicas, lost connections, overload), the sink's concern.
+
+Partitions per request (:attr:`WriteSession.batch_partitions`): acsylla sends
+one partition per request. The Python driver spends several times more CPU on
+a request (``execute_async``: query plan, timer, encoding, the IO thread's
+wake-up and callbacks) than on binding a row, so the sink packs up to 10
+partitions whose replicas are the same (:meth:`WriteSession.replicas`) into
+one UNLOGGED batch, under :data:`PACK_BYTES` of values
+(:meth:`WriteSession.size`). 10 and the size keep such batches under
+Cassandra's default warning thresholds (``unlogged_batch_across_partitions_warn_threshold``
+10, ``batch_size_warn_threshold`` 5 KiB) and far under the failure threshold
+(50 KiB), which a single-partition batch is exempt from.
 """
 
 from __future__ import annotations
@@ -34,7 +46,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Hashable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -67,6 +79,11 @@ UNSET: Any = UNSET_VALUE
 
 Rows = list[dict[str, Any]]
 
+# Bytes of bound values a batch of several partitions may carry. Cassandra
+# warns above 5 KiB of mutations, which count more than the values: 3 KiB of
+# the bench's rows made 5.01 KiB.
+PACK_BYTES = 2 * 1024
+
 
 class Prepared:
     """A prepared statement and which of its parameters are timestamps."""
@@ -84,6 +101,8 @@ class WriteSession(ABC):
 
     name: str
     transient: tuple[type[BaseException], ...]
+    # Partitions one request may carry (see the module docstring).
+    batch_partitions = 1
 
     def __init__(self, config: CassandraConfig) -> None:
         self.config = config
@@ -108,6 +127,15 @@ class WriteSession(ABC):
     async def execute(self, request: Any) -> Rows:
         """Send a bound statement or batch; its rows as dicts."""
 
+    def replicas(self, statement: Any) -> Hashable:
+        """What a bound statement's partition may share a batch by (when
+        :attr:`batch_partitions` > 1): its replicas."""
+        return None
+
+    def size(self, statement: Any) -> int:
+        """Bytes of a bound statement's values (when :attr:`batch_partitions` > 1)."""
+        return 0
+
     @abstractmethod
     async def tables(self) -> set[str] | None:
         """The keyspace's tables, or None when the keyspace does not exist."""
@@ -117,6 +145,7 @@ class PythonSession(WriteSession):
     """The DataStax Python driver (``cassandra-driver``)."""
 
     name = "python (cassandra-driver)"
+    batch_partitions = 10
     transient = (
         OperationTimedOut,
         WriteTimeout,
@@ -154,6 +183,17 @@ class PythonSession(WriteSession):
     async def execute(self, request: Any) -> Rows:
         rows: Rows = await self._db.execute(request, profile=DICT_ROWS)
         return rows
+
+    def replicas(self, statement: Any) -> Hashable:
+        key = statement.routing_key
+        if key is None:
+            return id(statement)  # unknown: a batch of its own
+        # From the driver's token map (the token-aware policy's own lookup);
+        # empty without one, where the policy cannot route either.
+        return frozenset(self._db.cluster.metadata.get_replicas(self.keyspace, key))
+
+    def size(self, statement: Any) -> int:
+        return sum(len(v) for v in statement.values if isinstance(v, bytes))
 
     async def tables(self) -> set[str] | None:
         def read() -> set[str] | None:

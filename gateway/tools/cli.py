@@ -110,6 +110,11 @@ def _parser() -> argparse.ArgumentParser:
         "path", nargs="?", type=Path, default=Path("gateway.toml"), help="default gateway.toml"
     )
     ini.add_argument("--force", action="store_true", help="replace an existing file")
+    ini.add_argument(
+        "--edge",
+        action="store_true",
+        help="the edge profile: spool on, state in /var/lib/gateway (the service's directory)",
+    )
 
     sub.add_parser("run", parents=[common], help="run the gateway until SIGTERM/SIGINT")
     sub.add_parser(
@@ -270,11 +275,42 @@ def _time_arg(name: str, text: str | None, default: datetime) -> datetime:
         raise ConfigError(str(exc)) from None
 
 
-def _init(path: Path, force: bool) -> int:
+# What `gateway init --edge` changes in the example config: the spool on
+# (README, "Running on an edge host": what it costs, and why it is worth it
+# there), and the spool and tokens in the service unit's StateDirectory.
+EDGE_HEADER = (
+    "# Edge profile (`gateway init --edge`): the example config with the spool on\n"
+    "# and the state in /var/lib/gateway (deploy/systemd/gateway.service).\n"
+)
+EDGE_CHANGES = (
+    (
+        'enabled = false\npath = "gateway-spool.sqlite"\n',
+        "# On for the edge profile: a reboot during an outage still takes messages,\n"
+        "# and the broker's queue need not hold an outage. It writes a few KB to\n"
+        '# disk per message (README, "Running on an edge host").\n'
+        'enabled = true\npath = "/var/lib/gateway/spool.sqlite"\n',
+    ),
+    ("port = 9108\n", 'port = 9108\ntokens_file = "/var/lib/gateway/tokens.jsonl"\n'),
+)
+
+
+def edge_config(example: str) -> str:
+    """The example config with the edge profile's changes."""
+    for old, new in EDGE_CHANGES:
+        # The example config is ours: a change that no longer applies is a bug
+        # (tests/test_edge.py writes and validates the edge profile).
+        assert example.count(old) == 1, f"example.toml no longer has {old!r} once"
+        example = example.replace(old, new)
+    return EDGE_HEADER + example
+
+
+def _init(path: Path, force: bool, edge: bool = False) -> int:
     # The example config ships in the package (gateway/example.toml, a link to
     # gateway.example.toml in a checkout): one source for the README, the
     # tests and this.
     text = importlib.resources.files("gateway").joinpath("example.toml").read_text()
+    if edge:
+        text = edge_config(text)
     try:
         with path.open("w" if force else "x") as out:
             out.write(text)
@@ -284,10 +320,8 @@ def _init(path: Path, force: bool) -> int:
     except OSError as exc:
         print(f"gateway: cannot write {path}: {exc.strerror}", file=sys.stderr)
         return 1
-    print(
-        f"wrote {path}: set [mqtt] and [cassandra] (and [spool] on an edge host), "
-        f"then: gateway check --config {path}"
-    )
+    spool = "" if edge else " (and [spool] on an edge host)"
+    print(f"wrote {path}: set [mqtt] and [cassandra]{spool}, then: gateway check --config {path}")
     return 0
 
 
@@ -622,7 +656,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "init":
-        return _init(args.path, args.force)  # before any config exists to load
+        return _init(args.path, args.force, args.edge)  # before any config exists to load
     _setup_logging(getattr(args, "log_level", "INFO"))
     if args.command == "check":
         # check reports every failure itself, first thing, in one line; the
