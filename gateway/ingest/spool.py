@@ -225,9 +225,11 @@ class Spool:
             self.full_since = None
 
     def _error(self, exc: sqlite3.Error, doing: str) -> SpoolError:
-        # SQLITE_FULL is what a write meeting ENOSPC returns; SQLite has rolled
-        # the transaction back, and the connection stays usable.
-        if exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_FULL:
+        # SQLITE_FULL is what a write meeting ENOSPC returns (SQLite has rolled
+        # the transaction back; the connection stays usable); SHMSIZE, the WAL
+        # index (the -shm file, grown on open and as the WAL grows) meeting it.
+        code = exc.sqlite_errorcode
+        if code & 0xFF == sqlite3.SQLITE_FULL or code == sqlite3.SQLITE_IOERR_SHMSIZE:
             if self.disk_full_since is None:
                 self.disk_full_since = time.time()
             return SpoolDiskFull(f"spool disk full at {self.path}: {doing} failed ({exc})")
