@@ -266,6 +266,8 @@ async def test_sigkill_while_the_spool_commits_loses_nothing_acknowledged(
 
 # ---------------------------------------------------------------- the spool's bound
 
+KEEPALIVE = 5  # the least mqtt.keepalive allows
+
 
 async def test_at_the_spool_bound_acks_pause_and_nothing_is_lost(
     db: Database, tenant: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -276,7 +278,14 @@ async def test_at_the_spool_bound_acks_pause_and_nothing_is_lost(
     api = _free_port()
     async with proxy() as link:
         config = make_config(
-            **_spool_env(tenant, spool, link.port, api, GATEWAY_SPOOL__MAX_RECORDS=str(bound))
+            **_spool_env(
+                tenant,
+                spool,
+                link.port,
+                api,
+                GATEWAY_SPOOL__MAX_RECORDS=str(bound),
+                GATEWAY_MQTT__KEEPALIVE=str(KEEPALIVE),
+            )
         )
         async with running_gateway(config) as gw:
             await link.cut()
@@ -286,8 +295,12 @@ async def test_at_the_spool_bound_acks_pause_and_nothing_is_lost(
             # what the gateway does not acknowledge in its persistent session.
             await asyncio.to_thread(publisher.join, 60)
             await gw.wait_for(lambda s: s.acked >= bound, deadline=30)
-            await asyncio.sleep(1)  # would it take more?
+            # Held at the bound (reads paused) for longer than the broker's
+            # keepalive allows silence (1.5 x): would it take more, or lose
+            # its connection for not reading the broker's answers?
+            await asyncio.sleep(1.5 * KEEPALIVE + 2)
             assert gw.stats.acked == bound
+            assert (gw.stats.connects, gw.stats.disconnects) == (1, 0)
             assert gw.stats.spool.depth == bound
             assert not gw.task.done()
             full = [r.getMessage() for r in caplog.records if "spool full at" in r.getMessage()]
@@ -339,39 +352,57 @@ def _fill(path: Path) -> None:
 async def test_disk_full_is_not_acknowledged_and_flows_once_there_is_room(
     db: Database, tenant: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A spool commit that fails for a full disk (SQLITE_FULL) acknowledges
-    nothing: the gateway says so, keeps its broker session and retries; the
-    broker holds the messages. Once room is made, everything flows."""
+    """The disk fills while the spool holds messages Cassandra does not have
+    yet. A commit that fails for it (SQLITE_FULL) acknowledges nothing: the
+    gateway says so, keeps its broker session and retries, and the broker
+    holds those messages. When the link is back the spooled messages are
+    written, but their deletes fail too: they stay spooled, and are retried.
+    Once room is made, everything flows."""
     caplog.set_level(logging.INFO, logger="gateway")
+
+    def said(text: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
     api = _free_port()
+    sent = _Sent()
+    base = int(time.time() * 1000)
+    messages = []
+    for i in range(400):
+        event = {"ts": base + i, "state": "on", "value": i}
+        sent.published.setdefault(f"d{i % 10}", []).append(event)
+        messages.append((topic(tenant, f"d{i % 10}"), orjson.dumps(event)))
     with _tiny_disk(tmp_path / "disk", "2m") as disk:
         spool = disk / "spool.sqlite"
-        config = make_config(**_spool_env(tenant, spool, 9042, api))
-        async with running_gateway(config) as gw:
-            _fill(disk / "filler")
-            publisher = Publisher(tenant, devices=10, rate=1000, count=300)
-            publisher.start()
-            await asyncio.to_thread(publisher.join, 60)
-            await wait_until(
-                lambda: any("spool disk full at" in r.getMessage() for r in caplog.records),
-                30,
-                "a log line saying the disk is full",
-            )
-            await asyncio.sleep(2)  # retrying meanwhile
-            assert not gw.task.done()
-            assert gw.stats.acked == 0
-            line = next(
-                r.getMessage() for r in caplog.records if "spool disk full at" in r.getMessage()
-            )
-            assert str(spool) in line
-            metrics = await _metrics(api)
-            assert metrics["gateway_spool_disk_full_total"] >= 1
-            assert metrics["gateway_spool_disk_full"] == 1
-            code, checks = await _healthz(api)
-            assert code == 503
-            assert "disk full" in str(checks["spool_state"])
-            (disk / "filler").unlink()  # room again
-            await assert_all_stored(db, tenant, publisher, deadline=60)
-            await gw.wait_for(lambda s: s.acked == 300 and s.spool.depth == 0, deadline=30)
-            assert (await _metrics(api))["gateway_spool_disk_full"] == 0
-        assert any("spool disk has room again" in r.getMessage() for r in caplog.records)
+        async with proxy() as link:
+            config = make_config(**_spool_env(tenant, spool, link.port, api))
+            async with running_gateway(config) as gw:
+                await link.cut()
+                await publish(messages[:200])
+                await gw.wait_for(lambda s: s.acked == 200, deadline=30)  # spooled
+                _fill(disk / "filler")
+                await publish(messages[200:])  # the broker has them all
+                await wait_until(lambda: said("spool disk full at"), 30, "the disk full, said")
+                await asyncio.sleep(1)  # retrying meanwhile
+                assert not gw.task.done()
+                assert gw.stats.acked == 200  # none of those since
+                assert str(spool) in said("spool disk full at")[0]
+                metrics = await _metrics(api)
+                assert metrics["gateway_spool_disk_full_total"] >= 1
+                assert metrics["gateway_spool_disk_full"] == 1
+                code, checks = await _healthz(api)
+                assert code == 503
+                assert str(checks["spool_state"]).startswith(f"disk full at {spool} since ")
+                await link.start()
+                # Written to Cassandra, but not deleted from the spool (their
+                # deletes are refused too, and retried).
+                await gw.wait_for(lambda s: s.written >= 200, deadline=60)
+                await asyncio.sleep(1)
+                assert not gw.task.done()
+                assert gw.stats.spool.depth == 200
+                (disk / "filler").unlink()  # room again
+                await assert_all_stored(db, tenant, sent, deadline=60)
+                await gw.wait_for(lambda s: s.acked == 400 and s.spool.depth == 0, deadline=30)
+                assert (await _metrics(api))["gateway_spool_disk_full"] == 0
+                code, checks = await _healthz(api)
+                assert checks["spool_state"] == "ok"
+    assert said("spool disk has room again")
