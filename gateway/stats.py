@@ -175,5 +175,10 @@ class Stats:
             f"sampled_out={self.sampled_out} quota_rejected={self.quota_rejected} "
             f"coalesced={self.coalesced} throttled={self.throttled_s:.1f}s "
             f"read_pauses={self.read_pauses} overflow={self.overflow} "
-            f"uptime={time.monotonic() - self.started:.0f}s"
+            + (
+                f"spool_full={self.spool_full_waits} spool_disk_full={self.spool_disk_full} "
+                if self.spool is not None
+                else ""
+            )
+            + f"uptime={time.monotonic() - self.started:.0f}s"
         )

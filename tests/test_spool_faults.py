@@ -130,7 +130,9 @@ async def test_cassandra_away_under_load_the_spool_keeps_acknowledging(
     OUTAGE_S seconds (30 by default; SPOOL_OUTAGE_S=180 for three minutes):
     the gateway keeps acknowledging, so the broker's backlog for its session
     stays small, and says it is spooling; once the link is back everything
-    is in Cassandra and the spool is empty."""
+    is in Cassandra and the spool is empty. (Past cassandra.give_up_after,
+    10 min, the gateway exits by design and its restart spools until
+    Cassandra answers: a longer run needs GATEWAY_CASSANDRA__GIVE_UP_AFTER.)"""
     api = _free_port()
     rate = 200
     async with proxy() as link:
