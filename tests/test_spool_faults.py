@@ -149,6 +149,7 @@ async def test_cassandra_away_under_load_the_spool_keeps_acknowledging(
         await link.cut()
         cut = time.monotonic()
         acked_at_cut = (await _metrics(api))["gateway_acks_sent_total"]
+        published_at_cut = _published(publisher)
         backlog = depth = 0.0
         said_spooling = False
         while time.monotonic() - cut < OUTAGE_S:
@@ -162,13 +163,15 @@ async def test_cassandra_away_under_load_the_spool_keeps_acknowledging(
                 said_spooling = True
         metrics = await _metrics(api)
         acked_in_outage = metrics["gateway_acks_sent_total"] - acked_at_cut
+        published_in_outage = _published(publisher) - published_at_cut
         assert said_spooling, "/healthz never said it was spooling"
         assert "status: spooling, Cassandra unreachable since " in gw.output()
         # Acknowledged all along: without the spool the backlog would have grown
         # to mqtt.receive_maximum (1,000) within 5 s, and stayed there.
-        assert acked_in_outage >= 0.8 * rate * OUTAGE_S, (acked_in_outage, metrics)
+        assert published_in_outage >= 0.5 * rate * OUTAGE_S  # the fleet kept going
+        assert acked_in_outage >= 0.9 * published_in_outage, (acked_in_outage, metrics)
         assert backlog < 1000, backlog
-        assert depth >= 0.8 * rate * OUTAGE_S, depth
+        assert depth >= 0.9 * published_in_outage, depth
         assert metrics["gateway_events_written_total"] < _published(publisher)
         await link.start()  # the link is back, on the same port
         await asyncio.to_thread(publisher.join, 60)
@@ -271,6 +274,7 @@ async def test_sigkill_while_the_spool_commits_loses_nothing_acknowledged(
 KEEPALIVE = 5  # the least mqtt.keepalive allows
 
 
+@pytest.mark.slow
 async def test_at_the_spool_bound_acks_pause_and_nothing_is_lost(
     db: Database, tenant: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
