@@ -120,6 +120,8 @@ def test_every_stats_total_is_mirrored_under_its_name() -> None:
         "gateway_metadata_writes_total": "metadata_writes",
         "gateway_metadata_reads_total": "metadata_reads",
         "gateway_metadata_reservations_total": "metadata_reservations",
+        "gateway_spool_full_total": "spool_full_waits",
+        "gateway_spool_disk_full_total": "spool_disk_full",
     }
     stats = Stats()
     for i, attr in enumerate(expected.values()):
