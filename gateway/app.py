@@ -102,9 +102,15 @@ class Gateway:
             "queue_depth": self._pipeline.queue_depth,
             "in_flight": self.stats.in_flight,
         }
+        disk_full = False
         if self._spool is not None:
-            details["spool"] = self._spool.spool.depth
-        return connected and failing is None, details
+            spool = self._spool.spool
+            details["spool"] = spool.depth
+            details["spool_state"] = spool.state()
+            # At the bound it acknowledges as fast as Cassandra drains (backpressure,
+            # as without the spool); a full disk stops it until someone makes room.
+            disk_full = spool.disk_full_since is not None
+        return connected and failing is None and not disk_full, details
 
     def _failing(self, seconds: float) -> str:
         if self._spool is not None:

@@ -42,6 +42,15 @@ class CassandraUnreachable(SinkError):
     In spool mode ``gateway run`` spools and keeps trying instead (gateway/spooling.py)."""
 
 
+class SpoolError(GatewayError):
+    """The on-disk spool failed (the message names its path)."""
+
+
+class SpoolDiskFull(SpoolError):
+    """A spool commit failed because the disk is full (SQLITE_FULL): nothing of
+    it was committed. The spool source retries; nothing is acknowledged meanwhile."""
+
+
 class SchemaError(GatewayError):
     """The schema could not be applied, or is missing."""
 

@@ -28,7 +28,6 @@ import random
 import time
 from collections.abc import Iterator
 from contextlib import AsyncExitStack, contextmanager
-from datetime import UTC, datetime
 
 from .config import CassandraConfig, Config
 from .errors import CassandraUnreachable
@@ -38,6 +37,7 @@ from .ingest.topics import TopicMatcher
 from .sd_notify import Notifier
 from .stats import Stats
 from .store.write_session import open_write_session
+from .units import utc_text
 from .web.metrics import gateway_registry
 from .web.server import build_app, serve
 
@@ -69,8 +69,7 @@ def _drivers_quiet() -> Iterator[None]:
 
 def unreachable_since(wall: float) -> str:
     """What /healthz and the status line say while the spool takes everything."""
-    at = datetime.fromtimestamp(wall, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
-    return f"spooling, Cassandra unreachable since {at}"
+    return f"spooling, Cassandra unreachable since {utc_text(wall)}"
 
 
 class _NotYet:
@@ -123,6 +122,7 @@ async def spool_until_reachable(
                     "mqtt": "connected" if receiver.connected.is_set() else "disconnected",
                     "cassandra": state,
                     "spool": spool.depth,
+                    "spool_state": spool.state(),
                 }
 
             app = build_app(metrics=gateway_registry(stats, spool=spool), health=health)

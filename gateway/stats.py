@@ -117,6 +117,7 @@ class Stats:
     stale_latest: int = 0  # events older than the device's newest write: latest writes skipped
     spool: Any = None  # the Spool in spool mode (depth, bytes, oldest_age())
     spool_full_waits: int = 0  # times the spool was full: acks and reads paused
+    spool_disk_full: int = 0  # spool writes refused for a full disk (retried; nothing acked)
     throttled_s: float = 0.0  # time with mqtt.receive_maximum messages unacknowledged
     throttle_events: int = 0  # times that limit was reached
     read_pauses: int = 0  # times the pipeline queue filled and socket reads paused
@@ -150,12 +151,17 @@ class Stats:
             f"rejected={self.rejected} sampled_out={self.sampled_out} "
             f"queue={self.queue_depth} in_flight={self.in_flight}/{self.in_flight_limit} "
             f"retries={self.retries} acked={self.acked}"
-            + (
-                f" spool={self.spool.depth} (oldest {self.spool.oldest_age():.0f}s)"
-                if self.spool is not None
-                else ""
-            )
+            + (self._spool_status() if self.spool is not None else "")
         )
+
+    def _spool_status(self) -> str:
+        spool = self.spool
+        paused = ""
+        if spool.disk_full_since is not None:
+            paused = "; DISK FULL, acks paused"
+        elif spool.full:
+            paused = "; FULL, acks paused"
+        return f" spool={spool.depth} (oldest {spool.oldest_age():.0f}s{paused})"
 
     def summary(self) -> str:
         reasons = ", ".join(f"{k}={v}" for k, v in sorted(self.rejected_by_reason.items()))
@@ -169,5 +175,10 @@ class Stats:
             f"sampled_out={self.sampled_out} quota_rejected={self.quota_rejected} "
             f"coalesced={self.coalesced} throttled={self.throttled_s:.1f}s "
             f"read_pauses={self.read_pauses} overflow={self.overflow} "
-            f"uptime={time.monotonic() - self.started:.0f}s"
+            + (
+                f"spool_full={self.spool_full_waits} spool_disk_full={self.spool_disk_full} "
+                if self.spool is not None
+                else ""
+            )
+            + f"uptime={time.monotonic() - self.started:.0f}s"
         )

@@ -1,4 +1,4 @@
-"""Units: durations (and the sizes they bound), and instants as epoch ms.
+"""Units: durations (and the sizes they bound), and instants as epoch ms or UTC text.
 
 A leaf module: it imports nothing of the gateway's, so config, the CLI and
 any stage can use it without an import cycle.
@@ -37,3 +37,8 @@ def epoch_ms(ts: datetime) -> int:
     epoch ms, exactly (float seconds * 1000 could truncate one short)."""
     aware = ts if ts.tzinfo else ts.replace(tzinfo=UTC)
     return (aware - _EPOCH) // timedelta(milliseconds=1)
+
+
+def utc_text(wall: float) -> str:
+    """Epoch seconds as the logs and /healthz say an instant: ``2026-11-23T14:30:05Z``."""
+    return datetime.fromtimestamp(wall, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")

@@ -120,6 +120,8 @@ def test_every_stats_total_is_mirrored_under_its_name() -> None:
         "gateway_metadata_writes_total": "metadata_writes",
         "gateway_metadata_reads_total": "metadata_reads",
         "gateway_metadata_reservations_total": "metadata_reservations",
+        "gateway_spool_full_total": "spool_full_waits",
+        "gateway_spool_disk_full_total": "spool_disk_full",
     }
     stats = Stats()
     for i, attr in enumerate(expected.values()):
@@ -159,6 +161,8 @@ def test_histograms_labelled_counters_noisy_and_spool() -> None:
         depth: int = 4
         bytes: int = 1000
         deleted: int = 9
+        full: bool = True
+        disk_full_since: float | None = None
 
         def oldest_age(self) -> float:
             return 2.5
@@ -205,6 +209,10 @@ def test_histograms_labelled_counters_noisy_and_spool() -> None:
     assert scrape.value("gateway_spool_oldest_age_seconds") == 2.5
     assert scrape.types["gateway_spool_drained_total"] == "counter"
     assert scrape.value("gateway_spool_drained_total") == 9
+    assert scrape.value("gateway_spool_full") == 1
+    assert scrape.value("gateway_spool_disk_full") == 0
+    assert scrape.types["gateway_spool_full_total"] == "counter"
+    assert scrape.types["gateway_spool_disk_full_total"] == "counter"
     # Nothing folded: the dropped-series family is there, with no series.
     assert scrape.types[SERIES_DROPPED] == "counter"
     assert scrape.series(SERIES_DROPPED) == {}

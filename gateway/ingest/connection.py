@@ -15,8 +15,8 @@ Promises:
 * Every PUBLISH is handed to ``on_publish`` synchronously, in the order the
   bytes arrived, with partial and coalesced TCP reads reassembled.
 * A malformed packet, a protocol violation (a topic alias we did not allow, a
-  packet over our Maximum Packet Size) or a missed keepalive closes the
-  connection with the matching DISCONNECT reason; ``closed`` then raises
+  packet over our Maximum Packet Size) or a missed keepalive (counted only
+  while we read) closes the connection with the matching DISCONNECT reason; ``closed`` then raises
   :class:`ConnectionLost` and the caller reconnects.
 * Nothing is buffered beyond one partial packet, which is bounded by the
   Maximum Packet Size we advertise.
@@ -177,6 +177,8 @@ class Connection(asyncio.Protocol):
 
     def resume_reading(self) -> None:
         if self._transport is not None and not self._transport.is_reading():
+            # The broker's silence while we did not read says nothing about it.
+            self.last_received = time.monotonic()
             self._transport.resume_reading()
 
     # -- the session ----------------------------------------------------------
@@ -220,11 +222,16 @@ class Connection(asyncio.Protocol):
         """Ping when we have been quiet; close when the broker has been silent too long.
 
         MQTT 5 §3.1.2.10: the broker drops us after 1.5 x keepalive without a
-        packet from us; we give the broker the same 1.5x before giving up on it.
+        packet from us; we give the broker the same 1.5x of reading before
+        giving up on it. While reads are paused (a full pipeline queue or spool,
+        for as long as Cassandra or the disk takes) its answers wait unread in
+        the socket, so only our pings go on; a broker that has gone meanwhile
+        shows as a failed write.
         """
         while self._transport is not None:
             now = time.monotonic()
-            if now - self.last_received > 1.5 * interval:
+            reading = self._transport.is_reading()
+            if reading and now - self.last_received > 1.5 * interval:
                 self._abort(DisconnectReasonCode.KEEP_ALIVE_TIMEOUT, "keepalive timeout")
                 return
             if now - self.last_sent >= interval / 2:

@@ -14,9 +14,25 @@ appends plus deletes stay cheap at the rates one edge host sees. Each commit
 is one transaction for a whole batch (group commit), fsynced
 (``synchronous=FULL``). All SQLite calls run on one dedicated thread.
 
-Bounds: at most ``max_records`` records and ``max_bytes`` of payload. When
-full, ``append`` waits: the gateway stops acknowledging and pauses reading, and
-the broker's persistent session holds the rest.
+Bounds: at most ``max_records`` records and ``max_bytes`` of payload (the
+last message taken may cross ``max_bytes``, so that one larger than the whole
+bound still passes). At the bound the spool source takes no more: it stops
+acknowledging and pauses reading, the broker's persistent session holds the
+rest, and it says so (a log line at most once a minute, ``spool_state`` in
+/healthz, ``gateway_spool_full`` and ``gateway_spool_full_total`` in /metrics).
+
+A full disk (a commit fails with SQLITE_FULL): nothing of that commit is
+acknowledged (SQLite rolled it back), and the source keeps the messages,
+pauses reading, and retries the commit every :data:`RETRY_MIN` to
+:data:`RETRY_MAX` seconds until there is room, keeping its broker session, so
+the broker holds the rest meanwhile. It says so too (a log line at most once
+a minute, "spool disk full at PATH ..."; ``spool_state`` and /healthz 503;
+``gateway_spool_disk_full`` and ``gateway_spool_disk_full_total``). Deletes
+that fail so are retried the same way; until they succeed the records stay
+spooled, and a restart writes them again (idempotently). Why not stop: the
+host may free room at any time, and a gateway that stays up keeps its
+session, its metrics and its health answer; a restart loop would only add
+log noise and lose nothing more.
 
 :class:`Spool` is the storage; :class:`SpoolSource` is the pipeline's source
 in spool mode (it feeds the same queue as the MQTT receiver does otherwise).
@@ -25,20 +41,33 @@ in spool mode (it feeds the same queue as the MQTT receiver does otherwise).
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
+from ..errors import SpoolDiskFull, SpoolError
 from ..stats import Stats
+from ..units import utc_text
 from .pipeline import Flow
 from .receive import Delivery
 
+log = logging.getLogger(__name__)
+
 T = TypeVar("T")
+
+# Seconds between commits retried on a full disk: doubling from the first to the second.
+RETRY_MIN = 0.5
+RETRY_MAX = 5.0
+# The bound and the full disk are each logged at most this often (the status
+# line, /healthz and /metrics say the rest).
+LOG_EVERY = 60.0
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS spool (
@@ -80,13 +109,21 @@ class Spool:
         self.appended = 0
         self.deleted = 0
         self._oldest_ms: int | None = None
+        # Wall times: since when the spool is at its bound, and since when its
+        # writes fail for a full disk (None: not so).
+        self.full_since: float | None = None
+        self.disk_full_since: float | None = None
         self._db: sqlite3.Connection | None = None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spool")
         self._room = asyncio.Event()
         self._room.set()
 
     async def __aenter__(self) -> Spool:
-        await self._call(self._open)
+        try:
+            await self._call(self._open)
+        except sqlite3.Error as exc:
+            self._thread.shutdown(wait=True)
+            raise self._error(exc, "opening it") from None
         self._update_room()
         return self
 
@@ -111,13 +148,44 @@ class Spool:
             return 0.0
         return max(0.0, time.time() - self._oldest_ms / 1000)
 
+    def fits(self, sizes: Iterable[int]) -> int:
+        """How many of the next messages (their payload sizes) may be taken:
+        up to ``max_records``, and while under ``max_bytes``."""
+        taken, size = 0, self.bytes
+        for payload in sizes:
+            if self.depth + taken >= self.max_records or size >= self.max_bytes:
+                break
+            taken += 1
+            size += payload
+        return taken
+
+    def state(self) -> str:
+        """What /healthz says of the spool: "ok", or why nothing is acknowledged."""
+        if self.disk_full_since is not None:
+            return (
+                f"disk full at {self.path} since {utc_text(self.disk_full_since)}: "
+                "acknowledgements paused, retrying"
+            )
+        if self.full_since is not None:
+            return (
+                f"full since {utc_text(self.full_since)} ({self.depth} messages, "
+                f"{self.bytes} bytes; spool.max_records {self.max_records}, "
+                f"spool.max_bytes {self.max_bytes}): acknowledgements paused"
+            )
+        return "ok"
+
     async def wait_for_room(self) -> None:
         await self._room.wait()
 
     async def append(self, records: Sequence[Appended]) -> list[int]:
         """Commit (received_ms, topic, content_type, payload[, redelivered])
-        records; their seqs."""
-        seqs: list[int] = await self._call(self._append, list(records))
+        records; their seqs. :class:`SpoolDiskFull` if the disk is full:
+        nothing of them was committed."""
+        try:
+            seqs: list[int] = await self._call(self._append, list(records))
+        except sqlite3.Error as exc:
+            raise self._error(exc, f"a commit of {len(records)} messages") from None
+        self.disk_full_since = None
         self.depth += len(records)
         self.bytes += sum(len(r[3]) for r in records)
         self.appended += len(records)
@@ -131,8 +199,13 @@ class Spool:
         return records
 
     async def delete(self, seqs: Sequence[int], size: int) -> None:
-        """Forget records Cassandra has; ``size`` is their payload bytes."""
-        await self._call(self._delete, list(seqs))
+        """Forget records Cassandra has; ``size`` is their payload bytes.
+        :class:`SpoolDiskFull` if the disk is full: they are all still there."""
+        try:
+            await self._call(self._delete, list(seqs))
+        except sqlite3.Error as exc:
+            raise self._error(exc, f"deleting {len(seqs)} written messages") from None
+        self.disk_full_since = None
         self.depth -= len(seqs)
         self.bytes -= size
         self.deleted += len(seqs)
@@ -145,8 +218,22 @@ class Spool:
     def _update_room(self) -> None:
         if self.full:
             self._room.clear()
+            if self.full_since is None:
+                self.full_since = time.time()
         else:
             self._room.set()
+            self.full_since = None
+
+    def _error(self, exc: sqlite3.Error, doing: str) -> SpoolError:
+        # SQLITE_FULL is what a write meeting ENOSPC returns (SQLite has rolled
+        # the transaction back; the connection stays usable); SHMSIZE, the WAL
+        # index (the -shm file, grown on open and as the WAL grows) meeting it.
+        code = exc.sqlite_errorcode
+        if code & 0xFF == sqlite3.SQLITE_FULL or code == sqlite3.SQLITE_IOERR_SHMSIZE:
+            if self.disk_full_since is None:
+                self.disk_full_since = time.time()
+            return SpoolDiskFull(f"spool disk full at {self.path}: {doing} failed ({exc})")
+        return SpoolError(f"spool {self.path}: {doing} failed: {exc}")
 
     async def _call(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
@@ -156,15 +243,19 @@ class Spool:
     def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=FULL")
-        db.execute(_SCHEMA)
-        columns = {row[1] for row in db.execute("PRAGMA table_info(spool)")}
-        if "redelivered" not in columns:
-            db.execute(_ADD_REDELIVERED)
-        count, size, oldest = db.execute(
-            "SELECT count(*), coalesce(sum(length(payload)), 0), min(received_ms) FROM spool"
-        ).fetchone()
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+            db.execute(_SCHEMA)
+            columns = {row[1] for row in db.execute("PRAGMA table_info(spool)")}
+            if "redelivered" not in columns:
+                db.execute(_ADD_REDELIVERED)
+            count, size, oldest = db.execute(
+                "SELECT count(*), coalesce(sum(length(payload)), 0), min(received_ms) FROM spool"
+            ).fetchone()
+        except BaseException:
+            db.close()
+            raise
         self.depth, self.bytes, self._oldest_ms = count, size, oldest
         self._db = db
 
@@ -189,7 +280,9 @@ class Spool:
                 seqs.append(cursor.lastrowid)
             db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            # Some errors (SQLITE_FULL among them) roll the transaction back themselves.
+            if db.in_transaction:
+                db.execute("ROLLBACK")
             raise
         return seqs
 
@@ -207,8 +300,13 @@ class Spool:
         db = self._db
         assert db is not None
         db.execute("BEGIN IMMEDIATE")
-        db.executemany("DELETE FROM spool WHERE seq = ?", [(s,) for s in seqs])
-        db.execute("COMMIT")
+        try:
+            db.executemany("DELETE FROM spool WHERE seq = ?", [(s,) for s in seqs])
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
 
     def _oldest(self) -> int | None:
         db = self._db
@@ -269,6 +367,12 @@ class SpoolSource:
         self._closing = False
         self._closed = asyncio.Event()
         self._writes_stopped = asyncio.Event()
+        # Monotonic times: the last log line about the bound and about the full
+        # disk, and since when each was reported (None: not now).
+        self._full_logged = -math.inf
+        self._full_reported: float | None = None
+        self._disk_logged = -math.inf
+        self._disk_reported: float | None = None
 
     def accept(self, delivery: Delivery) -> None:
         """The receiver's handler: append first, acknowledge once committed."""
@@ -295,7 +399,6 @@ class SpoolSource:
         self._delete_ready.set()
 
     async def append(self) -> None:
-        spool = self.spool
         while True:
             await self._inbox_ready.wait()
             self._inbox_ready.clear()
@@ -305,10 +408,12 @@ class SpoolSource:
                 continue
             if not await self._room():
                 return  # stopping while full: the inbox is unacknowledged, redelivered later
-            batch, self._inbox = self._inbox, []
-            await spool.append(
-                [(d.received_ms, d.topic, d.content_type, d.payload, d.redelivered) for d in batch]
-            )
+            # No more than the bound allows (at least one: there is room).
+            taken = self.spool.fits(len(d.payload) for d in self._inbox)
+            batch = self._inbox[:taken]
+            if not await self._commit(batch):
+                return  # stopping while the disk is full: as above
+            del self._inbox[:taken]  # deliveries that arrived meanwhile stay behind
             for delivery in batch:
                 delivery.ack.done()
             self._spooled.set()
@@ -320,18 +425,89 @@ class SpoolSource:
             if self._inbox:
                 self._inbox_ready.set()
 
+    async def _commit(self, batch: list[Delivery]) -> bool:
+        """Commit ``batch`` to the spool, retrying while the disk is full (True),
+        unless the source is closed first (False: nothing of it committed)."""
+        records: list[Appended] = [
+            (d.received_ms, d.topic, d.content_type, d.payload, d.redelivered) for d in batch
+        ]
+        delay = RETRY_MIN
+        while True:
+            try:
+                await self.spool.append(records)
+            except SpoolDiskFull as exc:
+                self._flow.pause_reading()  # the broker keeps the rest meanwhile
+                self._disk_full(exc, "not acknowledged, the broker keeps them in our session")
+                if not await _sleep_unless(self._closed, delay):
+                    return False
+                delay = min(RETRY_MAX, 2 * delay)
+                continue
+            self._disk_room()
+            return True
+
     async def _room(self) -> bool:
         """Wait until the spool has room (True), or the source is closed (False)."""
-        if not self.spool.full:
+        spool = self.spool
+        if not spool.full:
             return True
         self._flow.pause_reading()  # the broker keeps the rest until there is room
         self._stats.spool_full_waits += 1
-        room = asyncio.ensure_future(self.spool.wait_for_room())
+        now = time.monotonic()
+        if now - self._full_logged >= LOG_EVERY:
+            self._full_logged = now
+            if self._full_reported is None:
+                self._full_reported = now
+            log.warning(
+                "spool full at %s (%d messages, %d bytes; spool.max_records %d, "
+                "spool.max_bytes %d): not acknowledging until Cassandra drains it; "
+                "the broker holds the rest in our session (times full so far: %d)",
+                spool.path,
+                spool.depth,
+                spool.bytes,
+                spool.max_records,
+                spool.max_bytes,
+                self._stats.spool_full_waits,
+            )
+        room = asyncio.ensure_future(spool.wait_for_room())
         closed = asyncio.ensure_future(self._closed.wait())
         await asyncio.wait((room, closed), return_when=asyncio.FIRST_COMPLETED)
         room.cancel()
         closed.cancel()
-        return not self.spool.full
+        if spool.full:
+            return False
+        if self._full_reported is not None:
+            log.warning(
+                "spool has room again at %s after %.0f s (%d messages): acknowledging again",
+                spool.path,
+                time.monotonic() - self._full_reported,
+                spool.depth,
+            )
+            self._full_reported = None
+        return True
+
+    def _disk_full(self, exc: SpoolDiskFull, what: str) -> None:
+        self._stats.spool_disk_full += 1
+        now = time.monotonic()
+        if now - self._disk_logged >= LOG_EVERY:
+            self._disk_logged = now
+            if self._disk_reported is None:
+                self._disk_reported = now
+            log.warning(
+                "%s: %s; retrying until there is room (spool writes refused so far: %d)",
+                exc,
+                what,
+                self._stats.spool_disk_full,
+            )
+
+    def _disk_room(self) -> None:
+        if self._disk_reported is not None:
+            log.warning(
+                "spool disk has room again at %s after %.0f s: acknowledging again",
+                self.spool.path,
+                time.monotonic() - self._disk_reported,
+            )
+            self._disk_reported = None
+            self._disk_logged = -math.inf  # the next time is logged at once
 
     async def feed(self) -> None:
         last = 0
@@ -358,11 +534,35 @@ class SpoolSource:
                 last = record.seq
 
     async def delete(self) -> None:
+        delay = RETRY_MIN
         while True:
             await self._delete_ready.wait()
             self._delete_ready.clear()
             batch, self._to_delete = self._to_delete, []
             if batch:
-                await self.spool.delete([s for s, _ in batch], sum(n for _, n in batch))
+                try:
+                    await self.spool.delete([s for s, _ in batch], sum(n for _, n in batch))
+                except SpoolDiskFull as exc:
+                    # Written, still spooled: deleted later, or written again
+                    # (idempotently) after a restart.
+                    self._to_delete[:0] = batch
+                    self._disk_full(exc, "they stay spooled until deleted")
+                    if not await _sleep_unless(self._writes_stopped, delay):
+                        return
+                    delay = min(RETRY_MAX, 2 * delay)
+                    self._delete_ready.set()
+                    continue
+                delay = RETRY_MIN
+                self._disk_room()
             if self._writes_stopped.is_set() and not self._to_delete:
                 return
+
+
+async def _sleep_unless(event: asyncio.Event, seconds: float) -> bool:
+    """Sleep ``seconds``, unless ``event`` is set first (False)."""
+    try:
+        async with asyncio.timeout(seconds):
+            await event.wait()
+    except TimeoutError:
+        return True
+    return False

@@ -191,6 +191,17 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
         "Roll-up worker passes that failed (retried; the marks stay in Cassandra).",
     ),
     (
+        "gateway_spool_full_total",
+        "spool_full_waits",
+        "Times the spool reached spool.max_records or spool.max_bytes: acknowledgements "
+        "and reads paused until Cassandra drained it.",
+    ),
+    (
+        "gateway_spool_disk_full_total",
+        "spool_disk_full",
+        "Spool writes refused because the disk was full (nothing acknowledged; retried).",
+    ),
+    (
         "gateway_metadata_writes_total",
         "metadata_writes",
         "New metadata entries written (metric names, tag keys and values, devices by tag).",
@@ -263,6 +274,10 @@ class SpoolGauges(Protocol):
     depth: int
     bytes: int
     deleted: int
+    disk_full_since: float | None
+
+    @property
+    def full(self) -> bool: ...
 
     def oldest_age(self) -> float: ...
 
@@ -416,13 +431,26 @@ def _exposed_name(family: Metric) -> str:
 
 
 def _spool_families(spool: SpoolGauges) -> Iterator[Metric]:
-    """The spool's depth, size, oldest age and drained total (its rate is the drain rate)."""
+    """The spool's depth, size, oldest age, whether it is full or its disk is, and
+    the drained total (its rate is the drain rate)."""
     yield GaugeMetricFamily("gateway_spool_depth", "Messages in the on-disk spool.", spool.depth)
     yield GaugeMetricFamily(
         "gateway_spool_bytes", "Payload bytes in the on-disk spool.", spool.bytes
     )
     yield GaugeMetricFamily(
         "gateway_spool_oldest_age_seconds", "Age of the oldest spooled message.", spool.oldest_age()
+    )
+    yield GaugeMetricFamily(
+        "gateway_spool_full",
+        "1 while the spool is at spool.max_records or spool.max_bytes: nothing more is "
+        "acknowledged, the broker holds the rest.",
+        1 if spool.full else 0,
+    )
+    yield GaugeMetricFamily(
+        "gateway_spool_disk_full",
+        "1 while spool writes fail because the disk is full: nothing more is acknowledged "
+        "until there is room.",
+        0 if spool.disk_full_since is None else 1,
     )
     yield CounterMetricFamily(
         "gateway_spool_drained_total",

@@ -1,0 +1,414 @@
+"""The fault tests in spool mode (issue 16): Cassandra away under load, SIGKILL
+while the spool commits, the spool's bound reached, and the disk full.
+
+None of them touches the shared services: Cassandra is cut through the
+cuttable proxy of helpers.py, which the gateway reaches instead of
+127.0.0.1:9042, and the full disk is a tiny tmpfs of the test's own. Each
+gateway subscribes only to its test's tenant (a template with a fixed tenant),
+so its counters (``acked``, the spool's depth) count that test's messages
+alone, whatever else is published on the shared broker.
+
+The promise checked everywhere: nothing acknowledged is lost (every message
+the broker PUBACKed to the publisher ends up in Cassandra), and the gateway
+says what it is doing (log lines, /healthz, /metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+import pytest
+
+from gateway.store.database import Database
+
+from .helpers import (
+    CuttableProxy,
+    GatewayProcess,
+    Publisher,
+    assert_all_stored,
+    make_config,
+    proxy,
+    publish,
+    running_gateway,
+    topic,
+    wait_until,
+)
+
+# The outage of the first test, in seconds. The issue asks for "minutes"; make
+# test's budget allows half a minute. SPOOL_OUTAGE_S=180 runs the long version.
+OUTAGE_S = float(os.environ.get("SPOOL_OUTAGE_S", "30"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _own_topics(tenant: str) -> str:
+    """GATEWAY_TOPICS for a gateway that subscribes to this tenant's devices only."""
+    return f'[{{template = "tenants/{tenant}/devices/{{device_id}}/events", tenant = "{tenant}"}}]'
+
+
+def _spool_env(
+    tenant: str, spool: Path, cassandra_port: int, api_port: int, **extra: str
+) -> dict[str, str]:
+    return {
+        "GATEWAY_TOPICS": _own_topics(tenant),
+        "GATEWAY_CASSANDRA__PORT": str(cassandra_port),
+        "GATEWAY_SAMPLING__ENABLED": "false",
+        "GATEWAY_SPOOL__ENABLED": "true",
+        "GATEWAY_SPOOL__PATH": str(spool),
+        "GATEWAY_API__PORT": str(api_port),
+        # Stopping with Cassandra away waits this long for the writes under way
+        # (then leaves them in the spool): not 10 s here.
+        "GATEWAY_PIPELINE__SHUTDOWN_DEADLINE": "1",
+        **extra,
+    }
+
+
+def _get(port: int, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+async def _healthz(port: int) -> tuple[int, dict[str, object]]:
+    code, body = await asyncio.to_thread(_get, port, "/healthz")
+    checks = orjson.loads(body)["checks"]
+    assert isinstance(checks, dict)
+    return code, checks
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})? (\S+)$")
+
+
+async def _metrics(port: int) -> dict[str, float]:
+    """The unlabelled samples of /metrics (labelled ones summed by name)."""
+    code, body = await asyncio.to_thread(_get, port, "/metrics")
+    assert code == 200
+    samples: dict[str, float] = {}
+    for line in body.decode().splitlines():
+        if match := _SAMPLE.match(line):
+            name, value = match.groups()
+            samples[name] = samples.get(name, 0.0) + float(value)
+    return samples
+
+
+def _published(publisher: Publisher) -> int:
+    """Messages the broker PUBACKed to the publisher so far (read from its thread)."""
+    return sum(len(events) for events in list(publisher.published.values()))
+
+
+# ---------------------------------------------------------------- Cassandra away under load
+
+
+@pytest.mark.slow
+async def test_cassandra_away_under_load_the_spool_keeps_acknowledging(
+    db: Database, tenant: str, gateway_process: Callable[..., GatewayProcess], tmp_path: Path
+) -> None:
+    """A fleet publishes steadily while the link to Cassandra is cut for
+    OUTAGE_S seconds (30 by default; SPOOL_OUTAGE_S=180 for three minutes):
+    the gateway keeps acknowledging, so the broker's backlog for its session
+    stays small, and says it is spooling; once the link is back everything
+    is in Cassandra and the spool is empty. (Past cassandra.give_up_after,
+    10 min, the gateway exits by design and its restart spools until
+    Cassandra answers: a longer run needs GATEWAY_CASSANDRA__GIVE_UP_AFTER.)"""
+    api = _free_port()
+    rate = 200
+    async with proxy() as link:
+        gw = gateway_process(**_spool_env(tenant, tmp_path / "spool.sqlite", link.port, api))
+        # Off the loop: the proxy runs on it, and the gateway connects through it.
+        await asyncio.to_thread(gw.start)
+        publisher = Publisher(tenant, devices=20, rate=rate, count=int(rate * (OUTAGE_S + 8)))
+        publisher.start()
+
+        async def written(at_least: int) -> bool:
+            return (await _metrics(api))["gateway_events_written_total"] >= at_least
+
+        await wait_until(lambda: written(rate), 30, "the fleet being written", interval=0.2)
+        await link.cut()
+        cut = time.monotonic()
+        acked_at_cut = (await _metrics(api))["gateway_acks_sent_total"]
+        published_at_cut = _published(publisher)
+        backlog = depth = 0.0
+        said_spooling = False
+        while time.monotonic() - cut < OUTAGE_S:
+            await asyncio.sleep(1)
+            metrics = await _metrics(api)  # before counting published: never under-counts
+            backlog = max(backlog, _published(publisher) - metrics["gateway_acks_sent_total"])
+            depth = max(depth, metrics["gateway_spool_depth"])
+            code, checks = await _healthz(api)
+            if str(checks["cassandra"]).startswith("spooling, Cassandra unreachable since "):
+                assert code == 503
+                said_spooling = True
+        metrics = await _metrics(api)
+        acked_in_outage = metrics["gateway_acks_sent_total"] - acked_at_cut
+        published_in_outage = _published(publisher) - published_at_cut
+        assert said_spooling, "/healthz never said it was spooling"
+        assert "status: spooling, Cassandra unreachable since " in gw.output()
+        # Acknowledged all along: without the spool the backlog would have grown
+        # to mqtt.receive_maximum (1,000) within 5 s, and stayed there.
+        assert published_in_outage >= 0.5 * rate * OUTAGE_S  # the fleet kept going
+        assert acked_in_outage >= 0.9 * published_in_outage, (acked_in_outage, metrics)
+        assert backlog < 1000, backlog
+        assert depth >= 0.9 * published_in_outage, depth
+        assert metrics["gateway_events_written_total"] < _published(publisher)
+        await link.start()  # the link is back, on the same port
+        await asyncio.to_thread(publisher.join, 60)
+        await assert_all_stored(db, tenant, publisher, deadline=120)
+
+        async def drained() -> bool:
+            return (await _metrics(api))["gateway_spool_depth"] == 0
+
+        await wait_until(drained, 60, "the spool emptied")
+        await wait_until(lambda: _healthz_ok(api), 30, "/healthz 200 again")
+        gw.signal(signal.SIGTERM)
+        assert await asyncio.to_thread(gw.wait, 30) == 0
+    out = gw.output()
+    assert "Cassandra writes succeed again after" in out
+    logging.getLogger(__name__).info(
+        "outage %.0f s: max backlog %d, max spool depth %d", OUTAGE_S, backlog, depth
+    )
+
+
+async def _healthz_ok(port: int) -> bool:
+    code, _ = await _healthz(port)
+    return code == 200
+
+
+# ---------------------------------------------------------------- SIGKILL while the spool commits
+
+
+@dataclass
+class _Sent:
+    """Events the broker acknowledged, by device: what ``assert_all_stored``
+    reads of a Publisher."""
+
+    published: dict[str, list[dict[str, object]]] = field(default_factory=dict)
+
+
+@pytest.mark.slow
+async def test_sigkill_while_the_spool_commits_loses_nothing_acknowledged(
+    db: Database, tenant: str, gateway_process: Callable[..., GatewayProcess], tmp_path: Path
+) -> None:
+    """The link is down, so every message goes through the spool's group
+    commits (the intake of a start while Cassandra is unreachable); the gateway
+    is killed mid-stream, then restarted with the link back. Every
+    message the broker got a PUBACK for ends up in Cassandra: the committed
+    ones from the spool, the others redelivered from the persistent session."""
+    api = _free_port()
+    spool = tmp_path / "spool.sqlite"
+    link = CuttableProxy()
+    await link.start()
+    await link.cut()  # down before the gateway starts
+    try:
+        gw = gateway_process(**_spool_env(tenant, spool, link.port, api))
+        await asyncio.to_thread(gw.start)
+        # In bursts (100 awaiting their PUBACK at once), so each group commit
+        # holds many messages; the broker acknowledges them whatever the gateway does.
+        sent = _Sent()
+        base = int(time.time() * 1000)
+        messages = []
+        for i in range(6000):
+            event = {"ts": base + i, "state": ("on", "off", "alarm")[(i // 7) % 3], "value": i}
+            sent.published.setdefault(f"d{i % 20}", []).append(event)
+            messages.append((topic(tenant, f"d{i % 20}"), orjson.dumps(event)))
+        done: list[int] = []
+        burst = threading.Thread(target=lambda: done.append(asyncio.run(publish(messages))))
+        burst.start()
+
+        # Until the kill: at no scrape has the gateway acknowledged more than it
+        # has committed to the spool (one snapshot of both, on its event loop).
+        acked = ahead = 0.0
+        async with asyncio.timeout(30):
+            while acked < 1000:
+                metrics = await _metrics(api)
+                acked = metrics["gateway_acks_sent_total"]
+                ahead = max(ahead, acked - metrics["gateway_spool_depth"])
+        assert ahead <= 0, f"{ahead:.0f} messages acknowledged before they were committed"
+        acked_before = (await _metrics(api))["gateway_acks_sent_total"]
+        gw.kill()
+        assert burst.is_alive(), "the kill should land mid-stream"
+        await link.start()
+        await asyncio.to_thread(gw.start)
+        waiting = [int(n) for n in re.findall(r"spool \S+: (\d+) messages waiting", gw.output())]
+        assert len(waiting) == 2
+        # Every message acknowledged before the kill was committed to the spool first.
+        assert waiting[1] >= acked_before, (waiting, acked_before)
+        await asyncio.to_thread(burst.join, 60)
+        assert done == [6000]
+        await assert_all_stored(db, tenant, sent, deadline=120)
+
+        async def drained() -> bool:
+            return (await _metrics(api))["gateway_spool_depth"] == 0
+
+        await wait_until(drained, 60, "the spool emptied")
+        gw.signal(signal.SIGTERM)
+        assert await asyncio.to_thread(gw.wait, 30) == 0
+    finally:
+        await link.cut()
+
+
+# ---------------------------------------------------------------- the spool's bound
+
+KEEPALIVE = 5  # the least mqtt.keepalive allows
+
+
+@pytest.mark.slow
+async def test_at_the_spool_bound_acks_pause_and_nothing_is_lost(
+    db: Database, tenant: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="gateway")
+    bound = 300
+    spool = tmp_path / "spool.sqlite"
+    api = _free_port()
+    async with proxy() as link:
+        config = make_config(
+            **_spool_env(
+                tenant,
+                spool,
+                link.port,
+                api,
+                GATEWAY_SPOOL__MAX_RECORDS=str(bound),
+                GATEWAY_MQTT__KEEPALIVE=str(KEEPALIVE),
+            )
+        )
+        async with running_gateway(config) as gw:
+            await link.cut()
+            publisher = Publisher(tenant, devices=10, rate=5000, count=1000)
+            publisher.start()
+            # The broker takes all of them (PUBACKs to the publisher) and keeps
+            # what the gateway does not acknowledge in its persistent session.
+            await asyncio.to_thread(publisher.join, 60)
+            await gw.wait_for(lambda s: s.acked >= bound, deadline=30)
+            # Held at the bound (reads paused) for longer than the broker's
+            # keepalive allows silence (1.5 x): would it take more, or lose
+            # its connection for not reading the broker's answers?
+            await asyncio.sleep(1.5 * KEEPALIVE + 2)
+            assert gw.stats.acked == bound
+            assert (gw.stats.connects, gw.stats.disconnects) == (1, 0)
+            assert gw.stats.spool.depth == bound
+            assert not gw.task.done()
+            full = [r.getMessage() for r in caplog.records if "spool full at" in r.getMessage()]
+            assert full, "no log line said the spool was full"
+            assert str(spool) in full[0]
+            assert "spool.max_records" in full[0]
+            metrics = await _metrics(api)
+            assert metrics["gateway_spool_full"] == 1
+            assert metrics["gateway_spool_full_total"] >= 1
+            code, checks = await _healthz(api)
+            assert code == 503
+            assert "full" in str(checks["spool_state"])
+            await link.start()
+            await assert_all_stored(db, tenant, publisher, deadline=90)
+            await gw.wait_for(lambda s: s.spool.depth == 0 and s.acked == 1000, deadline=60)
+            assert (await _metrics(api))["gateway_spool_full"] == 0
+    assert any("spool has room again" in r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------------------------- the disk full
+
+
+@contextlib.contextmanager
+def _tiny_disk(where: Path, size: str) -> Iterator[Path]:
+    where.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.fail(
+            f"cannot mount a tmpfs at {where} (the disk-full test needs root): {done.stderr}",
+            pytrace=False,
+        )
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=False)
+
+
+def _fill(path: Path) -> None:
+    """Fill the file system ``path`` is on with ``path``."""
+    path.write_bytes(b"\0" * shutil.disk_usage(path.parent).free)
+    assert shutil.disk_usage(path.parent).free == 0
+
+
+async def test_disk_full_is_not_acknowledged_and_flows_once_there_is_room(
+    db: Database, tenant: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The disk fills while the spool holds messages Cassandra does not have
+    yet. A commit that fails for it (SQLITE_FULL) acknowledges nothing: the
+    gateway says so, keeps its broker session and retries, and the broker
+    holds those messages. When the link is back the spooled messages are
+    written, but their deletes fail too: they stay spooled, and are retried.
+    Once room is made, everything flows."""
+    caplog.set_level(logging.INFO, logger="gateway")
+
+    def said(text: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+    api = _free_port()
+    sent = _Sent()
+    base = int(time.time() * 1000)
+    messages = []
+    for i in range(400):
+        event = {"ts": base + i, "state": "on", "value": i}
+        sent.published.setdefault(f"d{i % 10}", []).append(event)
+        messages.append((topic(tenant, f"d{i % 10}"), orjson.dumps(event)))
+    with _tiny_disk(tmp_path / "disk", "2m") as disk:
+        spool = disk / "spool.sqlite"
+        async with proxy() as link:
+            config = make_config(**_spool_env(tenant, spool, link.port, api))
+            async with running_gateway(config) as gw:
+                await link.cut()
+                await publish(messages[:200])
+                await gw.wait_for(lambda s: s.acked == 200, deadline=30)  # spooled
+                _fill(disk / "filler")
+                await publish(messages[200:])  # the broker has them all
+                await wait_until(lambda: said("spool disk full at"), 30, "the disk full, said")
+                await asyncio.sleep(1)  # retrying meanwhile
+                assert not gw.task.done()
+                assert gw.stats.acked == 200  # none of those since
+                assert str(spool) in said("spool disk full at")[0]
+                metrics = await _metrics(api)
+                assert metrics["gateway_spool_disk_full_total"] >= 1
+                assert metrics["gateway_spool_disk_full"] == 1
+                code, checks = await _healthz(api)
+                assert code == 503
+                assert str(checks["spool_state"]).startswith(f"disk full at {spool} since ")
+                await link.start()
+                # Written to Cassandra, but not deleted from the spool (their
+                # deletes are refused too, and retried).
+                await gw.wait_for(lambda s: s.written >= 200, deadline=60)
+                await asyncio.sleep(1)
+                assert not gw.task.done()
+                assert gw.stats.spool.depth == 200
+                (disk / "filler").unlink()  # room again
+                await assert_all_stored(db, tenant, sent, deadline=60)
+                await gw.wait_for(lambda s: s.acked == 400 and s.spool.depth == 0, deadline=30)
+                assert (await _metrics(api))["gateway_spool_disk_full"] == 0
+                code, checks = await _healthz(api)
+                assert checks["spool_state"] == "ok"
+    assert said("spool disk has room again")
