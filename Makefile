@@ -35,6 +35,14 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# CASSANDRA_NODES=3 make up: a three-node cluster on 127.0.0.1..3 instead of
+# the single node (cassandra/cassandra.sh), and the keyspace with replication
+# factor 3 across the three contact points (unless GATEWAY_* says otherwise).
+ifneq ($(filter-out 1,$(CASSANDRA_NODES)),)
+export GATEWAY_CASSANDRA__REPLICATION_FACTOR ?= 3
+export GATEWAY_CASSANDRA__CONTACT_POINTS ?= $(shell seq -s, -f '127.0.0.%g' 1 $(CASSANDRA_NODES))
+endif
+
 up: venv
 	@bash mosquitto/mosquitto.sh start
 	@bash cassandra/cassandra.sh start
@@ -84,15 +92,27 @@ test-brokers:
 
 test: up browser test-brokers
 	@rc=0; \
-	$(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not faults" $(PYTEST_ARGS) || rc=$$?; \
+	$(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not faults and not cluster" $(PYTEST_ARGS) || rc=$$?; \
 	[ $$rc = 5 ] && rc=0; \
-	$(VPY) -m pytest -m faults $(PYTEST_ARGS) || { r=$$?; [ $$r = 5 ] || rc=$$r; }; \
+	$(VPY) -m pytest -m "faults and not cluster" $(PYTEST_ARGS) || { r=$$?; [ $$r = 5 ] || rc=$$r; }; \
 	exit $$rc
 
 # Everything but the fault tests (which restart the services) and the slow ones.
+# The three-node cluster's fault tests (tests/cluster/, about 5 min): the single
+# node is stopped, three nodes start on 127.0.0.1..3 one at a time (768 MB heap
+# each), the tests run, the cluster stops and the single node comes back.
+.PHONY: test-cluster
+test-cluster: venv
+	@bash cassandra/cassandra.sh stop
+	@CASSANDRA_NODES=3 $(MAKE) -s up
+	@rc=0; CASSANDRA_NODES=3 $(VPY) -m pytest -m cluster tests/cluster $(PYTEST_ARGS) || rc=$$?; \
+	CASSANDRA_NODES=3 bash cassandra/cassandra.sh stop; \
+	$(MAKE) -s up >/dev/null; \
+	exit $$rc
+
 .PHONY: test-quick
 test-quick: up browser test-brokers
-	$(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not faults and not slow" $(PYTEST_ARGS)
+	$(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not faults and not slow and not cluster" $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check gateway tests bench

@@ -1,25 +1,61 @@
 #!/usr/bin/env bash
-# Local single-node Apache Cassandra 5.0, run from the official Maven Central
-# artifacts (this project's hosts have no Docker engine and no tarball mirror).
+# Local Apache Cassandra 5.0, run from the official Maven Central artifacts
+# (this project's hosts have no Docker engine and no tarball mirror): one node
+# (the default), or CASSANDRA_NODES=3 nodes on 127.0.0.1..3 as ccm runs them
+# (same ports on each address, JMX on 7000 + 100*i, data, logs and pid per node).
 #
 #   cassandra.sh fetch    resolve cassandra-all + runtime deps into $STATE_DIR/cassandra/lib (once)
-#   cassandra.sh start    start CassandraDaemon in the background, pid in $STATE_DIR/run/cassandra.pid
-#   cassandra.sh wait     wait until a CQL query succeeds (deadline $CASSANDRA_READY_DEADLINE s)
-#   cassandra.sh stop     stop the pid we started (TERM, then KILL after 30 s); nothing else
-#   cassandra.sh status   one line: running or not, pid, CQL port
+#   cassandra.sh start    start the node(s) in the background, one at a time (each once
+#                         the one before answers CQL); pids in $STATE_DIR/run/
+#   cassandra.sh wait     wait until every node answers CQL (deadline $CASSANDRA_READY_DEADLINE s each)
+#   cassandra.sh stop     stop the pids we started (TERM, then KILL after 30 s); nothing else
+#   cassandra.sh status   a line per node: running or not, pid, CQL address; non-zero if one is down
+#   cassandra.sh start-node I | stop-node I | kill-node I    one node of the cluster (the
+#                         cluster's fault tests); kill-node is SIGKILL
+#   cassandra.sh nodetool ARGS...   on node $CASSANDRA_NODE (default 1)
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(dirname "$here")"
 STATE_DIR="${STATE_DIR:-$root/.state}"
 PYTHON="${PYTHON:-$root/.venv/bin/python}"
-CASSANDRA_HEAP="${CASSANDRA_HEAP:-1G}"
+CASSANDRA_NODES="${CASSANDRA_NODES:-1}"
+[[ "$CASSANDRA_NODES" =~ ^[1-9]$ ]] || { echo "cassandra: CASSANDRA_NODES must be 1 to 9, not '$CASSANDRA_NODES'" >&2; exit 2; }
+# About 1 GB for one node; 768 MB each for a cluster (three of them share this host).
+if [[ "$CASSANDRA_NODES" == 1 ]]; then
+    CASSANDRA_HEAP="${CASSANDRA_HEAP:-1G}"
+else
+    CASSANDRA_HEAP="${CASSANDRA_HEAP:-768M}"
+fi
 CASSANDRA_READY_DEADLINE="${CASSANDRA_READY_DEADLINE:-90}"
 CQL_PORT=9042
 
 lib="$STATE_DIR/cassandra/lib"
-pidfile="$STATE_DIR/run/cassandra.pid"
-logdir="$STATE_DIR/logs/cassandra"
+
+# Where node I lives: sets addr, jmx, pidfile, logdir, storage and conf. One node
+# keeps the single-node layout ($STATE_DIR/cassandra, run/cassandra.pid, JMX 7199);
+# a cluster's node I is under $STATE_DIR/cassandra-cluster/nodeI, so a cluster and
+# the single node never share data (and they can't run together: both use 127.0.0.1).
+node() {
+    local i="$1"
+    [[ "$i" =~ ^[1-9]$ && "$i" -le "$CASSANDRA_NODES" ]] \
+        || die "no node '$i' (CASSANDRA_NODES=$CASSANDRA_NODES)"
+    addr="127.0.0.$i"
+    if [[ "$CASSANDRA_NODES" == 1 ]]; then
+        jmx=7199
+        pidfile="$STATE_DIR/run/cassandra.pid"
+        logdir="$STATE_DIR/logs/cassandra"
+        storage="$STATE_DIR/cassandra"
+        conf="$here/cassandra.yaml"
+    else
+        jmx=$((7000 + 100 * i))
+        pidfile="$STATE_DIR/run/cassandra-node$i.pid"
+        logdir="$STATE_DIR/logs/cassandra-node$i"
+        storage="$STATE_DIR/cassandra-cluster/node$i"
+        conf="$storage/cassandra.yaml"
+    fi
+}
+node 1
 
 die() { echo "cassandra: $*" >&2; exit 1; }
 
@@ -52,17 +88,48 @@ fetch() {
     touch "$stamp"
 }
 
-start() {
-    check_java
-    fetch
+# The other layout's pid files: a cluster and the single node both want 127.0.0.1.
+other_layout_running() {
+    local f pid
+    if [[ "$CASSANDRA_NODES" == 1 ]]; then
+        set -- "$STATE_DIR"/run/cassandra-node*.pid
+    else
+        set -- "$STATE_DIR/run/cassandra.pid"
+    fi
+    for f in "$@"; do
+        [[ -f "$f" ]] || continue
+        pid="$(cat "$f")"
+        if [[ -n "$pid" ]] && grep -q CassandraDaemon "/proc/$pid/cmdline" 2>/dev/null; then
+            echo "$f"
+            return 0
+        fi
+    done
+    return 1
+}
+
+start_node() {
+    node "$1"
     if pid="$(running_pid)"; then
-        echo "cassandra: already running (pid $pid)"
+        echo "$(label): already running (pid $pid)"
         return 0
     fi
-    if (exec 3<>"/dev/tcp/127.0.0.1/$CQL_PORT") 2>/dev/null; then
-        die "port 127.0.0.1:$CQL_PORT is already in use by a process this project did not start; stop it or point the gateway at it (see README)"
+    if (exec 3<>"/dev/tcp/$addr/$CQL_PORT") 2>/dev/null; then
+        die "port $addr:$CQL_PORT is already in use by a process this project did not start; stop it or point the gateway at it (see README)"
     fi
-    mkdir -p "$STATE_DIR/cassandra" "$STATE_DIR/run" "$logdir"
+    mkdir -p "$storage" "$STATE_DIR/run" "$logdir"
+    if [[ "$CASSANDRA_NODES" != 1 ]]; then
+        # This node's copy of cassandra.yaml: its own addresses, one cluster name
+        # of its own (a cluster never gossips with the single node's data).
+        # One token per node (num_tokens: 1), spread evenly over the Murmur3
+        # ring: random single tokens can leave a node owning a sliver of it.
+        local token
+        token="$("$PYTHON" -c "print(-2**63 + ($1 - 1) * 2**64 // $CASSANDRA_NODES)")"
+        sed -e "s/^listen_address: .*/listen_address: $addr/" \
+            -e "s/^rpc_address: .*/rpc_address: $addr/" \
+            -e "s/^cluster_name: .*/cluster_name: gateway-cluster/" \
+            "$here/cassandra.yaml" >"$conf"
+        echo "initial_token: $token" >>"$conf"
+    fi
     local jamm; jamm="$(ls "$lib"/jamm-*.jar | head -n1)"
     local -a jvm17; mapfile -t jvm17 < <(grep -v '^\s*#' "$here/jvm17-server.options" | sed '/^\s*$/d' | tr ' ' '\n')
     # Heap fixed at about 1 GB: the box is small and shared with the gateway and tests.
@@ -71,73 +138,142 @@ start() {
         -XX:+UseG1GC -XX:+ParallelRefProcEnabled -XX:MaxTenuringThreshold=1 \
         -XX:G1HeapRegionSize=16m -XX:G1RSetUpdatingPauseTimePercent=5 -XX:MaxGCPauseMillis=300 \
         -XX:InitiatingHeapOccupancyPercent=70 -XX:+UseTLAB -XX:+ResizeTLAB -XX:+PerfDisableSharedMem \
-        -XX:+HeapDumpOnOutOfMemoryError -XX:+ExitOnOutOfMemoryError -XX:HeapDumpPath="$STATE_DIR/cassandra" \
+        -XX:+HeapDumpOnOutOfMemoryError -XX:+ExitOnOutOfMemoryError -XX:HeapDumpPath="$storage" \
         -ea -da:net.openhft... -Djava.net.preferIPv4Stack=true \
         -Dio.netty.tryReflectionSetAccessible=true -Dio.netty.allocator.useCacheForAllThreads=true \
         -Dio.netty.allocator.maxOrder=11 \
         "${jvm17[@]}" \
         -javaagent:"$jamm" \
         -Dcassandra-foreground=yes \
-        -Dcassandra.config="file://$here/cassandra.yaml" \
-        -Dcassandra.storagedir="$STATE_DIR/cassandra" \
+        -Dcassandra.config="file://$conf" \
+        -Dcassandra.storagedir="$storage" \
         -Dcassandra.logdir="$logdir" \
         -Dlogback.configurationFile="$here/logback.xml" \
-        -Dcassandra.jmx.local.port=7199 \
+        -Dcassandra.jmx.local.port="$jmx" \
         -Dcassandra.skip_wait_for_gossip_to_settle=0 \
         -Dcassandra.ring_delay_ms=1000 \
         -cp "$lib/*" \
         org.apache.cassandra.service.CassandraDaemon \
         >>"$logdir/console.log" 2>&1 </dev/null &
     echo $! >"$pidfile"
-    echo "cassandra: started (pid $!), log $logdir/system.log"
+    echo "$(label): started (pid $!), log $logdir/system.log"
 }
 
-wait_ready() {
+# How lines name the node: "cassandra" alone, or "cassandra 127.0.0.2" in a cluster.
+label() {
+    if [[ "$CASSANDRA_NODES" == 1 ]]; then echo "cassandra"; else echo "cassandra $addr"; fi
+}
+# The same inside a die message ("cassandra: 127.0.0.2 not running").
+where() {
+    if [[ "$CASSANDRA_NODES" != 1 ]]; then echo "$addr "; fi
+}
+
+wait_node() {
+    node "$1"
     local pid
-    pid="$(running_pid)" || die "not running (no live pid in $pidfile); see $logdir/console.log"
-    "$PYTHON" "$here/wait_ready.py" --port "$CQL_PORT" --deadline "$CASSANDRA_READY_DEADLINE" \
+    pid="$(running_pid)" || die "$(where)not running (no live pid in $pidfile); see $logdir/console.log"
+    "$PYTHON" "$here/wait_ready.py" --host "$addr" --port "$CQL_PORT" --deadline "$CASSANDRA_READY_DEADLINE" \
         --pid "$pid" --log "$logdir/system.log" --console "$logdir/console.log"
 }
 
-stop() {
+start() {
+    check_java
+    fetch
+    local f
+    if f="$(other_layout_running)"; then
+        if [[ "$CASSANDRA_NODES" == 1 ]]; then
+            die "a cluster started with CASSANDRA_NODES=3 is running ($f): stop it with CASSANDRA_NODES=3 make down"
+        else
+            die "the single node is running ($f) on 127.0.0.1: stop it with make down first"
+        fi
+    fi
+    if [[ "$CASSANDRA_NODES" == 1 ]]; then
+        start_node 1
+        return 0
+    fi
+    # One at a time: a node joins once the one before it answers CQL.
+    local i
+    for i in $(seq 1 "$CASSANDRA_NODES"); do
+        start_node "$i"
+        wait_node "$i"
+    done
+}
+
+wait_ready() {
+    local i
+    for i in $(seq 1 "$CASSANDRA_NODES"); do
+        wait_node "$i"
+    done
+}
+
+stop_node() {
+    node "$1"
     local pid
     if ! pid="$(running_pid)"; then
         rm -f "$pidfile"
-        echo "cassandra: not running"
+        echo "$(label): not running"
         return 0
     fi
     kill -TERM "$pid"
     for _ in $(seq 1 60); do
-        kill -0 "$pid" 2>/dev/null || { rm -f "$pidfile"; echo "cassandra: stopped (pid $pid)"; return 0; }
+        kill -0 "$pid" 2>/dev/null || { rm -f "$pidfile"; echo "$(label): stopped (pid $pid)"; return 0; }
         sleep 0.5
     done
-    echo "cassandra: pid $pid did not stop within 30 s, killing it" >&2
+    echo "$(label): pid $pid did not stop within 30 s, killing it" >&2
     kill -KILL "$pid" 2>/dev/null || true
     rm -f "$pidfile"
 }
 
-status() {
+kill_node() {
+    node "$1"
+    local pid
+    pid="$(running_pid)" || die "$(where)not running"
+    kill -KILL "$pid"
+    while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+    rm -f "$pidfile"
+    echo "$(label): killed (SIGKILL, pid $pid)"
+}
+
+stop() {
+    local i
+    for i in $(seq "$CASSANDRA_NODES" -1 1); do
+        stop_node "$i"
+    done
+}
+
+status_node() {
+    node "$1"
     local pid
     if pid="$(running_pid)"; then
-        if (exec 3<>"/dev/tcp/127.0.0.1/$CQL_PORT") 2>/dev/null; then
-            echo "cassandra: running (pid $pid), CQL on 127.0.0.1:$CQL_PORT"
+        if (exec 3<>"/dev/tcp/$addr/$CQL_PORT") 2>/dev/null; then
+            echo "$(label): running (pid $pid), CQL on $addr:$CQL_PORT"
         else
-            echo "cassandra: starting (pid $pid), CQL port $CQL_PORT not open yet"
+            echo "$(label): starting (pid $pid), CQL port $addr:$CQL_PORT not open yet"
+            return 3
         fi
     else
-        echo "cassandra: not running"
+        echo "$(label): not running"
         return 3
     fi
 }
 
+status() {
+    local i rc=0
+    for i in $(seq 1 "$CASSANDRA_NODES"); do
+        status_node "$i" || rc=3
+    done
+    return $rc
+}
+
 # nodetool from the same jars, over the local JMX port (tests flush and compact with it).
 nodetool() {
-    running_pid >/dev/null || die "not running (no live pid in $pidfile)"
+    node "${CASSANDRA_NODE:-1}"
+    running_pid >/dev/null || die "$(where)not running (no live pid in $pidfile)"
     local -a jvm17; mapfile -t jvm17 < <(grep -v '^\s*#' "$here/jvm17-server.options" | sed '/^\s*$/d' | tr ' ' '\n')
     # Its command history goes to the tools output directory: keep it in .state/.
     java "${jvm17[@]}" -Xmx128m -cp "$lib/*" -Dlogback.configurationFile="$here/logback.xml" \
         -Dcassandra.logdir="$logdir" -Duser.home="$STATE_DIR/cassandra" \
-        org.apache.cassandra.tools.NodeTool -h 127.0.0.1 -p 7199 "$@"
+        org.apache.cassandra.tools.NodeTool -h "$addr" -p "$jmx" "$@"
 }
 
 case "${1:-}" in
@@ -146,6 +282,9 @@ case "${1:-}" in
     wait) wait_ready ;;
     stop) stop ;;
     status) status ;;
+    start-node) check_java; fetch; start_node "${2:-}"; wait_node "${2:-}" ;;
+    stop-node) stop_node "${2:-}" ;;
+    kill-node) kill_node "${2:-}" ;;
     nodetool) shift; nodetool "$@" ;;
-    *) echo "usage: $0 fetch|start|wait|stop|status|nodetool ARGS..." >&2; exit 2 ;;
+    *) echo "usage: $0 fetch|start|wait|stop|status|start-node I|stop-node I|kill-node I|nodetool ARGS..." >&2; exit 2 ;;
 esac

@@ -38,6 +38,7 @@ from .helpers import (
 )
 
 FAULTS = Path(__file__).resolve().parent / "faults"
+CLUSTER = Path(__file__).resolve().parent / "cluster"
 SESSION_LOOP = pytest.mark.asyncio(loop_scope="session")
 
 
@@ -46,6 +47,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if FAULTS in item.path.parents:
             item.add_marker(pytest.mark.faults)
+        if CLUSTER in item.path.parents:
+            item.add_marker(pytest.mark.cluster)
         # `db` is one session on the session loop (Database binds to the loop
         # it was opened on): a test that uses it runs on that loop too.
         if pytest_asyncio.is_async_test(item) and "db" in item.fixturenames:

@@ -1,0 +1,71 @@
+"""The three-node cluster's tests: `make test-cluster` starts Cassandra as
+three nodes on 127.0.0.1..3 (CASSANDRA_NODES=3), runs tests/cluster/ (marked
+`cluster` by tests/conftest.py) and stops the cluster. `make test` leaves them
+out: they need the cluster, which replaces the single node.
+
+They write to a keyspace of their own with replication factor 3, at the
+gateway's default consistency, LOCAL_QUORUM.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from gateway.store.database import Database, connect
+
+from ..helpers import CQL_PORT, ROOT, base_env, make_config, run_cli
+
+NODES = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
+CLUSTER_KEYSPACE = "gateway_cluster_test"
+# GATEWAY_* settings of every gateway and CLI call in these tests.
+CLUSTER_ENV = {
+    "GATEWAY_CASSANDRA__KEYSPACE": CLUSTER_KEYSPACE,
+    "GATEWAY_CASSANDRA__CONTACT_POINTS": ",".join(NODES),
+    "GATEWAY_CASSANDRA__REPLICATION_FACTOR": "3",
+}
+
+
+def node_script(action: str, node: int) -> None:
+    """cassandra.sh start-node/stop-node/kill-node I, for the cluster."""
+    result = subprocess.run(
+        ["bash", str(ROOT / "cassandra" / "cassandra.sh"), action, str(node)],
+        env=base_env(CASSANDRA_NODES="3"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == 0, f"cassandra.sh {action} {node}: {result.stdout}{result.stderr}"
+
+
+def _reachable(host: str) -> bool:
+    try:
+        with socket.create_connection((host, CQL_PORT), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def keyspace(services: None) -> str:
+    down = [h for h in NODES if not _reachable(h)]
+    if down:
+        pytest.fail(
+            f"the three-node cluster is not up ({', '.join(down)} not answering on "
+            f"port {CQL_PORT}); `make test-cluster` starts it",
+            pytrace=False,
+        )
+    result = run_cli("schema", "apply", env=base_env(**CLUSTER_ENV))
+    assert result.returncode == 0, result.stderr
+    return CLUSTER_KEYSPACE
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def db(keyspace: str) -> AsyncIterator[Database]:
+    async with connect(make_config(**CLUSTER_ENV).cassandra) as database:
+        yield database
