@@ -21,6 +21,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -260,6 +261,16 @@ class Sent:
     ts: int
     state: str
     sent_at: float | None  # epoch ms, publisher's clock just before the PUBLISH
+
+
+def apply_schema() -> None:
+    """`gateway schema apply` on the bench keyspace (idempotent), before a run."""
+    subprocess.run(
+        [sys.executable, "-m", "gateway", "schema", "apply"],
+        env=gateway_env("gwbench-schema"),
+        check=True,
+        capture_output=True,
+    )
 
 
 def gateway_env(client_id: str, root: str = "gwbench", **settings: str) -> dict[str, str]:

@@ -42,6 +42,7 @@ from benchlib import (
     TOPIC_TEMPLATE,
     BenchDb,
     Proc,
+    apply_schema,
     clear_session,
     cpu_seconds,
     fleet_spec,
@@ -224,13 +225,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=500, help="devices per tenant")
     parser.add_argument("--pairs", type=int, default=3, help="(one, two) pairs of runs")
     args = parser.parse_args()
-    env = dict(os.environ, GATEWAY_CASSANDRA__KEYSPACE=rows.KEYSPACE)
-    subprocess.run(
-        [sys.executable, "-m", "gateway", "schema", "apply"],
-        env=env,
-        check=True,
-        capture_output=True,
-    )
+    apply_schema()
     LOGS.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False

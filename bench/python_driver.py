@@ -45,6 +45,7 @@ from benchlib import (
     ROOT,
     BenchDb,
     Proc,
+    apply_schema,
     clear_session,
     cpu_seconds,
     create_session,
@@ -229,12 +230,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "python_driver"), help="results path stem")
     args = parser.parse_args()
     LOGS.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        [sys.executable, "-m", "gateway", "schema", "apply"],
-        env=gateway_env("gwbench-schema"),
-        check=True,
-        capture_output=True,
-    )
+    apply_schema()
     head = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
         check=True,

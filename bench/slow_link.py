@@ -48,6 +48,7 @@ import rows
 from benchlib import (
     BENCH,
     Proc,
+    apply_schema,
     clear_session,
     connect_cluster,
     cpu_seconds,
@@ -287,9 +288,7 @@ def main() -> None:
         args.render.with_suffix(".md").write_text(markdown(old, data["command"]))
         return
     LOGS.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, GATEWAY_CASSANDRA__KEYSPACE=rows.KEYSPACE)
-    schema = [sys.executable, "-m", "gateway", "schema", "apply"]
-    subprocess.run(schema, env=env, check=True, capture_output=True)
+    apply_schema()
     cluster, db = connect_cluster()
     run = Run(args=vars(args))
     try:

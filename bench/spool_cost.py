@@ -33,7 +33,6 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +48,7 @@ from benchlib import (
     READY,
     BenchDb,
     Proc,
+    apply_schema,
     clear_session,
     cpu_seconds,
     create_session,
@@ -294,9 +294,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "spool_cost"), help="results path stem")
     args = parser.parse_args()
     LOGS.mkdir(parents=True, exist_ok=True)
-    env = gateway_env("gwbench-schema")
-    schema = [sys.executable, "-m", "gateway", "schema", "apply"]
-    subprocess.run(schema, env=env, check=True, capture_output=True)
+    apply_schema()
     db = BenchDb(rows.KEYSPACE)
     cases: list[Case] = []
     try:

@@ -10,27 +10,20 @@ import platform
 import re
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import rows
-from benchlib import BENCH, BenchDb, percentiles
+from benchlib import BENCH, BenchDb, apply_schema, percentiles
 from harness import LOGS, Bench
 
 from cassandra import __version__ as cassandra_driver_version
 
 
 def run(bench: Bench) -> None:
-    env = dict(os.environ, GATEWAY_CASSANDRA__KEYSPACE=rows.KEYSPACE)
-    subprocess.run(
-        [sys.executable, "-m", "gateway", "schema", "apply"],
-        env=env,
-        check=True,
-        capture_output=True,
-    )
+    apply_schema()
     bench.db = BenchDb()
     bench.say(f"schema applied to keyspace {rows.KEYSPACE}; truncating its tables")
     bench.cdb.truncate()
