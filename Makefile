@@ -51,6 +51,10 @@ up: venv
 
 down:
 	-@bash mosquitto/mosquitto.sh stop
+	-@if [ -z "$(filter-out 1,$(CASSANDRA_NODES))" ] && ls $(STATE_DIR)/run/cassandra-node*.pid >/dev/null 2>&1; then \
+		echo "(a three-node cluster left running: stopping it too)"; \
+		CASSANDRA_NODES=3 bash cassandra/cassandra.sh stop; \
+	fi
 	-@for d in $(STATE_DIR)/test-broker-*; do \
 		[ -d "$$d" ] && STATE_DIR=$$d bash mosquitto/mosquitto.sh stop; \
 	done; true
