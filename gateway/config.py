@@ -35,7 +35,7 @@ from pydantic import (
 )
 
 from .errors import ConfigError
-from .topic_filters import filter_levels
+from .topic_filters import filter_levels, has_control
 from .units import parse_duration
 
 ENV_PREFIX = "GATEWAY_"
@@ -196,7 +196,7 @@ class TopicTemplate(_Model):
     @classmethod
     def _tenant_names(cls, value: list[str]) -> list[str]:
         for name in value:
-            if not name or any(ch in name for ch in "/+#") or _control(name):
+            if not name or any(ch in name for ch in "/+#") or has_control(name):
                 raise ValueError(
                     f"tenants: {name!r} is not a topic level (empty, or holds '/', '+', '#' "
                     "or a control character)"
@@ -243,10 +243,6 @@ class TopicTemplate(_Model):
                 "may take, and this template has none (its tenant is fixed)"
             )
         return self
-
-
-def _control(text: str) -> bool:
-    return any(ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0 for ch in text)
 
 
 DEFAULT_MIN_IN_FLIGHT = 64

@@ -1,6 +1,8 @@
-"""MQTT topic filters: validation and matching (MQTT 5.0, 4.7).
+"""MQTT topic filters: validation and matching (MQTT 5.0, 4.7), and what a
+topic level may not hold.
 
-A leaf module: config validates filters with it, sampling matches topics.
+A leaf module: config validates filters and tenant names with it, sampling
+matches topics, the topic matcher and the token store check levels.
 """
 
 from __future__ import annotations
@@ -30,3 +32,9 @@ def topic_matches(levels: tuple[str, ...], topic: str) -> bool:
         if i >= len(parts) or (level != "+" and level != parts[i]):
             return False
     return len(levels) == len(parts)
+
+
+def has_control(text: str) -> bool:
+    """Whether ``text`` holds a C0 or C1 control character (or DEL), which no
+    tenant, device id or label may: they would break log lines and listings."""
+    return any(ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0 for ch in text)

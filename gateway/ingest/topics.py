@@ -18,12 +18,9 @@ from dataclasses import dataclass
 
 from ..config import LimitsConfig, TopicTemplate
 from ..errors import DecodeError
+from ..topic_filters import has_control
 
 _NAMED = {"{tenant}": "tenant", "{device_id}": "device_id", "{_}": "_"}
-
-
-def _has_control(text: str) -> bool:
-    return any(ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0 for ch in text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +104,7 @@ class TopicMatcher:
             tenant = parts[tpl.tenant_index]
             if tpl.only_tenants is not None and tenant not in tpl.only_tenants:
                 continue
-            if tenant and len(tenant) <= self._max_level and not _has_control(tenant):
+            if tenant and len(tenant) <= self._max_level and not has_control(tenant):
                 return tenant
         return ""
 
@@ -120,5 +117,5 @@ class TopicMatcher:
                 f"{name} level of {len(value)} characters is over the limit of "
                 f"{self._max_level} (limits.max_topic_level_length)",
             )
-        if _has_control(value):
+        if has_control(value):
             raise DecodeError("topic", f"{name} level {value!r} holds control characters")

@@ -51,6 +51,7 @@ from typing import Any
 import orjson
 
 from ..errors import ConfigError, GatewayError
+from ..topic_filters import has_control
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def check_tenant(tenant: str) -> str:
         raise ValueError("a tenant must not be empty")
     if len(tenant) > MAX_TENANT_LENGTH:
         raise ValueError(f"a tenant is at most {MAX_TENANT_LENGTH} characters")
-    if any(ch in "/+#" for ch in tenant) or _has_control(tenant):
+    if any(ch in "/+#" for ch in tenant) or has_control(tenant):
         raise ValueError("a tenant is one topic level: no '/', '+', '#' or control characters")
     return tenant
 
@@ -88,13 +89,9 @@ def check_label(label: str) -> str:
     """``label`` if it fits on one line of ``token list``, else ValueError saying why."""
     if len(label) > MAX_LABEL_LENGTH:
         raise ValueError(f"a label is at most {MAX_LABEL_LENGTH} characters")
-    if _has_control(label):
+    if has_control(label):
         raise ValueError("a label must not hold control characters (tabs, newlines)")
     return label
-
-
-def _has_control(text: str) -> bool:
-    return any(ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0 for ch in text)
 
 
 def token_from_header(value: str | None) -> str | None:
