@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import socket
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -34,6 +33,7 @@ from .helpers import (
     base_env,
     clear_session,
     make_config,
+    reachable,
     run_cli,
 )
 
@@ -57,20 +57,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: FAULTS in item.path.parents)
 
 
-def _reachable(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=2):
-            return True
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="session")
 def services() -> None:
     missing = [
         f"{name} on 127.0.0.1:{port}"
         for name, port in (("Mosquitto", MQTT_PORT), ("Cassandra", CQL_PORT))
-        if not _reachable(port)
+        if not reachable(port)
     ]
     if missing:
         pytest.fail(

@@ -13,11 +13,14 @@ import contextlib
 import inspect
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 import tomllib
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
@@ -253,6 +256,36 @@ async def publish(
 
 def topic(tenant: str, device: str) -> str:
     return f"tenants/{tenant}/devices/{device}/events"
+
+
+# ---------------------------------------------------------------- local ports, HTTP
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (for a server a test
+    starts, or as an address where nothing answers)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def reachable(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something accepts TCP connections at HOST:PORT (within 2 s)."""
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def http_get(port: int, path: str) -> tuple[int, bytes]:
+    """GET http://127.0.0.1:PORT/PATH: (status, body), error statuses included."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
 
 
 # ---------------------------------------------------------------- the gateway as a subprocess

@@ -24,7 +24,14 @@ import pytest
 
 from gateway.store.database import Database
 
-from .helpers import ROOT, make_config, running_gateway, telemetry_keys, wait_until_blocking
+from .helpers import (
+    ROOT,
+    free_port,
+    make_config,
+    running_gateway,
+    telemetry_keys,
+    wait_until_blocking,
+)
 
 
 @dataclass
@@ -33,13 +40,6 @@ class SecureBroker:
     ca: Path
     passwords: dict[str, str]
     tmp: Path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _run(*cmd: str, cwd: Path) -> None:
@@ -131,7 +131,7 @@ def secure_broker(services: None, tmp_path: Path) -> Iterator[SecureBroker]:
             "mosquitto_passwd", *flags, "-b", str(tmp_path / "passwd"), user, password, cwd=tmp_path
         )
     (tmp_path / "passwd").chmod(0o600)
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         ["mosquitto", "-c", str(_render(tmp_path, port))],
         stdout=subprocess.DEVNULL,

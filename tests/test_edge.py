@@ -15,8 +15,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +33,8 @@ from .helpers import (
     GatewayProcess,
     base_env,
     device_row,
+    free_port,
+    http_get,
     make_config,
     publish,
     run_cli,
@@ -170,19 +170,9 @@ def test_make_status_fails_when_the_services_are_not_running(tmp_path: Path) -> 
 # ---------------------------------------------------------------- starting while the link is down
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _healthz(port: int) -> tuple[int, dict[str, object]]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as response:
-            return response.status, orjson.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, orjson.loads(error.read())
+    code, body = http_get(port, "/healthz")
+    return code, orjson.loads(body)
 
 
 async def test_starts_spooling_while_cassandra_is_unreachable_then_drains(
@@ -201,7 +191,7 @@ async def test_starts_spooling_while_cassandra_is_unreachable_then_drains(
     link = CuttableProxy()
     await link.start()
     await link.cut()  # the link is down before the gateway starts: nothing listens there
-    api_port = _free_port()
+    api_port = free_port()
     config = make_config(
         GATEWAY_CASSANDRA__PORT=str(link.port),
         GATEWAY_SAMPLING__ENABLED="false",
@@ -264,7 +254,7 @@ def test_sigterm_while_only_spooling_ends_cleanly_and_the_log_stays_quiet(
     connects log tracebacks): after the first failure, the attempts are
     reported by the gateway alone."""
     proc = gateway_process(
-        GATEWAY_CASSANDRA__PORT=str(_free_port()),
+        GATEWAY_CASSANDRA__PORT=str(free_port()),
         GATEWAY_CASSANDRA__DRIVER="python",
         GATEWAY_SPOOL__ENABLED="true",
         GATEWAY_SPOOL__PATH=str(tmp_path / "spool.sqlite"),
@@ -286,7 +276,7 @@ def test_sigterm_while_only_spooling_ends_cleanly_and_the_log_stays_quiet(
 def test_without_the_spool_an_unreachable_cassandra_ends_the_start(tmp_path: Path) -> None:
     """The choice made without the spool: exit at once, with the address and the
     keys in one line; the service manager restarts the gateway (see README)."""
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     started = time.monotonic()
     result = run_cli("run", env=base_env(GATEWAY_CASSANDRA__PORT=str(port)), timeout=60)
     assert result.returncode == 1
@@ -379,7 +369,7 @@ def test_ready_and_watchdog_reach_systemd_and_logs_suit_the_journal(
 
 @pytest.mark.parametrize("driver", DRIVERS)
 def test_check_says_what_is_wrong_in_its_first_line(driver: str) -> None:
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     env = base_env(GATEWAY_CASSANDRA__PORT=str(port), GATEWAY_CASSANDRA__DRIVER=driver)
     result = run_cli("check", env=env, timeout=60)
     assert result.returncode == 1
@@ -498,7 +488,7 @@ def test_the_wheel_alone_installs_initialises_and_checks(keyspace: str, tmp_path
     printed = gateway("schema", "print")
     assert printed.returncode == 0, printed.stderr
     assert "CREATE TABLE IF NOT EXISTS" in printed.stdout
-    env["GATEWAY_CASSANDRA__PORT"] = str(_free_port())
+    env["GATEWAY_CASSANDRA__PORT"] = str(free_port())
     failed = gateway("check", "--config", "gateway.toml")
     assert failed.returncode == 1
     assert failed.stdout.splitlines()[0].startswith("cannot connect to Cassandra at 127.0.0.1:")

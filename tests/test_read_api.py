@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import subprocess
 import sys
 import uuid
@@ -26,7 +25,7 @@ from gateway.web.api import read_api
 from gateway.web.server import build_app, serve
 from gateway.web.tokens import TokenStore
 
-from .helpers import base_env, make_config, publish, run_cli, running_gateway, topic
+from .helpers import base_env, free_port, make_config, publish, run_cli, running_gateway, topic
 from .test_ingest import D1, D2, D3, reference_messages
 
 
@@ -291,9 +290,7 @@ async def test_gateway_serve_runs_the_read_side_alone(
     """`gateway serve`: no MQTT, only Cassandra; the page, the API and
     /healthz, with the tokens `gateway token add` wrote."""
     await load_reference(tenant)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     env = base_env(
         GATEWAY_API__PORT=str(port),
         GATEWAY_API__TOKENS_FILE=str(tmp_path / "tokens.jsonl"),

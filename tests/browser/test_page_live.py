@@ -4,7 +4,6 @@ manager, and a state change shows up without a reload."""
 
 from __future__ import annotations
 
-import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -16,17 +15,11 @@ from playwright.async_api import Page, expect
 from gateway.store.database import Database
 from gateway.web.tokens import TokenStore
 
-from ..helpers import make_config, publish, running_gateway, topic
+from ..helpers import free_port, make_config, publish, running_gateway, topic
 
 LIVE_MS = 2_000  # the issue's promise: within 2 s, without a reload
 
 Shot = Callable[[Page, str], Awaitable[Path]]
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _event(tenant: str, device: str, ago_s: int, state: str, value: float) -> tuple[str, bytes]:
@@ -40,7 +33,7 @@ async def test_a_building_manager_watches_a_device_change_state(
 ) -> None:
     # db: the session's test keyspace, created by tests/conftest.py, exists.
     tenant = f"b{uuid.uuid4().hex[:12]}"
-    port = _free_port()
+    port = free_port()
     tokens_file = tmp_path / "tokens.jsonl"
     token = TokenStore(tokens_file).add(tenant=tenant).token
     config = make_config(

@@ -9,7 +9,6 @@ gateway's default consistency, LOCAL_QUORUM.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 from collections.abc import AsyncIterator
 
@@ -18,7 +17,7 @@ import pytest_asyncio
 
 from gateway.store.database import Database, connect
 
-from ..helpers import CQL_PORT, ROOT, base_env, make_config, run_cli
+from ..helpers import CQL_PORT, ROOT, base_env, make_config, reachable, run_cli
 
 NODES = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
 CLUSTER_KEYSPACE = "gateway_cluster_test"
@@ -43,17 +42,9 @@ def node_script(action: str, node: int) -> None:
     assert result.returncode == 0, f"cassandra.sh {action} {node}: {result.stdout}{result.stderr}"
 
 
-def _reachable(host: str) -> bool:
-    try:
-        with socket.create_connection((host, CQL_PORT), timeout=2):
-            return True
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="session")
 def keyspace(services: None) -> str:
-    down = [h for h in NODES if not _reachable(h)]
+    down = [h for h in NODES if not reachable(CQL_PORT, h)]
     if down:
         pytest.fail(
             f"the three-node cluster is not up ({', '.join(down)} not answering on "
