@@ -173,7 +173,7 @@ bench-instances: up
 bench-spool: up
 	$(VPY) bench/spool_cost.py $(BENCH_ARGS)
 
-# The Python driver against acsylla, before (main) and after (~20 min): CPU
+# The Python driver against acsylla, before the packing (9cb0ef7) and now (~20 min): CPU
 # per message of the same drain, in rounds. Writes bench/results/python_driver.{json,md}.
 .PHONY: bench-python-driver
 bench-python-driver: up

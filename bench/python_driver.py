@@ -12,13 +12,15 @@ neighbour hurts all alike:
 * ``acsylla``: this checkout, ``cassandra.driver = "acsylla"``;
 * ``python``: this checkout, ``cassandra.driver = "python"``;
 * ``python before``: the same, with the gateway's code of ``--before`` (a git
-  ref, default ``main``), extracted into a temp dir and put first on
-  PYTHONPATH. Omitted with ``--before ""``.
+  ref, default ``BEFORE_PACKING``: main just before the Python path packed
+  partitions into shared requests, what bench/results/python_driver.md
+  compares with), extracted into a temp dir and put first on PYTHONPATH.
+  Omitted with ``--before ""``.
 
 Reported: per variant the median and min-max over the rounds, and the ratios
 python / acsylla of the medians and of each round.
 
-Usage: .venv/bin/python bench/python_driver.py [--rounds 3] [--count 30000] [--before main]
+Usage: .venv/bin/python bench/python_driver.py [--rounds 3] [--count 30000] [--before REF]
 Writes bench/results/python_driver.{json,md}.
 """
 
@@ -55,6 +57,9 @@ from benchlib import (
 )
 
 RESULTS = BENCH / "results"
+# main before the packing was merged: "main" itself has it now, and would
+# compare the Python path with itself.
+BEFORE_PACKING = "9cb0ef7"
 LOGS = Path("/tmp/python_driver_logs")
 
 
@@ -225,7 +230,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--count", type=int, default=30_000, help="backlog per drain")
     parser.add_argument("--devices", type=int, default=1000)
-    parser.add_argument("--before", default="main", help='git ref of "python before" ("": none)')
+    parser.add_argument(
+        "--before", default=BEFORE_PACKING, help='git ref of "python before" ("": none)'
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="cap per drain, s")
     parser.add_argument("--out", default=str(RESULTS / "python_driver"), help="results path stem")
     args = parser.parse_args()
