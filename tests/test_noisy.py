@@ -61,6 +61,7 @@ async def test_noisy_devices_are_sampled_and_every_state_change_is_kept(
         # One publisher in order: "the device's previous state" is well defined.
         stats = await publish(
             spec,
+            config.mqtt,  # this worker's broker
             duration=duration,
             concurrency=1,
             on_sent=lambda t, e: sent[t.split("/")[3]].append(e),

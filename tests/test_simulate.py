@@ -12,6 +12,7 @@ import msgpack
 import orjson
 import pytest
 
+from gateway.config import MqttConfig
 from gateway.tools.simulate import Fleet, FleetSpec, PublishStats, noisy_device_ids, publish
 
 from .helpers import MQTT_HOST, MQTT_PORT
@@ -145,6 +146,11 @@ def test_spec_validation(kwargs: dict[str, Any]) -> None:
         FleetSpec(**kwargs)
 
 
+def _broker() -> MqttConfig:
+    """This xdist worker's own Mosquitto (the simulator defaults to port 1883)."""
+    return MqttConfig(host=MQTT_HOST, port=MQTT_PORT)
+
+
 async def _collect(
     spec: FleetSpec, count: int
 ) -> tuple[PublishStats, list[tuple[str, dict[str, Any]]], dict[tuple[str, int], Any]]:
@@ -164,6 +170,7 @@ async def _collect(
         pub = asyncio.create_task(
             publish(
                 spec,
+                _broker(),
                 count=count,
                 on_sent=lambda topic, event: sent.append((topic, event)),
             )
@@ -210,6 +217,6 @@ async def test_publish_end_to_end(fmt: str) -> None:
 async def test_publish_duration_stops() -> None:
     spec = FleetSpec(devices=5, rate=200.0, tenant=f"sim-{uuid.uuid4().hex}")
     async with asyncio.timeout(30):
-        stats = await publish(spec, duration=0.3)
+        stats = await publish(spec, _broker(), duration=0.3)
     # The schedule never goes past rate * duration messages.
     assert 0 < stats.sent <= 60
