@@ -40,8 +40,8 @@ def main() -> int:
     args = parser.parse_args()
 
     # Imported here so a missing venv shows up as a clear error above, not a traceback.
-    from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile
-    from cassandra.policies import RoundRobinPolicy
+    from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile  # noqa: PLC0415
+    from cassandra.policies import RoundRobinPolicy  # noqa: PLC0415
 
     start = time.monotonic()
     last_error = "no attempt yet"

@@ -268,7 +268,7 @@ async def open_gateway(
         limit = InFlightLimit(
             stats,
             initial=INITIAL_IN_FLIGHT,
-            minimum=cassandra.in_flight_floor,
+            minimum=cassandra.in_flight_floor(session.in_flight_floor),
             maximum=cassandra.max_in_flight,
             adaptive=cassandra.adaptive_in_flight,
         )

@@ -265,13 +265,14 @@ class CassandraConfig(_Model):
     connect_timeout: Duration = 10.0
     request_timeout: Duration = 10.0
     # Requests to Cassandra in flight at once (gateway/store/limit.py): the
-    # limit adapts to the measured latency, from 64 at start-up, between
+    # limit adapts to the measured latency, from its floor at start-up, between
     # min_in_flight and this hard cap (a 100 ms link at 4,000 msg/s needs about
     # 1,400; memory stays bounded by the queue and mqtt.receive_maximum).
-    # The floor (unset: 64, the old fixed cap, or max_in_flight if lower): on a
-    # busy host the measured latency includes the gateway's own scheduling
-    # delays, and a lower floor cost throughput there
-    # (bench/results/slow_link.md). adaptive_in_flight = false pins the limit
+    # The floor (unset: 64 with acsylla, the old fixed cap; 256 with the Python
+    # driver, whose requests queue in the client under load; or max_in_flight
+    # if lower): on a busy host the measured latency includes the gateway's own
+    # scheduling delays, and a lower floor cost throughput there
+    # (bench/results/slow_link.md, slow_link_python.md). adaptive_in_flight = false pins the limit
     # at max_in_flight.
     max_in_flight: int = Field(default=2048, ge=1, le=4096)
     min_in_flight: int | None = Field(default=None, ge=1, le=4096)
@@ -292,12 +293,12 @@ class CassandraConfig(_Model):
     # and TLS is off, else the Python driver. The CLI always reads with the latter.
     driver: Literal["auto", "acsylla", "python"] = "auto"
 
-    @property
-    def in_flight_floor(self) -> int:
-        """min_in_flight, or its default: 64 (the old fixed cap) or max_in_flight if lower."""
+    def in_flight_floor(self, driver_floor: int = DEFAULT_MIN_IN_FLIGHT) -> int:
+        """min_in_flight, or the driver's floor (64 for acsylla, 256 for the
+        Python driver: WriteSession.in_flight_floor), or max_in_flight if lower."""
         if self.min_in_flight is not None:
             return self.min_in_flight
-        return min(DEFAULT_MIN_IN_FLIGHT, self.max_in_flight)
+        return min(driver_floor, self.max_in_flight)
 
     @model_validator(mode="after")
     def _check(self) -> CassandraConfig:

@@ -140,9 +140,10 @@ async def test_timeouts_halve_the_limit_and_nothing_is_lost(keyspace: str) -> No
 
 
 def test_the_floor_defaults_to_the_old_cap_and_never_exceeds_the_cap() -> None:
-    assert CassandraConfig().in_flight_floor == 64
-    assert CassandraConfig(max_in_flight=32).in_flight_floor == 32
-    assert CassandraConfig(min_in_flight=8).in_flight_floor == 8
+    assert CassandraConfig().in_flight_floor() == 64
+    assert CassandraConfig().in_flight_floor(256) == 256  # the Python driver's
+    assert CassandraConfig(max_in_flight=32).in_flight_floor(256) == 32
+    assert CassandraConfig(min_in_flight=8).in_flight_floor(256) == 8
     with pytest.raises(ValueError, match=r"cassandra\.min_in_flight \(100\).*max_in_flight"):
         CassandraConfig(min_in_flight=100, max_in_flight=50)
 

@@ -103,6 +103,9 @@ class WriteSession(ABC):
     transient: tuple[type[BaseException], ...]
     # Partitions one request may carry (see the module docstring).
     batch_partitions = 1
+    # The in-flight limit's floor when cassandra.min_in_flight is unset
+    # (store/limit.py): the fewest requests in flight that keep this driver busy.
+    in_flight_floor = 64
 
     def __init__(self, config: CassandraConfig) -> None:
         self.config = config
@@ -146,6 +149,13 @@ class PythonSession(WriteSession):
 
     name = "python (cassandra-driver)"
     batch_partitions = 10
+    # Its IO thread shares the GIL with the event loop, so under load requests
+    # queue inside the client: 30-45 ms median latency at 64 in flight against
+    # a local Cassandra that answers in 2 ms. The limit cannot tell that queue
+    # from the link's and held at 64, which over a 20 ms link cost a quarter of
+    # the throughput; 256 kept 0.94-1.09x the local rate at 20-100 ms
+    # (bench/results/slow_link_python.md).
+    in_flight_floor = 256
     transient = (
         OperationTimedOut,
         WriteTimeout,
