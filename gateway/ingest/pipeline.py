@@ -285,13 +285,21 @@ class Pipeline:
                 # not cover a new state: let them land before registering it.
                 await self._sink.drain()
                 await self._latest.register(new)
-            over, stale = await self._latest.prepare_chunk(events)
-            await self._start_rotations()
+            over = await self._latest.over_budget(events)
         over_ids = {id(e) for e in over}
-        if events and self._metadata is not None:
-            # Existence reads and the tenants' entry counts, for the events
-            # that will be written (store/metadata.py).
-            await self._metadata.prepare_chunk([e for e in events if id(e) not in over_ids])
+        if events:
+            # The reads this chunk needs, at once: the newest write of devices
+            # met for the first time, and metadata's existence reads and entry
+            # counts for the events that will be written (store/metadata.py).
+            # In turn they cost a round trip more per chunk, for as long as
+            # devices are met for the first time.
+            preparing = self._latest.prepare_chunk(events, over_ids)
+            if self._metadata is None:
+                stale = await preparing
+            else:
+                written = [e for e in events if id(e) not in over_ids]
+                stale, _ = await asyncio.gather(preparing, self._metadata.prepare_chunk(written))
+            await self._start_rotations()
         skip = over_ids | stale
         # Latest-table writes are last-write-wins by event time, so of several
         # events of one device in a chunk only the newest needs them (its

@@ -211,19 +211,25 @@ class LatestState:
             if state not in known.states:
                 await self._register_state(tenant, state, known)
 
-    async def prepare_chunk(self, events: list[Event]) -> tuple[list[Event], set[int]]:
+    async def over_budget(self, events: list[Event]) -> list[Event]:
         """After :meth:`register`: the events whose state is over the tenant's
-        budget, and the ids of events whose latest-table writes must be skipped
-        (older than the device's newest write; module docstring)."""
+        budget (they are rejected, not written)."""
         over: list[Event] = []
+        for event in events:
+            if event.state is not None:
+                known = await self._known(event.tenant)
+                if event.state not in known.states:
+                    over.append(event)
+        return over
+
+    async def prepare_chunk(self, events: list[Event], over_ids: set[int]) -> set[int]:
+        """After :meth:`over_budget`: the ids of events whose latest-table
+        writes must be skipped (older than the device's newest write; module
+        docstring). Reads the newest write of devices not known for sure."""
         stale: set[int] = set()
         to_read: dict[tuple[str, str], None] = {}
         for event in events:
-            if event.state is None:
-                continue
-            known = await self._known(event.tenant)
-            if event.state not in known.states:
-                over.append(event)
+            if event.state is None or id(event) in over_ids:
                 continue
             key = (event.tenant, event.device_id)
             entry = self._newest.peek(key)
@@ -231,7 +237,6 @@ class LatestState:
                 to_read[key] = None
         if to_read:
             await self._read_newest(list(to_read))
-        over_ids = {id(e) for e in over}
         for event in events:
             if event.state is None or id(event) in over_ids:
                 continue
@@ -259,7 +264,7 @@ class LatestState:
                 self._newest.put(key, _Newest(event.write_ts, False, event.event_id))
             elif event.write_ts > entry.write_ts:
                 entry.write_ts, entry.event_id = event.write_ts, event.event_id
-        return over, stale
+        return stale
 
     async def _read_newest(self, keys: list[tuple[str, str]]) -> None:
         """The newest state-bearing write of these devices, for sure: Cassandra's,

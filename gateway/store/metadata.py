@@ -8,10 +8,14 @@ entries are new and which of those the tenant's cap lets in; :meth:`writes`
 then turns an event's entries into rows. Promises:
 
 * Written once per new entry: every entry known to be stored is remembered
-  in an LRU of ``metadata.cache_size``; an entry seen again costs nothing. One
-  not in the LRU (new, forgotten, or stored before a restart) costs one point
-  read of its own row (``metadata_reads``; at most the in-flight limit of them
-  at once); if the row exists it is remembered, neither written nor counted.
+  in an LRU of ``metadata.cache_size``; an entry seen again costs nothing.
+  Those not in the LRU (new, forgotten, or stored before a restart) are
+  looked up (``metadata_reads`` counts them) with one read per partition and
+  chunk, ``clustering IN (...)`` of up to IN_MAX of them (at most the in-flight
+  limit of such reads at once): a chunk of 500 new devices sharing a few tag
+  values costs a few reads, not a thousand, which over a slow link had cost
+  several round trips per chunk. An entry found is remembered, neither
+  written nor counted.
 * Capped per tenant, durably and across instances: ``meta_entry_counts``
   (schema/007_metadata_counts.cql) holds each tenant's count of entries
   taken. For a chunk's new entries the gateway moves it from N to
@@ -66,6 +70,8 @@ MAX_ATTEMPTS = 8
 Entry = tuple[str, ...]
 # When the cap lets only part of a chunk's new entries in: names and keys first.
 _PRIORITY = {"m": 0, "k": 1, "v": 2, "d": 3}
+# Clustering values per existence read (one partition, ``IN (...)``).
+IN_MAX = 100
 
 
 def entries(event: Event) -> Iterator[Entry]:
@@ -113,8 +119,9 @@ class Metadata:
                 f"VALUES ({', '.join('?' for _ in columns)})"
             )
             self._exists[kind] = await session.prepare(
-                f"SELECT {columns[-1]} FROM {{keyspace}}.{table} WHERE "
-                + " AND ".join(f"{c} = ?" for c in columns)
+                f"SELECT {columns[-1]} AS found FROM {{keyspace}}.{table} WHERE "
+                + " AND ".join(f"{c} = ?" for c in columns[:-1])
+                + f" AND {columns[-1]} IN ?"
             )
         self._count_first = await session.prepare(
             "INSERT INTO {keyspace}.meta_entry_counts (tenant, reserved) VALUES (?, ?) "
@@ -152,10 +159,25 @@ class Metadata:
         """The entries whose rows are not in Cassandra; the others are remembered."""
         self._stats.metadata_reads += len(wanted)
         execute, exists = self._requests.execute_in_slot, self._exists
-        found = await asyncio.gather(*(execute(exists[e[0]], e[1:]) for e in wanted))
+        by_partition: dict[Entry, list[str]] = {}
+        for entry in wanted:
+            by_partition.setdefault(entry[:-1], []).append(entry[-1])
+        reads = [
+            (partition, values[start : start + IN_MAX])
+            for partition, values in by_partition.items()
+            for start in range(0, len(values), IN_MAX)
+        ]
+        answers = await asyncio.gather(
+            *(execute(exists[p[0]], (*p[1:], values)) for p, values in reads)
+        )
+        present = {
+            (*partition, row["found"])
+            for (partition, _), rows in zip(reads, answers, strict=True)
+            for row in rows
+        }
         absent: list[Entry] = []
-        for entry, rows in zip(wanted, found, strict=True):
-            if rows:
+        for entry in wanted:
+            if entry in present:
                 self._seen.put(entry, True)
             else:
                 absent.append(entry)
