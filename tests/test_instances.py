@@ -75,3 +75,35 @@ async def test_a_device_on_two_instances_ends_in_its_newest_state(
     assert (await device_row(db, tenant, "d1")).state == "ok"
     assert "d1" in await _listed(db, a_cfg, tenant, "ok")
     assert "d1" not in await _listed(db, a_cfg, tenant, "alarm")
+
+
+async def test_leftovers_anywhere_in_a_long_page_are_left_out_and_deleted(
+    db: Database, tenant: str
+) -> None:
+    """The page check reads the devices' newest writes VERIFY_IN at a time:
+    leftovers in the first and in a later read are both found, and only they."""
+    ks, t0 = db.keyspace, 1_790_000_000_000
+    by_state = await db.prepared(
+        f"INSERT INTO {ks}.latest_events_by_state (tenant, state, bucket, gen, device_id, ts) "
+        "VALUES (?, ?, 0, 0, ?, ?) USING TIMESTAMP ?"
+    )
+    by_device = await db.prepared(
+        f"INSERT INTO {ks}.latest_events_by_device (tenant, device_id, state, ts) "
+        "VALUES (?, ?, ?, ?) USING TIMESTAMP ?"
+    )
+    devices = [f"d{i:03d}" for i in range(250)]
+    leftovers = {"d007", "d180"}  # in the first and the second read of 100
+    for i, device in enumerate(devices):
+        ts = t0 + i
+        await db.execute(by_state, (tenant, "alarm", device, ts, ts * 1000))
+        newest, state = (ts + 1000, "ok") if device in leftovers else (ts, "alarm")
+        await db.execute(by_device, (tenant, device, state, newest, newest * 1000))
+    config = make_config()
+    assert await _listed(db, config, tenant, "alarm") == set(devices) - leftovers
+    # Deleted as of the newest write, so a second look does not meet them.
+    rows = await db.execute(
+        f"SELECT device_id FROM {ks}.latest_events_by_state "
+        "WHERE tenant = %s AND state = 'alarm' AND bucket = 0 AND gen = 0",
+        (tenant,),
+    )
+    assert {r.device_id for r in rows} == set(devices) - leftovers
