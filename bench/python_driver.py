@@ -15,7 +15,9 @@ neighbour hurts all alike:
   ref, default ``BEFORE_PACKING``: main just before the Python path packed
   partitions into shared requests, what bench/results/python_driver.md
   compares with), extracted into a temp dir and put first on PYTHONPATH.
-  Omitted with ``--before ""``.
+  Omitted with ``--before ""``. ``--before-driver acsylla`` makes it
+  ``acsylla before`` (bench/results/acsylla_packing.md: acsylla before and
+  after it packed partitions too).
 
 Reported: per variant the median and min-max over the rounds, and the ratios
 python / acsylla of the medians and of each round.
@@ -231,7 +233,13 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=30_000, help="backlog per drain")
     parser.add_argument("--devices", type=int, default=1000)
     parser.add_argument(
-        "--before", default=BEFORE_PACKING, help='git ref of "python before" ("": none)'
+        "--before", default=BEFORE_PACKING, help='git ref of "DRIVER before" ("": none)'
+    )
+    parser.add_argument(
+        "--before-driver",
+        choices=("python", "acsylla"),
+        default="python",
+        help="the driver the --before code writes through",
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="cap per drain, s")
     parser.add_argument("--out", default=str(RESULTS / "python_driver"), help="results path stem")
@@ -250,7 +258,7 @@ def main() -> None:
         ("python", "python", None),
     ]
     if before is not None:
-        variants.append(("python before", "python", before))
+        variants.append((f"{args.before_driver} before", args.before_driver, before))
     db = BenchDb(rows.KEYSPACE)
     cases: list[Case] = []
     data: dict[str, Any] = {}

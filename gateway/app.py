@@ -263,6 +263,7 @@ async def open_gateway(
     async with AsyncExitStack() as stack:
         session = await stack.enter_async_context(open_write_session(config.cassandra))
         await _check_schema(session, config)
+        await session.plan_packing()
         log.info("writing to Cassandra through %s", session.name)
         cassandra = config.cassandra
         limit = InFlightLimit(

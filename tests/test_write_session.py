@@ -30,7 +30,9 @@ from gateway.store.write_session import (
     WriteSession,
     acsylla_installed,
     choose_driver,
+    every_node_holds_everything,
     open_write_session,
+    value_bytes,
 )
 
 from .helpers import ACSYLLA_PLATFORM, DRIVERS, make_config
@@ -135,12 +137,14 @@ async def test_reads_and_lightweight_transactions_give_dicts(
 
 
 @on_session_loop
-async def test_the_python_driver_packs_partitions_into_shared_batches(
+async def test_both_drivers_pack_partitions_into_shared_batches_on_one_node(
     session: WriteSession, db: Database, tenant: str
 ) -> None:
-    """Through acsylla one request per partition; through the Python driver up
-    to 10 partitions with the same replicas (here one node) per request, never
-    over PACK_BYTES of values, and every row lands."""
+    """Up to 10 partitions with the same replicas per request (the Python
+    driver asks its token map; acsylla packs because the one node holds every
+    partition), never over PACK_BYTES of values, and every row lands."""
+    await session.plan_packing()
+    assert session.batch_partitions == 10
     insert = await session.prepare(
         "INSERT INTO {keyspace}.latest_events_by_device (tenant, device_id, state, ts, value) "
         "VALUES (?, ?, ?, ?, ?) USING TIMESTAMP ?",
@@ -170,8 +174,8 @@ async def test_the_python_driver_packs_partitions_into_shared_batches(
         async with asyncio.timeout(30):
             await sink.submit(writes)
             await done.wait()
-    # Python: the 40 small ones in 4 batches of 10, the 3 big ones each alone.
-    assert stats.requests == (4 + 3 if session.name.startswith("python") else 43)
+    # The 40 small ones in 4 batches of 10, the 3 big ones each alone.
+    assert stats.requests == 4 + 3
     devices = ", ".join(f"'{d}'" for d in values)
     rows = await db.execute(
         f"SELECT device_id, value FROM {db.keyspace}.latest_events_by_device "
@@ -223,3 +227,23 @@ def test_without_acsylla_auto_is_python_and_acsylla_is_a_config_error(
 def test_unknown_driver_names_the_key() -> None:
     with pytest.raises(ConfigError, match=r"cassandra\.driver"):
         make_config(GATEWAY_CASSANDRA__DRIVER="java")
+
+
+def test_acsylla_packs_only_where_every_node_holds_every_partition() -> None:
+    simple = "org.apache.cassandra.locator.SimpleStrategy"
+    nts = "org.apache.cassandra.locator.NetworkTopologyStrategy"
+    assert every_node_holds_everything({"class": simple, "replication_factor": "1"}, ["dc1"])
+    assert every_node_holds_everything({"class": simple, "replication_factor": "3"}, ["dc1"] * 3)
+    assert not every_node_holds_everything({"class": simple, "replication_factor": "1"}, ["a"] * 3)
+    two_dcs = ["dc1"] * 3 + ["dc2"] * 2
+    assert every_node_holds_everything({"class": nts, "dc1": "3", "dc2": "2"}, two_dcs)
+    assert not every_node_holds_everything({"class": nts, "dc1": "3"}, two_dcs)
+    assert not every_node_holds_everything({"class": nts, "dc1": "2", "dc2": "2"}, two_dcs)
+    assert not every_node_holds_everything({}, ["dc1"])  # keyspace not found
+    assert not every_node_holds_everything({"class": simple}, ["dc1"])
+
+
+def test_value_bytes_estimates_what_a_row_binds() -> None:
+    assert value_bytes(["tenant", b"ab", 3, 2.5, None, UNSET, {"k": "vv", "n": 1.0}]) == (
+        6 + 2 + 8 + 8 + 0 + 0 + (1 + 2) + (1 + 8)
+    )

@@ -5,13 +5,13 @@ The table writers (``latest``, ``telemetry``, ``rejects``) turn a message into
 (``requests.py``: retries and the give-up deadline). Promises:
 
 * Rows of one partition are grouped into UNLOGGED batches of at most
-  ``pipeline.batch_max_rows`` (no batch log). Through acsylla, rows of
-  different partitions are never batched. Through the Python driver, whose
-  CPU goes mostly into requests rather than rows, such groups of partitions
-  with the same replicas share a request, up to the write session's
-  ``batch_partitions`` (10), ``batch_max_rows`` rows and ``PACK_BYTES`` of
-  values (``write_session.py``): each replica still applies every partition
-  on its own, and a retry resends the whole batch (every write is idempotent).
+  ``pipeline.batch_max_rows`` (no batch log). Groups of partitions with the
+  same replicas share a request, up to the write session's
+  ``batch_partitions`` (10 where the driver can tell replicas: always with
+  the Python driver, with acsylla when every node holds every partition; 1
+  otherwise), ``batch_max_rows`` rows and ``PACK_BYTES`` of values
+  (``write_session.py``): each replica still applies every partition on its
+  own, and a retry resends the whole batch (every write is idempotent).
 * At most ``limit`` requests are outstanding (``limit.py``: adapted to the
   measured latency, never above ``cassandra.max_in_flight``); ``submit`` waits
   for a free slot, which is how a slow Cassandra slows the reader down.
@@ -134,7 +134,7 @@ class Sink:
             for start in range(0, len(group), max_rows):
                 rows = group[start : start + max_rows]
                 statements = [bind(r.prepared, r.values) for r in rows]
-                size = sum(map(session.size, statements))
+                size = sum(session.size(s, r.values) for s, r in zip(statements, rows, strict=True))
                 key = session.replicas(statements[0])
                 pack = packs.get(key)
                 if pack is not None and (

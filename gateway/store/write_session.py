@@ -29,13 +29,20 @@ What both keep, so the stages don't care which one runs:
 * :attr:`WriteSession.transient` lists the errors worth retrying (timeouts,
   unavailable replicas, lost connections, overload), the sink's concern.
 
-Partitions per request (:attr:`WriteSession.batch_partitions`): acsylla sends
-one partition per request. The Python driver spends several times more CPU on
-a request (``execute_async``: query plan, timer, encoding, the IO thread's
-wake-up and callbacks) than on binding a row, so the sink packs up to 10
-partitions whose replicas are the same (:meth:`WriteSession.replicas`) into
-one UNLOGGED batch, under :data:`PACK_BYTES` of values
-(:meth:`WriteSession.size`). 10 and the size keep such batches under
+Partitions per request (:attr:`WriteSession.batch_partitions`): a request
+costs the gateway (and Cassandra) more than a row: through the Python driver
+several times more (``execute_async``: query plan, timer, encoding, the IO
+thread's wake-up and callbacks), through acsylla less but still the sink's
+task, the limiter and a callback. So the sink packs up to 10 partitions whose
+replicas are the same (:meth:`WriteSession.replicas`) into one UNLOGGED
+batch, under :data:`PACK_BYTES` of values (:meth:`WriteSession.size`). The
+Python driver knows each partition's replicas from its token map. acsylla has
+no token map to ask, so it packs only where the answer is known without one:
+when every node holds every partition (one node; or a replication factor of
+at least the number of nodes, in every data centre), checked once at start
+(:meth:`WriteSession.plan_packing`); otherwise it sends one partition per
+request. A node added later while packing only costs a forwarding hop for
+the partitions the coordinator does not hold. 10 and the size keep such batches under
 Cassandra's default warning thresholds (``unlogged_batch_across_partitions_warn_threshold``
 10, ``batch_size_warn_threshold`` 5 KiB) and far under the failure threshold
 (50 KiB), which a single-partition batch is exempt from.
@@ -46,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import AsyncIterator, Hashable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -135,9 +143,13 @@ class WriteSession(ABC):
         :attr:`batch_partitions` > 1): its replicas."""
         return None
 
-    def size(self, statement: Any) -> int:
-        """Bytes of a bound statement's values (when :attr:`batch_partitions` > 1)."""
-        return 0
+    def size(self, statement: Any, values: Sequence[Any]) -> int:
+        """Bytes of a bound statement's values (when :attr:`batch_partitions` > 1),
+        here estimated from ``values``: text and blobs by length, numbers 8."""
+        return value_bytes(values)
+
+    async def plan_packing(self) -> None:  # noqa: B027 - most drivers decide nothing
+        """Decide :attr:`batch_partitions` once connected (the keyspace exists)."""
 
     @abstractmethod
     async def tables(self) -> set[str] | None:
@@ -202,7 +214,7 @@ class PythonSession(WriteSession):
         # empty without one, where the policy cannot route either.
         return frozenset(self._db.cluster.metadata.get_replicas(self.keyspace, key))
 
-    def size(self, statement: Any) -> int:
+    def size(self, statement: Any, values: Sequence[Any]) -> int:
         return sum(len(v) for v in statement.values if isinstance(v, bytes))
 
     async def tables(self) -> set[str] | None:
@@ -220,11 +232,16 @@ class AcsyllaSession(WriteSession):
 
     def __init__(self, config: CassandraConfig, cluster: Any, session: Any) -> None:
         super().__init__(config)
-        from acsylla import create_batch_unlogged, errors  # noqa: PLC0415 - optional
+        from acsylla import (  # noqa: PLC0415 - optional
+            create_batch_unlogged,
+            create_statement,
+            errors,
+        )
 
         self._cluster = cluster
         self._session = session
         self._new_batch = create_batch_unlogged
+        self._create_statement = create_statement
         self.transient = (
             errors.CassErrorServerWriteTimeout,
             errors.CassErrorServerReadTimeout,
@@ -279,6 +296,31 @@ class AcsyllaSession(WriteSession):
             return []
         return [row.as_dict() for row in result]
 
+    def replicas(self, statement: Any) -> Hashable:
+        return None  # packing only when every node holds every partition
+
+    async def plan_packing(self) -> None:
+        dcs = [r["data_center"] for r in await self._query("SELECT data_center FROM system.local")]
+        dcs += [
+            r["data_center"] for r in await self._query("SELECT data_center FROM system.peers_v2")
+        ]
+        found = await self._query(
+            "SELECT replication FROM system_schema.keyspaces "
+            f"WHERE keyspace_name = '{self.keyspace}'"
+        )
+        replication = dict(found[0]["replication"]) if found else {}
+        if every_node_holds_everything(replication, dcs):
+            self.batch_partitions = 10
+            log.info(
+                "every one of the %d Cassandra nodes holds every partition: "
+                "up to %d partitions per request",
+                len(dcs),
+                self.batch_partitions,
+            )
+
+    async def _query(self, cql: str) -> Rows:
+        return await self.execute(self._create_statement(cql))
+
     async def tables(self) -> set[str] | None:
         meta = self._session.get_metadata()
         if self.keyspace not in meta.get_keyspaces():
@@ -291,6 +333,35 @@ class AcsyllaSession(WriteSession):
         finally:
             # Closes the socket pair the cluster uses to wake the event loop.
             self._cluster.destroy()
+
+
+def value_bytes(values: Sequence[Any]) -> int:
+    """About the bytes ``values`` bind to: text by characters (UTF-8 may be
+    more; PACK_BYTES leaves room), maps by their keys and values, others 8."""
+    size = 0
+    for value in values:
+        if isinstance(value, str | bytes):
+            size += len(value)
+        elif isinstance(value, dict):
+            size += sum(len(k) + (len(v) if isinstance(v, str) else 8) for k, v in value.items())
+        elif value is not None and value is not UNSET:
+            size += 8
+    return size
+
+
+def every_node_holds_everything(replication: dict[str, str], data_centres: list[str]) -> bool:
+    """Whether a keyspace with this replication (system_schema.keyspaces)
+    puts every partition on every one of these nodes (their data centres)."""
+    strategy = replication.get("class", "")
+    try:
+        if strategy.endswith("SimpleStrategy"):
+            return int(replication["replication_factor"]) >= len(data_centres)
+        if strategy.endswith("NetworkTopologyStrategy"):
+            nodes = Counter(data_centres)
+            return all(int(replication.get(dc, "0")) >= n for dc, n in nodes.items())
+    except (KeyError, ValueError):
+        return False
+    return False
 
 
 def _seconds(ms: int) -> float:
