@@ -23,6 +23,7 @@ Reported: per variant the median and min-max over the rounds, and the ratios
 python / acsylla of the medians and of each round.
 
 Usage: .venv/bin/python bench/python_driver.py [--rounds 3] [--count 30000] [--before REF]
+       [--before-driver python|acsylla]; --render RESULTS.json rewrites its .md
 Writes bench/results/python_driver.{json,md}.
 """
 
@@ -178,12 +179,13 @@ def summary(cases: list[Case]) -> dict[str, Any]:
 def markdown(data: dict[str, Any]) -> str:
     args, s = data["args"], data["summary"]
     cases = [Case(**c) for c in data["cases"]]
+    before = f"{args.get('before_driver', 'python')} before"
     lines = [
-        "# The Python driver's CPU per message against acsylla's",
+        "# The gateway's CPU per message through each driver, now and before",
         "",
         f"Command: `{data['command']}` ({data['when']}; this checkout at {data['commit']}"
         + (
-            f", `python before` = {args['before']} at {data['before_commit']}"
+            f", `{before}` = {args['before']} at {data['before_commit']}"
             if data.get("before_commit")
             else ""
         )
@@ -287,5 +289,13 @@ def main() -> None:
     print(markdown(data))
 
 
+def render(path: Path) -> None:
+    """Rewrite the .md of a results .json (after a change to the report)."""
+    path.with_suffix(".md").write_text(markdown(json.loads(path.read_text())))
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--render"]:
+        render(Path(sys.argv[2]))
+        sys.exit(0)
     main()
