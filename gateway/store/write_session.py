@@ -4,8 +4,8 @@ Two drivers sit behind one small interface, chosen by ``cassandra.driver``:
 
 * ``acsylla``: asyncio over the DataStax C++ driver. It costs about a quarter
   of the CPU per request of the Python driver (``bench/drivers.py``); with
-  the Python driver's requests packed (below), the gateway's CPU per message
-  is no higher through it (``bench/python_driver.py``). Wheels exist for
+  both drivers' requests packed (below), the gateway spends about 1.45x the
+  CPU per message through the Python driver (``bench/results/acsylla_packing.md``). Wheels exist for
   Linux x86_64 (and macOS); it is installed there with the gateway.
 * ``python``: the DataStax Python driver (``cassandra-driver``), available on
   every platform. The CLI's reads and ``schema apply`` always use it.
