@@ -6,20 +6,24 @@ gateway writes for each event (bench/rows.py: same prepared statements, same
 USING TIMESTAMP) go out through the gateway's own write session
 (gateway/store/write_session.py: the same driver, chosen the same way, with the same
 settings), ``concurrency`` statements in flight, each completion sending the
-next. One run per concurrency level, each into its own tenant; no MQTT, no
-batching.
+next. One run per concurrency level, each into its own tenant; no MQTT.
+Statements go ``--pack`` to a request (an UNLOGGED batch of that many rows,
+of different partitions; default 10), as the gateway packs up to 10
+partitions per request where their replicas agree (one node here); ``--pack
+1`` sends one statement per request, the ceiling before the gateway packed.
 
 Writes a JSON report (per level: events, statements, seconds, CPU seconds of
 this process, failures, and the events written so the harness can check them).
 Usage (from bench/run.py):
     python bench/ceiling.py --prefix T --devices 1000 --count 20000 --levels 32,64 --out F \
-        [--driver auto|acsylla|python]
+        [--driver auto|acsylla|python] [--pack 10]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import time
@@ -83,18 +87,21 @@ def statements_of(statements: Statements, events: list[Event]) -> Iterator[tuple
 
 
 async def write_all(
-    session: WriteSession, rows: Iterator[tuple[Any, Any]], concurrency: int
+    session: WriteSession, rows: Iterator[tuple[Any, Any]], concurrency: int, pack: int
 ) -> tuple[int, list[str]]:
-    """``concurrency`` writers, each sending its next row when the last one is done."""
+    """``concurrency`` writers, each sending its next ``pack`` rows when the
+    last request is done."""
     sent = 0
     failures: list[str] = []
 
     async def writer() -> None:
         nonlocal sent
-        for prepared, values in rows:  # one shared iterator: each row goes once
-            sent += 1
+        # One shared iterator: each row goes once.
+        while group := list(itertools.islice(rows, pack)):
+            sent += len(group)
+            bound = [session.bind(prepared, values) for prepared, values in group]
             try:
-                await session.execute(session.bind(prepared, values))
+                await session.execute(bound[0] if len(bound) == 1 else session.batch(bound))
             except Exception as exc:
                 failures.append(repr(exc))
 
@@ -116,7 +123,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             events = decoded_events(tenant, args.devices, args.count)
             statements = Statements(prepared)
             cpu0, t0 = cpu_seconds(), time.monotonic()
-            sent, failures = await write_all(session, statements_of(statements, events), level)
+            sent, failures = await write_all(
+                session, statements_of(statements, events), level, args.pack
+            )
             elapsed, cpu = time.monotonic() - t0, cpu_seconds() - cpu0
             print(
                 f"level {level}: {len(events)} events, {sent} statements in {elapsed:.2f} s "
@@ -147,6 +156,7 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=20000)
     parser.add_argument("--levels", default="32,64,128,256")
     parser.add_argument("--driver", default="auto", choices=["auto", "acsylla", "python"])
+    parser.add_argument("--pack", type=int, default=10, help="statements per request")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     report = uvloop.run(run(args))
