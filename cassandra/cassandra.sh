@@ -171,7 +171,10 @@ where() {
 wait_node() {
     node "$1"
     local pid
-    pid="$(running_pid)" || die "$(where)not running (no live pid in $pidfile); see $logdir/console.log"
+    pid="$(running_pid)" || {
+        echo "cassandra: $(where)not running (no live pid in $pidfile); see $logdir/console.log" >&2
+        return 1
+    }
     "$PYTHON" "$here/wait_ready.py" --host "$addr" --port "$CQL_PORT" --deadline "$CASSANDRA_READY_DEADLINE" \
         --pid "$pid" --log "$logdir/system.log" --console "$logdir/console.log"
 }
@@ -192,10 +195,24 @@ start() {
         return 0
     fi
     # One at a time: a node joins once the one before it answers CQL.
-    local i
+    local i tries
     for i in $(seq 1 "$CASSANDRA_NODES"); do
+        tries=1
         start_node "$i"
-        wait_node "$i"
+        until wait_node "$i"; do
+            # On a loaded box a joining node can give up on the seed's gossip
+            # within the short ring delay used here ("Unable to contact any
+            # seeds"; seen once in CI). It never joined, so nothing is lost:
+            # clear it and start it again.
+            if ((tries >= 3)) || ! grep -q "Unable to contact any seeds" "$logdir/system.log"; then
+                die "$(where)did not start; see $logdir/system.log"
+            fi
+            tries=$((tries + 1))
+            echo "$(label): did not reach the seed in time; starting it again (attempt $tries of 3)"
+            rm -rf "$storage"
+            sleep 3
+            start_node "$i"
+        done
     done
 }
 
