@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import time
 import uuid
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import aiomqtt
@@ -15,7 +19,7 @@ import pytest
 from gateway.config import MqttConfig
 from gateway.tools.simulate import Fleet, FleetSpec, PublishStats, noisy_device_ids, publish
 
-from .helpers import MQTT_HOST, MQTT_PORT
+from .helpers import MQTT_HOST, MQTT_PORT, base_env, free_port, reachable, run_cli
 
 NOW_MS = 1_700_000_000_000
 
@@ -220,3 +224,46 @@ async def test_publish_duration_stops() -> None:
         stats = await publish(spec, _broker(), duration=0.3)
     # The schedule never goes past rate * duration messages.
     assert 0 < stats.sent <= 60
+
+
+def test_the_cli_says_in_one_line_when_the_broker_is_missing_or_goes_away(
+    tmp_path: Path,
+) -> None:
+    """Refused at start, and lost mid-run (a real Mosquitto of the test's own,
+    stopped under the simulator): exit 1 with one line, never a traceback."""
+    port = free_port()
+    env = base_env(GATEWAY_MQTT__PORT=str(port))
+    args = ("simulate", "--devices", "5", "--rate", "50", "--tenant", f"sim-{uuid.uuid4().hex}")
+    refused = run_cli(*args, "--count", "3", env=env, timeout=60)
+    assert refused.returncode == 1, refused.stderr
+    assert f"gateway: simulate: lost or no broker at 127.0.0.1:{port}" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+    conf = tmp_path / "mosquitto.conf"
+    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\n")
+    broker = subprocess.Popen(["mosquitto", "-c", str(conf)], stderr=subprocess.DEVNULL)
+    try:
+        wait_until_listening(port)
+        sim = subprocess.Popen(
+            [sys.executable, "-m", "gateway", *args, "--duration", "60"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(2)  # publishing by now
+        assert sim.poll() is None, sim.communicate()
+    finally:
+        broker.terminate()
+        broker.wait(10)
+    _, err = sim.communicate(timeout=60)
+    assert sim.returncode == 1, err
+    assert f"gateway: simulate: lost or no broker at 127.0.0.1:{port}" in err
+    assert "Traceback" not in err
+
+
+def wait_until_listening(port: int, seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not reachable(port):
+        assert time.monotonic() < deadline, f"nothing listens on {port}"
+        time.sleep(0.05)

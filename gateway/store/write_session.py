@@ -312,9 +312,10 @@ class AcsyllaSession(WriteSession):
         if every_node_holds_everything(replication, dcs):
             self.batch_partitions = 10
             log.info(
-                "every one of the %d Cassandra nodes holds every partition: "
+                "Cassandra nodes: %d, each holding every partition of %r: "
                 "up to %d partitions per request",
                 len(dcs),
+                self.keyspace,
                 self.batch_partitions,
             )
 

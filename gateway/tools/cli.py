@@ -627,7 +627,15 @@ async def _simulate(config: Config, args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, task.cancel)
     try:
-        stats = await task
+        try:
+            stats = await task
+        except* aiomqtt.MqttError as lost:
+            # Refused at start, or the broker went away mid-run (then the
+            # publishers' errors arrive in a group): one line, not a traceback.
+            where = f"{config.mqtt.host}:{config.mqtt.port}"
+            raise GatewayError(
+                f"simulate: lost or no broker at {where}: {_first(lost)}"
+            ) from None
     except asyncio.CancelledError:
         return 0
     print(f"simulate: sent {stats.sent} messages in {stats.elapsed_s:.1f} s ({stats.rate:.0f}/s)")
@@ -709,6 +717,14 @@ def _main(argv: Sequence[str] | None) -> int:
         for err in errors:
             print(f"gateway: {err}", file=sys.stderr)
         return 2 if any(isinstance(err, ConfigError) for err in errors) else 1
+
+
+def _first(group: BaseExceptionGroup[Any]) -> BaseException:
+    """The first error of a group, however nested (TaskGroups in TaskGroups)."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
 
 
 def _gateway_errors(exc: BaseException) -> list[GatewayError]:
