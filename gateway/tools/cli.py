@@ -633,9 +633,7 @@ async def _simulate(config: Config, args: argparse.Namespace) -> int:
             # Refused at start, or the broker went away mid-run (then the
             # publishers' errors arrive in a group): one line, not a traceback.
             where = f"{config.mqtt.host}:{config.mqtt.port}"
-            raise GatewayError(
-                f"simulate: lost or no broker at {where}: {_first(lost)}"
-            ) from None
+            raise GatewayError(f"simulate: lost or no broker at {where}: {_first(lost)}") from None
     except asyncio.CancelledError:
         return 0
     print(f"simulate: sent {stats.sent} messages in {stats.elapsed_s:.1f} s ({stats.rate:.0f}/s)")
