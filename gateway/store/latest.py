@@ -19,8 +19,8 @@ Promises and bounds:
   ``pipeline.max_states_per_tenant`` states; an event with one more is rejected
   (reason ``too_many_states``).
 * The writer knows each device's newest state-bearing write for sure: a
-  read of latest_events_by_device (one per tenant and up to NEWEST_IN devices
-  of a chunk, ``device_id IN (...)``) the first time it meets the device since
+  read of latest_events_by_device (one per tenant and up to 100 devices of
+  a chunk, ``device_id IN (...)``: ``Requests.read_keys``) the first time it meets the device since
   start-up (or since the device left its memory, an LRU of
   ``pipeline.device_cache_size`` devices), merged with what this process
   writes after. An event older than that newest write writes nothing to the
@@ -59,7 +59,6 @@ Promises and bounds:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import zlib
@@ -79,10 +78,6 @@ from .sink import Pending, Write
 from .write_session import UNSET, Prepared, WriteSession
 
 log = logging.getLogger(__name__)
-
-# Devices per read of their newest writes (one partition key IN list): a
-# chunk of 500 devices met for the first time costs 5 requests, not 500.
-NEWEST_IN = 100
 
 MAX_TENANTS = 10_000
 
@@ -275,25 +270,11 @@ class LatestState:
         """The newest state-bearing write of these devices, for sure: Cassandra's,
         merged with what this process has written since."""
         self._stats.newest_reads += len(keys)
-        by_tenant: dict[str, list[str]] = {}
-        for tenant, device in keys:
-            by_tenant.setdefault(tenant, []).append(device)
-        reads = [
-            (tenant, devices[start : start + NEWEST_IN])
-            for tenant, devices in by_tenant.items()
-            for start in range(0, len(devices), NEWEST_IN)
-        ]
-        answers = await asyncio.gather(
-            *(self._requests.execute(self._newest_state, read) for read in reads)
-        )
-        stored = {
-            (tenant, row["device_id"]): row["wt"]
-            for (tenant, _), rows in zip(reads, answers, strict=True)
-            for row in rows
-        }
+        newest = self._newest_state
+        stored = await self._requests.read_keys(keys, lambda prefix: (newest, prefix), "device_id")
         for key in keys:
             entry = self._newest.peek(key)
-            found = stored.get(key)
+            found = stored.get(key, {}).get("wt")
             if found is not None:
                 wt = int(found)
                 if entry is None:

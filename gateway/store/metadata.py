@@ -11,8 +11,8 @@ then turns an event's entries into rows. Promises:
   in an LRU of ``metadata.cache_size``; an entry seen again costs nothing.
   Those not in the LRU (new, forgotten, or stored before a restart) are
   looked up (``metadata_reads`` counts them) with one read per partition and
-  chunk, ``clustering IN (...)`` of up to IN_MAX of them (at most the in-flight
-  limit of such reads at once): a chunk of 500 new devices sharing a few tag
+  chunk, ``clustering IN (...)`` of up to 100 of them (``Requests.read_keys``;
+  at most the in-flight limit of such reads at once): a chunk of 500 new devices sharing a few tag
   values costs a few reads, not a thousand, which over a slow link had cost
   several round trips per chunk. An entry found is remembered, neither
   written nor counted.
@@ -70,8 +70,6 @@ MAX_ATTEMPTS = 8
 Entry = tuple[str, ...]
 # When the cap lets only part of a chunk's new entries in: names and keys first.
 _PRIORITY = {"m": 0, "k": 1, "v": 2, "d": 3}
-# Clustering values per existence read (one partition, ``IN (...)``).
-IN_MAX = 100
 
 
 def entries(event: Event) -> Iterator[Entry]:
@@ -158,23 +156,10 @@ class Metadata:
     async def _absent(self, wanted: list[Entry]) -> list[Entry]:
         """The entries whose rows are not in Cassandra; the others are remembered."""
         self._stats.metadata_reads += len(wanted)
-        execute, exists = self._requests.execute_in_slot, self._exists
-        by_partition: dict[Entry, list[str]] = {}
-        for entry in wanted:
-            by_partition.setdefault(entry[:-1], []).append(entry[-1])
-        reads = [
-            (partition, values[start : start + IN_MAX])
-            for partition, values in by_partition.items()
-            for start in range(0, len(values), IN_MAX)
-        ]
-        answers = await asyncio.gather(
-            *(execute(exists[p[0]], (*p[1:], values)) for p, values in reads)
+        exists = self._exists
+        present = await self._requests.read_keys(
+            wanted, lambda prefix: (exists[prefix[0]], prefix[1:]), "found", in_slot=True
         )
-        present = {
-            (*partition, row["found"])
-            for (partition, _), rows in zip(reads, answers, strict=True)
-            for row in rows
-        }
         absent: list[Entry] = []
         for entry in wanted:
             if entry in present:

@@ -25,6 +25,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..config import CassandraConfig
@@ -37,6 +38,11 @@ log = logging.getLogger(__name__)
 
 BACKOFF_MIN = 0.05
 BACKOFF_MAX = 10.0
+# Last values per read of :meth:`Requests.read_keys` (one ``IN`` list): a chunk
+# of 500 devices met for the first time costs 5 requests, not 500.
+IN_MAX = 100
+# A key read by :meth:`Requests.read_keys`: partition (or prefix), last value.
+Key = tuple[str, ...]
 
 
 class Requests:
@@ -80,6 +86,40 @@ class Requests:
             return await self.execute(prepared, values)
         finally:
             limit.release()
+
+    async def read_keys(
+        self,
+        keys: Iterable[Key],
+        statement: Callable[[Key], tuple[Prepared, tuple[Any, ...]]],
+        column: str,
+        *,
+        in_slot: bool = False,
+    ) -> dict[Key, dict[str, Any]]:
+        """The rows of many keys, each a partition (or its prefix) plus one last
+        value: one read per prefix and up to IN_MAX last values, at once.
+        ``statement(prefix)`` gives the prepared statement, which ends in
+        ``... IN ?``, and the values before that list; ``column`` is the one
+        that holds a row's last value. Keys without a row are left out."""
+        by_prefix: dict[Key, list[str]] = {}
+        for key in keys:
+            by_prefix.setdefault(key[:-1], []).append(key[-1])
+        reads = [
+            (prefix, values[start : start + IN_MAX])
+            for prefix, values in by_prefix.items()
+            for start in range(0, len(values), IN_MAX)
+        ]
+        execute = self.execute_in_slot if in_slot else self.execute
+
+        async def read(prefix: Key, values: list[str]) -> Rows:
+            prepared, before = statement(prefix)
+            return await execute(prepared, (*before, values))
+
+        answers = await asyncio.gather(*(read(prefix, values) for prefix, values in reads))
+        return {
+            (*prefix, row[column]): row
+            for (prefix, _), rows in zip(reads, answers, strict=True)
+            for row in rows
+        }
 
     async def send(self, request: Any, rows: int) -> Rows:
         """A bound statement or batch of ``rows`` statements, with retries."""
