@@ -203,3 +203,25 @@ async def test_two_instances_on_one_tenant_stay_within_its_cap(db: Database, ten
     # The two entries both instances carry (metric value, tag key serial) may
     # be found absent by both and written by both: counted twice, stored once.
     assert written - 2 <= await _stored(db, tenant, 2 * n) <= written
+
+
+async def test_past_the_cache_bound_an_entry_is_read_again_not_written_or_counted(
+    db: Database, tenant: str
+) -> None:
+    """metadata.cache_size bounds what the writer remembers: an entry it
+    forgot costs one read when seen again (counted), never a second write
+    or a second place against the tenant's cap."""
+    config = make_config(GATEWAY_METADATA__CACHE_SIZE="100", GATEWAY_TOPICS=TOPICS)
+    # 60 devices with a tag value each: value, serial, 60 values, 60 device pairs.
+    first = [(topic(tenant, f"d{i}"), event({"serial": f"s{i}"})) for i in range(60)]
+    async with running_gateway(config) as gw:
+        await publish(first)
+        await gw.wait_handled(len(first))
+        assert gw.stats.metadata_writes == 2 + 60 + 60
+        reads = gw.stats.metadata_reads
+        # d0's value and device pair were among the oldest, so forgotten.
+        await publish(first[:1])
+        await gw.wait_handled(len(first) + 1)
+        assert gw.stats.metadata_reads == reads + 2
+        assert gw.stats.metadata_writes == 2 + 60 + 60
+    assert await queries.meta_entry_count(db, tenant) == 2 + 60 + 60

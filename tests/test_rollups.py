@@ -303,3 +303,74 @@ async def test_the_worker_waits_while_writes_are_being_retried(db: Database) -> 
     assert w.cursor_ms == first
     await asyncio.sleep(1.1)  # the grace period with no further retry
     assert await w.catch_up() >= 1
+
+
+async def test_rollup_ttls_are_the_tenants_own(
+    db: Database, tenant: str, gateway: RunningGateway
+) -> None:
+    """rollup_ttl_1m / rollup_ttl_1h set for one tenant apply to its aggregates
+    only; every other tenant keeps the defaults (90 days and 2 years)."""
+    other = f"{tenant}x"
+    first = minute_now()
+    start = BASE + 30 * MINUTE_MS
+    sent = [Ev(start + i * 1000, float(i), {}) for i in range(3)]
+    await publish_and_wait(
+        gateway,
+        [(topic(t, "meter"), e.payload()) for t in (tenant, other) for e in sent],
+    )
+    config = make_config(
+        **{
+            f"GATEWAY_TENANTS__{tenant.upper()}__ROLLUP_TTL_1M": "2h",
+            f"GATEWAY_TENANTS__{tenant.upper()}__ROLLUP_TTL_1H": "3d",
+        }
+    )
+    assert config.tenant(tenant).rollup_ttl_1m == 7200
+    w = RollupWorker(db, config, Stats(), name=f"test-{uuid.uuid4().hex[:8]}")
+    await w.start(first)
+    await settle(w, first)
+
+    async def ttls(t: str, step: int, start_ms: int) -> list[int]:
+        rows = await db.execute(
+            f"SELECT TTL(count) AS ttl FROM {db.keyspace}.rollups WHERE tenant = %s "
+            "AND device_id = 'meter' AND step = %s AND bucket = %s AND metric = 'value'",
+            (t, step, datetime.fromtimestamp(queries.rollup_bucket(start_ms, step) / 1000, UTC)),
+        )
+        return [r.ttl for r in rows]
+
+    hour = start - start % HOUR_MS
+    day = 86400
+    for t, (ttl_1m, ttl_1h) in ((tenant, (7200, 3 * day)), (other, (90 * day, 730 * day))):
+        # Each row's TTL as set, less the seconds since it was written.
+        for got, want in ((await ttls(t, 60, start), ttl_1m), (await ttls(t, 3600, hour), ttl_1h)):
+            assert got, (t, want)
+            assert all(want - 120 < ttl <= want for ttl in got), (t, got, want)
+
+
+async def test_at_the_mark_cache_bound_a_forgotten_mark_is_written_again_and_counted(
+    db: Database, tenant: str, worker: RollupWorker
+) -> None:
+    """rollups.mark_cache_size bounds what the writer remembers; past it a
+    mark is forgotten (counted), written again when its window is touched
+    again, and no window goes without its roll-up."""
+    topics = '[{template = "rollup-bound/{tenant}/devices/{device_id}/events"}]'
+    config = make_config(GATEWAY_TOPICS=topics, GATEWAY_ROLLUPS__MARK_CACHE_SIZE="100")
+    first = minute_now()
+    start = BASE + 40 * MINUTE_MS
+
+    def message(device: str, i: int) -> tuple[str, bytes]:
+        return f"rollup-bound/{tenant}/devices/{device}/events", Ev(start + i, 1.0, {}).payload()
+
+    async with running_gateway(config) as gw:
+        # One window each for 150 devices: the first 50 marks are forgotten.
+        await publish_and_wait(gw, [message(f"d{i:03}", 0) for i in range(150)])
+        assert (gw.stats.rollup_marks, gw.stats.rollup_mark_evictions) == (150, 50)
+        # d000's mark was forgotten: touching its window writes it again.
+        await publish_and_wait(gw, [message("d000", 1)])
+        assert (gw.stats.rollup_marks, gw.stats.rollup_mark_evictions) == (151, 51)
+    await settle(worker, first)
+    since = datetime.fromtimestamp(start / 1000, UTC)
+    for i in range(150):
+        got = await queries.rollups(
+            db, tenant, f"d{i:03}", "value", 60, since, since + timedelta(minutes=1)
+        )
+        assert [r.count for r in got] == [2 if i == 0 else 1], i

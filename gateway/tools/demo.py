@@ -59,6 +59,8 @@ HINTS = """\
    .venv/bin/gateway device  --tenant demo dev-000001      # latest event
    .venv/bin/gateway history --tenant demo dev-000001 --since 10m
    .venv/bin/gateway rejected --tenant demo                # bad messages, if any
+   .venv/bin/gateway rollup --tenant demo dev-000001 --metric temperature --step 1m
+   .venv/bin/gateway meta tags --tenant demo               # tag keys (also: metrics, values)
    mosquitto_pub -q 1 -t tenants/demo/devices/lamp-1/events \\
        -m '{{"ts": "2026-01-01T12:00:00Z", "state": "on", "value": "manual"}}'
 
