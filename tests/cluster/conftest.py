@@ -1,7 +1,7 @@
-"""The three-node cluster's tests: `make test-cluster` starts Cassandra as
-three nodes on 127.0.0.1..3 (CASSANDRA_NODES=3), runs tests/cluster/ (marked
-`cluster` by tests/conftest.py) and stops the cluster. `make test` leaves them
-out: they need the cluster, which replaces the single node.
+"""The three-node cluster's tests: `make test-cluster` (the last part of `make
+test`) starts Cassandra as three nodes on 127.0.0.1..3 (CASSANDRA_NODES=3),
+runs tests/cluster/ (marked `cluster` by tests/conftest.py) and stops the
+cluster. They run apart from the rest: the cluster replaces the single node.
 
 They write to a keyspace of their own with replication factor 3, at the
 gateway's default consistency, LOCAL_QUORUM.
@@ -40,6 +40,16 @@ def node_script(action: str, node: int) -> None:
         check=False,
     )
     assert result.returncode == 0, f"cassandra.sh {action} {node}: {result.stdout}{result.stderr}"
+
+
+@pytest.fixture(autouse=True)
+def all_nodes_up(keyspace: str) -> None:
+    """Each test starts on the whole cluster: a node an earlier test left down
+    is started (and waited for) here, not at the end of that test, so the last
+    test does not wait for a node nobody needs any more."""
+    for i, host in enumerate(NODES, 1):
+        if not reachable(CQL_PORT, host):
+            node_script("start-node", i)
 
 
 @pytest.fixture(scope="session")
