@@ -6,7 +6,10 @@
 #
 #   cassandra.sh fetch    resolve cassandra-all + runtime deps into $STATE_DIR/cassandra/lib (once)
 #   cassandra.sh start    start the node(s) in the background, one at a time (each once
-#                         the one before answers CQL); pids in $STATE_DIR/run/
+#                         the one before answers CQL): the seed 127.0.0.2 first, 127.0.0.1
+#                         last; pids in $STATE_DIR/run/
+#   cassandra.sh start-others   a cluster's nodes but 127.0.0.1, the same way: they can
+#                         start while the single node still runs (make test does so)
 #   cassandra.sh wait     wait until every node answers CQL (deadline $CASSANDRA_READY_DEADLINE s each)
 #   cassandra.sh stop     stop the pids we started (TERM, then KILL after 30 s); nothing else
 #   cassandra.sh status   a line per node: running or not, pid, CQL address; non-zero if one is down
@@ -35,7 +38,9 @@ lib="$STATE_DIR/cassandra/lib"
 # Where node I lives: sets addr, jmx, pidfile, logdir, storage and conf. One node
 # keeps the single-node layout ($STATE_DIR/cassandra, run/cassandra.pid, JMX 7199);
 # a cluster's node I is under $STATE_DIR/cassandra-cluster/nodeI, so a cluster and
-# the single node never share data (and they can't run together: both use 127.0.0.1).
+# the single node never share data. Only the cluster's node 1 and the single node
+# can't run together (both use 127.0.0.1), so the cluster's seed is node 2, and
+# nodes 2..N can start while the single node still serves.
 node() {
     local i="$1"
     [[ "$i" =~ ^[1-9]$ && "$i" -le "$CASSANDRA_NODES" ]] \
@@ -88,11 +93,11 @@ fetch() {
     touch "$stamp"
 }
 
-# The other layout's pid files: a cluster and the single node both want 127.0.0.1.
+# The other layout's node on 127.0.0.1: the single node, or the cluster's node 1.
 other_layout_running() {
     local f pid
     if [[ "$CASSANDRA_NODES" == 1 ]]; then
-        set -- "$STATE_DIR"/run/cassandra-node*.pid
+        set -- "$STATE_DIR/run/cassandra-node1.pid"
     else
         set -- "$STATE_DIR/run/cassandra.pid"
     fi
@@ -126,6 +131,7 @@ start_node() {
         token="$("$PYTHON" -c "print(-2**63 + ($1 - 1) * 2**64 // $CASSANDRA_NODES)")"
         sed -e "s/^listen_address: .*/listen_address: $addr/" \
             -e "s/^rpc_address: .*/rpc_address: $addr/" \
+            -e "s/- seeds: .*/- seeds: \"127.0.0.2:7000\"/" \
             -e "s/^cluster_name: .*/cluster_name: gateway-cluster/" \
             "$here/cassandra.yaml" >"$conf"
         echo "initial_token: $token" >>"$conf"
@@ -194,25 +200,38 @@ start() {
         start_node 1
         return 0
     fi
-    # One at a time: a node joins once the one before it answers CQL.
-    local i tries
-    for i in $(seq 1 "$CASSANDRA_NODES"); do
-        tries=1
+    start_others
+    start_joined 1
+}
+
+# A cluster's nodes 2..N, one at a time: the seed (2) first, each once the one
+# before answers CQL. Node 1 is not touched, so the single node may still run.
+start_others() {
+    [[ "$CASSANDRA_NODES" != 1 ]] || die "start-others is for a cluster (CASSANDRA_NODES=3)"
+    check_java
+    fetch
+    local i
+    for i in $(seq 2 "$CASSANDRA_NODES"); do
+        start_joined "$i"
+    done
+}
+
+start_joined() {
+    local i="$1" tries=1
+    start_node "$i"
+    until wait_node "$i"; do
+        # On a loaded box a joining node can give up on the seed's gossip
+        # within the short ring delay used here ("Unable to contact any
+        # seeds"; about one clean-clone run in three). It never joined, so
+        # nothing is lost: clear it and start it again.
+        if ((tries >= 3)) || ! grep -q "Unable to contact any seeds" "$logdir/system.log"; then
+            die "$(where)did not start; see $logdir/system.log"
+        fi
+        tries=$((tries + 1))
+        echo "$(label): did not reach the seed in time; starting it again (attempt $tries of 3)"
+        rm -rf "$storage"
+        sleep 3
         start_node "$i"
-        until wait_node "$i"; do
-            # On a loaded box a joining node can give up on the seed's gossip
-            # within the short ring delay used here ("Unable to contact any
-            # seeds"; seen once in CI). It never joined, so nothing is lost:
-            # clear it and start it again.
-            if ((tries >= 3)) || ! grep -q "Unable to contact any seeds" "$logdir/system.log"; then
-                die "$(where)did not start; see $logdir/system.log"
-            fi
-            tries=$((tries + 1))
-            echo "$(label): did not reach the seed in time; starting it again (attempt $tries of 3)"
-            rm -rf "$storage"
-            sleep 3
-            start_node "$i"
-        done
     done
 }
 
@@ -296,6 +315,7 @@ nodetool() {
 case "${1:-}" in
     fetch) check_java; fetch ;;
     start) start ;;
+    start-others) start_others ;;
     wait) wait_ready ;;
     stop) stop ;;
     status) status ;;
@@ -303,5 +323,5 @@ case "${1:-}" in
     stop-node) stop_node "${2:-}" ;;
     kill-node) kill_node "${2:-}" ;;
     nodetool) shift; nodetool "$@" ;;
-    *) echo "usage: $0 fetch|start|wait|stop|status|start-node I|stop-node I|kill-node I|nodetool ARGS..." >&2; exit 2 ;;
+    *) echo "usage: $0 fetch|start|start-others|wait|stop|status|start-node I|stop-node I|kill-node I|nodetool ARGS..." >&2; exit 2 ;;
 esac
