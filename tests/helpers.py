@@ -498,6 +498,20 @@ class Publisher:
                 await asyncio.sleep(0.5)
 
 
+def stored_at_least(
+    db: Database, tenant: str, publisher: Publisher, at_least: int
+) -> Callable[[], Awaitable[bool]]:
+    """A wait_until predicate: the gateway has stored `at_least` of the publisher's events."""
+
+    async def predicate() -> bool:
+        stored = 0
+        for i in range(publisher.devices):
+            stored += len(await telemetry_keys(db, tenant, f"d{i}"))
+        return stored >= at_least
+
+    return predicate
+
+
 async def assert_all_stored(
     db: Database, tenant: str, publisher: Publisher, deadline: float = 120
 ) -> None:

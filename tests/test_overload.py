@@ -11,7 +11,7 @@ from pathlib import Path
 
 from gateway.store.database import Database
 
-from ..helpers import Publisher, assert_all_stored, make_config, proxy, rss_mb, running_gateway
+from .helpers import Publisher, assert_all_stored, make_config, proxy, rss_mb, running_gateway
 
 
 async def test_ten_times_overload_is_absorbed_and_drained(

@@ -1,6 +1,10 @@
 """The gateway killed with SIGKILL mid-stream, several times, and restarted:
 nothing is lost, and the duplicates that at-least-once delivery causes change
-nothing (event-time write timestamps, content-hash row keys)."""
+nothing (event-time write timestamps, content-hash row keys). SIGTERM under
+load: it finishes what it holds, and the rest waits in the broker.
+
+They stop only the gateway's own subprocess, so they run beside the other
+tests (tests/faults/ is for those that restart the shared services)."""
 
 from __future__ import annotations
 
@@ -14,7 +18,16 @@ from datetime import UTC
 from gateway.store.database import Database
 from gateway.tools.simulate import Fleet, FleetSpec
 
-from ..helpers import GatewayProcess, device_row, publish, telemetry_keys, wait_until
+from .helpers import (
+    GatewayProcess,
+    Publisher,
+    assert_all_stored,
+    device_row,
+    publish,
+    stored_at_least,
+    telemetry_keys,
+    wait_until,
+)
 
 
 def _publish_in_thread(messages: list[tuple[str, bytes]], done: list[int]) -> threading.Thread:
@@ -83,3 +96,27 @@ async def test_sigkill_mid_stream_loses_nothing(
     gw.signal(signal.SIGTERM)
     assert gw.wait() == 0
     assert "stopped: received=" in gw.output()
+
+
+async def test_sigterm_under_load_finishes_what_it_holds(
+    db: Database, tenant: str, gateway_process: Callable[..., GatewayProcess]
+) -> None:
+    gw = gateway_process(GATEWAY_SAMPLING__ENABLED="false")
+    gw.start()
+    assert gw.proc is not None
+    publisher = Publisher(tenant, devices=30, rate=1000, count=6000)
+    publisher.start()
+    # Under load: the gateway is storing the stream (6000 events over 6 s).
+    await wait_until(stored_at_least(db, tenant, publisher, 1000), 60, "1000 events stored")
+    gw.signal(signal.SIGTERM)
+    # It stops by itself within its shutdown deadline (10 s): exit code 0, and
+    # the CLI's backstop (deadline + 5 s, then cancel and exit 1) never fired.
+    assert gw.wait(timeout=30) == 0
+    assert "shutdown took over" not in gw.output()
+    assert "stopped: received=" in gw.output()
+    # The rest waits in the broker for the next run.
+    gw.start()
+    await asyncio.to_thread(publisher.join, 120)
+    await assert_all_stored(db, tenant, publisher)
+    gw.signal(signal.SIGTERM)
+    assert gw.wait() == 0
