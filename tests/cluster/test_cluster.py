@@ -138,51 +138,30 @@ async def test_writes_go_to_the_partitions_replica(driver: str) -> None:
         admin.shutdown()
 
 
-async def test_one_node_killed_then_back_loses_nothing_and_catches_up(
+async def test_one_node_then_two_down_then_back_loses_nothing_and_catches_up(
     db: Database, tenant: str, gateway_process: Callable[..., GatewayProcess]
 ) -> None:
-    gw, publisher = await _steady_gateway(gateway_process, tenant, rate=100, seconds=20)
+    """One scenario under a steady publish (one gateway start, one publisher):
+    node 3 SIGKILLed, writes go on; node 2 too, writes stop with nothing
+    acknowledged; node 2 back, the backlog drains; node 3 back, the hints
+    catch it up."""
+    gw, publisher = await _steady_gateway(gateway_process, tenant, rate=100, seconds=25)
     await asyncio.to_thread(node_script, "kill-node", 3)
-    try:
-        # Writes go on with 2 of 3 replicas: LOCAL_QUORUM is 2.
-        before = written(gw)
-        await wait_until(
-            lambda: written(gw) >= before + 500, 30, "500 more events written with a node down"
-        )
-        await asyncio.to_thread(publisher.join, 120)
-        await assert_all_stored(db, tenant, publisher, deadline=120)
-        # The live nodes keep hints for the dead one.
-        assert await asyncio.to_thread(pending_hints_for, NODES[2]) > 0
-    finally:
-        await asyncio.to_thread(node_script, "start-node", 3)
-
-    # Back: it catches up from the hints, and quorum reads stay right meanwhile.
-    async def caught_up() -> bool:
-        return await asyncio.to_thread(pending_hints_for, NODES[2]) == 0
-
+    # Writes go on with 2 of 3 replicas: LOCAL_QUORUM is 2.
+    before = written(gw)
     await wait_until(
-        caught_up,
-        120,
-        "hints for 127.0.0.3 delivered",
-        interval=2,
+        lambda: written(gw) >= before + 500, 30, "500 more events written with a node down"
     )
-    await assert_all_stored(db, tenant, publisher, deadline=60)
-    gw.signal(signal.SIGTERM)
-    assert gw.wait() == 0
+    # The live nodes keep hints for the dead one.
+    assert await asyncio.to_thread(pending_hints_for, NODES[2]) > 0
 
-
-async def test_two_nodes_down_holds_the_backlog_then_recovers(
-    db: Database, tenant: str, gateway_process: Callable[..., GatewayProcess]
-) -> None:
-    gw, publisher = await _steady_gateway(gateway_process, tenant, rate=100, seconds=15)
-    await asyncio.to_thread(node_script, "kill-node", 3)
     await asyncio.to_thread(node_script, "kill-node", 2)
     try:
         # No quorum: writes fail and are retried, nothing more is written or
         # acknowledged; the broker keeps the backlog in our session.
         await asyncio.sleep(3)  # writes in flight at the kill end one way or the other
         stuck = written(gw)
-        await asyncio.sleep(8)
+        await asyncio.sleep(6)
         assert written(gw) == stuck
         assert gw.proc is not None
         assert gw.proc.poll() is None
@@ -192,6 +171,14 @@ async def test_two_nodes_down_holds_the_backlog_then_recovers(
     await asyncio.to_thread(publisher.join, 180)
     await assert_all_stored(db, tenant, publisher, deadline=180)
     assert written(gw) > stuck
-    # Node 3 stays down: the next test (if any) starts it (conftest.all_nodes_up).
+
+    # Node 3 back: it catches up from the hints, and quorum reads stay right.
+    await asyncio.to_thread(node_script, "start-node", 3)
+
+    async def caught_up() -> bool:
+        return await asyncio.to_thread(pending_hints_for, NODES[2]) == 0
+
+    await wait_until(caught_up, 120, "hints for 127.0.0.3 delivered", interval=2)
+    await assert_all_stored(db, tenant, publisher, deadline=60)
     gw.signal(signal.SIGTERM)
     assert gw.wait() == 0
