@@ -250,7 +250,13 @@ stop_node() {
         echo "$(label): not running"
         return 0
     fi
-    kill -TERM "$pid"
+    kill -TERM "$pid" 2>/dev/null || true
+    await_exit "$pid"
+}
+
+# Waits for a TERMed node to exit (KILL after 30 s); node I's variables are set.
+await_exit() {
+    local pid="$1"
     for _ in $(seq 1 60); do
         kill -0 "$pid" 2>/dev/null || { rm -f "$pidfile"; echo "$(label): stopped (pid $pid)"; return 0; }
         sleep 0.5
@@ -271,9 +277,24 @@ kill_node() {
 }
 
 stop() {
-    local i
+    local i pid
+    local -a pids=()
+    # Every node is told at once (each drains on its own), then each is waited for.
     for i in $(seq "$CASSANDRA_NODES" -1 1); do
-        stop_node "$i"
+        node "$i"
+        if pid="$(running_pid)"; then
+            kill -TERM "$pid" 2>/dev/null || true
+            pids[i]="$pid"
+        else
+            rm -f "$pidfile"
+            echo "$(label): not running"
+        fi
+    done
+    for i in $(seq "$CASSANDRA_NODES" -1 1); do
+        if [[ -n "${pids[i]:-}" ]]; then
+            node "$i"
+            await_exit "${pids[i]}"
+        fi
     done
 }
 
