@@ -481,9 +481,11 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
         _print_json([r.as_json() for r in rows])
     else:
         for r in rows:
+            # 12 significant digits: a sum of 0.1 and 0.2 reads 0.3 (--json
+            # keeps every digit of the stored double).
             print(
-                f"{queries.iso(r.start)}\tcount={r.count}\tmin={r.min}\tmax={r.max}"
-                f"\tsum={r.sum}\tlast={r.last}"
+                f"{queries.iso(r.start)}\tcount={r.count}\tmin={r.min:.12g}\tmax={r.max:.12g}"
+                f"\tsum={r.sum:.12g}\tlast={r.last:.12g}"
             )
         print(f"({len(rows)} windows of {args.step} for {args.metric!r})", file=sys.stderr)
     return 0
