@@ -210,3 +210,28 @@ async def test_a_waiter_cancelled_as_a_slot_frees_leaves_the_limit_consistent() 
     assert limit.in_flight == 0
     await asyncio.wait_for(limit.acquire(), 1)  # the freed slot is still there
     assert limit.in_flight == 1
+
+
+async def test_the_limit_doubles_until_a_window_leaves_the_floor_then_grows_a_tenth() -> None:
+    """Slow start: a link found 100 ms away wants several times the starting
+    limit; doubling per window gets there in a few round trips, and the first
+    window with latency above the floor ends it for good."""
+    limit = InFlightLimit(Stats(), initial=64, minimum=4, maximum=4096)
+
+    async def window(latency: float) -> None:
+        """A full window with every slot in use, each answered after ``latency``."""
+        held = limit.limit
+        for _ in range(held):
+            await limit.acquire()
+        for _ in range(held):
+            limit.answered(latency)
+            limit.release()
+
+    await window(0.100)
+    assert limit.limit == 128
+    await window(0.100)
+    assert limit.limit == 256
+    await window(0.200)  # above 1.5x the floor, below 3x: hold, slow start over
+    assert limit.limit == 256
+    await window(0.100)
+    assert limit.limit == 281  # a tenth from now on

@@ -14,6 +14,7 @@ import importlib.util
 import logging
 import re
 import ssl
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -71,6 +72,19 @@ class Database:
         profile: object = EXEC_PROFILE_DEFAULT,
     ) -> asyncio.Future[Any]:
         """Send a statement; the returned future resolves to all its rows."""
+        return self._send(statement, params, profile, timed=False)
+
+    def execute_timed(
+        self, statement: Statement, *, profile: object = EXEC_PROFILE_DEFAULT
+    ) -> asyncio.Future[tuple[Any, float]]:
+        """:meth:`execute`, resolving to (rows, when the driver's thread got
+        the answer, in ``time.monotonic()``): a latency that leaves out how
+        long the event loop took to get to it."""
+        return self._send(statement, None, profile, timed=True)
+
+    def _send(
+        self, statement: Statement | str, params: Sequence[Any] | None, profile: object, timed: bool
+    ) -> asyncio.Future[Any]:
         loop = self._loop
         future: asyncio.Future[Any] = loop.create_future()
         response = self.session.execute_async(statement, params, execution_profile=profile)
@@ -82,7 +96,8 @@ class Database:
                 response.start_fetching_next_page()
                 return
             collected.extend(rows or ())
-            loop.call_soon_threadsafe(_resolve, future, collected)
+            result = (collected, time.monotonic()) if timed else collected
+            loop.call_soon_threadsafe(_resolve, future, result)
 
         def on_error(exc: BaseException) -> None:
             loop.call_soon_threadsafe(_fail, future, exc)

@@ -12,11 +12,18 @@ measures, in the spirit of TCP Vegas and Netflix's gradient limiter:
   window's median latency is compared with the floor. Near it (at most
   ``GROW_BELOW`` x floor + ``SLACK``) nothing is queueing, so the limit grows
   by ``GROWTH``, but only if the window's busiest moment used at least half
-  of it (a limit nobody reaches proves nothing). Well above it (over
-  ``SHRINK_ABOVE`` x floor + ``SLACK``) requests queue somewhere, and the
-  limit shrinks in proportion, by at most a quarter per window. In between it
-  holds. ``SLACK`` absorbs the event loop's own scheduling jitter, which on a
+  of it (a limit nobody reaches proves nothing). Until the first window that
+  is not near the floor (or the first timeout) it doubles instead, like
+  TCP's slow start: a link found 100 ms away wants several times the
+  starting limit, and growing 10% a window took seconds to get there. Well
+  above it (over ``SHRINK_ABOVE`` x floor + ``SLACK``) requests queue
+  somewhere, and the limit shrinks in proportion, by at most a quarter per
+  window. In between it holds. ``SLACK`` absorbs the event loop's own scheduling jitter, which on a
   local Cassandra is larger than the round trip itself.
+* A latency runs from sending a request to its answer: for the Python
+  driver, to when the driver's own thread got it (``execute_timed``), so
+  that the event loop's busy spells (binding a chunk's statements takes tens
+  of milliseconds) do not read as Cassandra queueing.
 * A timeout, an overloaded coordinator or a lost connection halves it, once
   per window.
 * It never leaves ``[minimum, maximum]``; with ``adaptive=False`` it stays at
@@ -44,6 +51,7 @@ log = logging.getLogger(__name__)
 INITIAL_IN_FLIGHT = 64  # the old fixed cap: right for a local Cassandra
 MIN_WINDOW = 32  # outcomes per decision at least: a median of fewer is noise
 GROWTH = 0.10  # relative growth per window near the floor
+SLOW_START = 2.0  # growth per window near the floor until the first one that is not
 GROW_BELOW = 1.5  # near the floor: median <= GROW_BELOW * floor + SLACK
 SHRINK_ABOVE = 3.0  # queueing: median > SHRINK_ABOVE * floor + SLACK
 SLACK = 0.003  # seconds of event-loop jitter tolerated on top of the floor
@@ -79,6 +87,7 @@ class InFlightLimit:
         self._outcomes = 0
         self._busiest = 0
         self._cut = False  # halved in this window already
+        self._slow_start = adaptive  # until a window finds latency above the floor
         # The floor: minimum latency of this period and of the one before.
         self._period_start = time.monotonic()
         self._floor_now = math.inf
@@ -146,6 +155,7 @@ class InFlightLimit:
         """A request attempt timed out, found Cassandra overloaded, or lost its connection."""
         if self.adaptive and not self._cut:
             self._cut = True
+            self._slow_start = False
             self._set(self._limit * OVERLOAD_CUT, "timeout or overload")
         self._outcome()
 
@@ -169,8 +179,11 @@ class InFlightLimit:
         median = latencies[len(latencies) // 2]
         if median <= floor * GROW_BELOW + SLACK:
             if busiest >= self._limit / 2:
-                self._set(max(self._limit * (1 + GROWTH), self._limit + 1), "")
-        elif median > (queueing := floor * SHRINK_ABOVE + SLACK):
+                growth = SLOW_START if self._slow_start else 1 + GROWTH
+                self._set(max(self._limit * growth, self._limit + 1), "")
+            return
+        self._slow_start = False
+        if median > (queueing := floor * SHRINK_ABOVE + SLACK):
             self._set(self._limit * max(MAX_SHRINK, queueing / median), "")
 
     def _set(self, limit: float, why: str) -> None:

@@ -131,7 +131,7 @@ class Requests:
             stats.rows += rows
             sent = time.monotonic()
             try:
-                result = await self.session.execute(request)
+                result, answered = await self.session.execute_timed(request)
             except self._transient as exc:
                 limit.overloaded()
                 now = time.monotonic()
@@ -155,7 +155,7 @@ class Requests:
                 continue
             except Exception as exc:
                 raise SinkError(f"Cassandra refused a write: {short(exc)}") from None
-            limit.answered(time.monotonic() - sent)
+            limit.answered(answered - sent)
             if self._failing_since is not None:
                 log.warning(
                     "Cassandra writes succeed again after %.1f s",

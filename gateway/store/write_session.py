@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import AsyncIterator, Hashable, Sequence
@@ -138,6 +139,15 @@ class WriteSession(ABC):
     async def execute(self, request: Any) -> Rows:
         """Send a bound statement or batch; its rows as dicts."""
 
+    async def execute_timed(self, request: Any) -> tuple[Rows, float]:
+        """:meth:`execute`, and when it was answered (``time.monotonic()``):
+        here when the event loop got to the answer; a driver that answers on
+        a thread of its own says when that thread did, so that the in-flight
+        limit (limit.py) does not read the event loop's busy spells as
+        Cassandra queueing."""
+        rows = await self.execute(request)
+        return rows, time.monotonic()
+
     def replicas(self, statement: Any) -> Hashable:
         """What a bound statement's partition may share a batch by (when
         :attr:`batch_partitions` > 1): its replicas."""
@@ -205,6 +215,10 @@ class PythonSession(WriteSession):
     async def execute(self, request: Any) -> Rows:
         rows: Rows = await self._db.execute(request, profile=DICT_ROWS)
         return rows
+
+    async def execute_timed(self, request: Any) -> tuple[Rows, float]:
+        rows, answered = await self._db.execute_timed(request, profile=DICT_ROWS)
+        return rows, answered
 
     def replicas(self, statement: Any) -> Hashable:
         key = statement.routing_key
