@@ -289,7 +289,7 @@ async def open_gateway(
         rotation = StateRotation(requests, latest, config, stats)
         rejects = Rejects(config, stats)
         marks = RollupMarks(config, stats) if config.rollups.enabled else None
-        metadata = Metadata(requests, config, stats) if config.metadata.enabled else None
+        metadata = Metadata(requests, sink, config, stats) if config.metadata.enabled else None
         for writer in (latest, rotation, telemetry, rejects, marks, metadata):
             if writer is not None:
                 await writer.prepare(session)

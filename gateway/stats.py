@@ -108,6 +108,8 @@ class Stats:
     hot_partitions: int = 0  # partitions over the hot threshold, once per window
     untracked_writes: int = 0  # writes to partitions beyond hot_partitions.max_tracked
     newest_reads: int = 0  # reads of a device's newest write (once per device per start-up)
+    newest_read_ahead: int = 0  # of those, read when the event was queued (read-ahead)
+    newest_read_ahead_skipped: int = 0  # not read ahead: pipeline.queue_size devices waiting
     deletes_saved: int = 0  # same-state events that needed no deletes (their last write's cover)
     tie_breaks: int = 0  # two events of a device with one write timestamp: the larger id won
     rotations: int = 0  # state partitions copied into a fresh generation (store/rotate.py)
@@ -131,6 +133,8 @@ class Stats:
     metadata_capped: int = 0  # new entries not written: tenant at metadata.max_per_tenant
     metadata_reads: int = 0  # metadata entries not in the LRU, looked up in Cassandra
     metadata_reservations: int = 0  # compare-and-sets of a tenant's entry count (lost ones too)
+    metadata_held: int = 0  # events held for the metadata worker (an entry not in the LRU)
+    metadata_backlog_waits: int = 0  # times the write loop waited for the metadata worker
     # Seconds from the device's publish time to the Cassandra ack of its event.
     write_latency: Histogram = field(default_factory=lambda: Histogram(WRITE_LATENCY_BUCKETS))
     batch_rows: Histogram = field(default_factory=lambda: Histogram(BATCH_ROWS_BUCKETS))

@@ -4,7 +4,8 @@
     classify      topics.py → decode.py → sampling.py: an Event, or a Rejection
     (queue)       bounded asyncio.Queue of pipeline.queue_size
     write loop    chunks of the queue → the table writers in gateway/store/
-                  (latest, telemetry, roll-up marks, metadata, rejects) → the sink
+                  (latest, telemetry, roll-up marks, metadata, rejects) → the sink;
+                  events with metadata entries to look up wait for its worker
     → the delivery's ``ack.done()`` once every write of it is acknowledged
 
 Promises: every delivery ends up written (event or rejection) before it is
@@ -30,7 +31,7 @@ from ..errors import DecodeError
 from ..event import Event
 from ..stats import Stats
 from ..store.latest import LatestState
-from ..store.metadata import Metadata
+from ..store.metadata import Held, Metadata
 from ..store.rejects import Rejection, Rejects
 from ..store.rollups import RollupMarks
 from ..store.rotate import StateRotation
@@ -188,8 +189,9 @@ class Pipeline:
 
     @property
     def idle(self) -> bool:
-        """Nothing queued and no Cassandra request in flight."""
-        return self._queue.empty() and self._sink.idle
+        """Nothing queued or held and no Cassandra request in flight."""
+        held = self._metadata is not None and not self._metadata.idle
+        return self._queue.empty() and not held and self._sink.idle
 
     def accept(self, delivery: Delivery) -> None:
         """A push source's handler: classify and enqueue; never blocks, never drops.
@@ -199,6 +201,7 @@ class Pipeline:
         arrival order in a small overflow list (counted) until there is room.
         """
         item = self._classify(delivery)
+        self._read_ahead(item)
         if self._overflow or self._queue.full():
             self._overflow.append(item)
             self._stats.overflow += 1
@@ -210,7 +213,14 @@ class Pipeline:
 
     async def put(self, delivery: Delivery) -> None:
         """A pull source's handler: classify and enqueue, waiting for room."""
-        await self._queue.put(self._classify(delivery))
+        item = self._classify(delivery)
+        self._read_ahead(item)
+        await self._queue.put(item)
+
+    def _read_ahead(self, item: Item) -> None:
+        event = item.event
+        if event is not None and item.verdict.update_latest:
+            self._latest.read_ahead(event)  # its device's newest write, unless known
 
     def _refill(self) -> None:
         queue, overflow = self._queue, self._overflow
@@ -241,7 +251,17 @@ class Pipeline:
             await self._rotation.begin_due()
 
     async def write_loop(self) -> None:
-        """Take chunks off the queue and write them until close()."""
+        """Take chunks off the queue and write them until close(); the
+        latest writer's read-ahead and the metadata worker run beside, as
+        long as this does."""
+        async with asyncio.TaskGroup() as tasks:
+            reader = tasks.create_task(self._latest.reader())
+            if self._metadata is not None:
+                tasks.create_task(self._metadata.run())
+            await self._write_chunks()
+            reader.cancel()  # nothing is queued any more
+
+    async def _write_chunks(self) -> None:
         queue = self._queue
         while True:
             first = await queue.get()
@@ -271,6 +291,8 @@ class Pipeline:
                 self._stats.chunks += 1
                 await self._write_chunk(chunk)
             if stop:
+                if self._metadata is not None:
+                    await self._metadata.close()  # its held rows submitted
                 await self._sink.drain()
                 return
 
@@ -288,17 +310,10 @@ class Pipeline:
             over = await self._latest.over_budget(events)
         over_ids = {id(e) for e in over}
         if events:
-            # The reads this chunk needs, at once: the newest write of devices
-            # met for the first time, and metadata's existence reads and entry
-            # counts for the events that will be written (store/metadata.py).
-            # In turn they cost a round trip more per chunk, for as long as
-            # devices are met for the first time.
-            preparing = self._latest.prepare_chunk(events, over_ids)
-            if self._metadata is None:
-                stale = await preparing
-            else:
-                written = [e for e in events if id(e) not in over_ids]
-                stale, _ = await asyncio.gather(preparing, self._metadata.prepare_chunk(written))
+            # The newest write of devices met for the first time. (Metadata's
+            # reads and entry counts are not awaited here: its worker does
+            # them, holding the events' acknowledgements; store/metadata.py.)
+            stale = await self._latest.prepare_chunk(events, over_ids)
             await self._start_rotations()
         skip = over_ids | stale
         # Latest-table writes are last-write-wins by event time, so of several
@@ -319,6 +334,7 @@ class Pipeline:
             if current is None or (e.write_ts, e.event_id) > (current.write_ts, current.event_id):
                 newest[key] = e
         writes: list[Write] = []
+        held: Held = []
         stats = self._stats
         rollups, metadata = self._rollups, self._metadata
         for item in chunk:
@@ -345,8 +361,11 @@ class Pipeline:
                 else:
                     mine = []
                     stats.coalesced += 1
-                if metadata is not None:
-                    mine += metadata.writes(event, pending)
+                rows = [] if metadata is None else metadata.writes_now(event, pending)
+                if rows is None:
+                    held.append((event, pending))  # acknowledged once the worker is done
+                else:
+                    mine += rows
                 if verdict.keep_raw:
                     mine += self._telemetry.writes(event, pending)
                     if rollups is not None:
@@ -356,7 +375,7 @@ class Pipeline:
                 else:
                     stats.sampled_out += 1
                     stats.sampled_out_by_tenant.add(event.tenant)
-                if not mine:
+                if not mine and rows is not None:
                     # Decided and accounted for: nothing to write, acknowledge.
                     pending.on_done()
                 writes += mine
@@ -364,6 +383,10 @@ class Pipeline:
                 assert item.rejection is not None
                 writes += self._rejects.writes(item.rejection, pending)
         await self._sink.submit(writes)
+        if metadata is not None:
+            # After the submit: each held pending counts its rows already, so
+            # the worker's release cannot complete it early.
+            await metadata.hold(held)
 
     def _done_callback(self, item: Item) -> Callable[[], None]:
         stats = self._stats

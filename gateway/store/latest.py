@@ -23,7 +23,13 @@ Promises and bounds:
   a chunk, ``device_id IN (...)``: ``Requests.read_keys``) the first time it meets the device since
   start-up (or since the device left its memory, an LRU of
   ``pipeline.device_cache_size`` devices), merged with what this process
-  writes after. An event older than that newest write writes nothing to the
+  writes after. That read is started when the event is queued
+  (:meth:`LatestState.read_ahead`; the pipeline's read-ahead task sends them,
+  up to 100 devices to a request), so that a chunk seldom waits for it: over
+  a slow link it had cost every chunk of devices met for the first time a
+  round trip. At most ``pipeline.queue_size`` devices wait to be read ahead;
+  past that (counted, ``newest_read_ahead_skipped``) the chunk reads them
+  itself. An event older than that newest write writes nothing to the
   latest tables (counted as ``stale_latest``); its raw row is written as
   usual. This covers what the deletes alone cannot: an old event into a state
   that became known after the newer event was written (its deletes missed
@@ -59,6 +65,7 @@ Promises and bounds:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import zlib
@@ -154,6 +161,12 @@ class LatestState:
         self._newest: LRU[tuple[str, str], _Newest] = LRU(
             max(config.pipeline.device_cache_size, config.pipeline.batch_max_events)
         )
+        # Read ahead (read_ahead): devices to read, and those being read, each
+        # with the future its read completes.
+        self._ahead_max = config.pipeline.queue_size
+        self._to_read: dict[tuple[str, str], None] = {}
+        self._reading: dict[tuple[str, str], asyncio.Future[None]] = {}
+        self._wake = asyncio.Event()
 
     async def prepare(self, session: WriteSession) -> None:
         self._insert_state = await session.prepare(
@@ -222,6 +235,45 @@ class LatestState:
                     over.append(event)
         return over
 
+    def read_ahead(self, event: Event) -> None:
+        """An event was just queued: have its device's newest write read if it
+        is not known for sure, by the time its chunk comes (:meth:`reader`)."""
+        if event.state is None:
+            return
+        key = (event.tenant, event.device_id)
+        if key in self._to_read or key in self._reading:
+            return
+        entry = self._newest.peek(key)
+        if entry is not None and entry.sure:
+            return
+        if len(self._to_read) + len(self._reading) >= self._ahead_max:
+            self._stats.newest_read_ahead_skipped += 1  # its chunk reads it
+            return
+        self._to_read[key] = None
+        self._wake.set()
+
+    async def reader(self) -> None:
+        """The read-ahead task: reads what :meth:`read_ahead` asks for, all
+        that is asked at once, one round at a time; runs until cancelled."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            keys = list(self._to_read)
+            self._to_read.clear()
+            done = loop.create_future()
+            for key in keys:
+                self._reading[key] = done
+            try:
+                self._stats.newest_read_ahead += len(keys)
+                await self._read_newest(keys)
+            finally:
+                for key in keys:
+                    del self._reading[key]
+                # Waiters check for themselves: a failed read leaves the
+                # devices unsure, and their chunk reads them.
+                done.set_result(None)
+
     async def prepare_chunk(self, events: list[Event], over_ids: set[int]) -> set[int]:
         """After :meth:`over_budget`: the ids of events whose latest-table
         writes must be skipped (older than the device's newest write; module
@@ -236,7 +288,15 @@ class LatestState:
             if entry is None or not entry.sure:
                 to_read[key] = None
         if to_read:
-            await self._read_newest(list(to_read))
+            reading = {self._reading[key] for key in to_read if key in self._reading}
+            if reading:
+                await asyncio.wait(reading)  # read ahead, not back yet
+                for key in list(to_read):
+                    entry = self._newest.peek(key)
+                    if entry is not None and entry.sure:
+                        del to_read[key]
+            if to_read:
+                await self._read_newest(list(to_read))
         for event in events:
             if event.state is None or id(event) in over_ids:
                 continue
@@ -388,9 +448,11 @@ class LatestState:
         known = self._tenants.get(tenant)
         if known is not None and time.monotonic() - known.loaded_at < self._refresh:
             return known
-        rows = await self._requests.execute(self._select_states, (tenant,))
+        rows, parts = await asyncio.gather(
+            self._requests.execute(self._select_states, (tenant,)),
+            self._requests.execute(self._select_parts, (tenant,)),
+        )
         states = {row["state"]: stored_ms(row["registered_at"]) for row in rows}
-        parts = await self._requests.execute(self._select_parts, (tenant,))
         if known is not None:
             known.states.update(states)
             known.loaded_at = time.monotonic()

@@ -2,10 +2,19 @@
 devices use, and which devices carry a tag value (schema/006_metadata.cql;
 the tsdb-cassandra README's metadata tables).
 
-Each chunk goes through two steps: :meth:`Metadata.prepare_chunk` (awaited
-by the pipeline before any of the chunk's writes are built) decides which
-entries are new and which of those the tenant's cap lets in; :meth:`writes`
-then turns an event's entries into rows. Promises:
+Off the write loop's path: for each event the pipeline asks
+:meth:`Metadata.writes_now` for its rows. Where every entry is decided already
+(remembered as stored, or its tenant known to be at the cap) they come at
+once. Otherwise the event is *held* (:meth:`hold`: its :class:`Pending` keeps
+one more count, so it is not acknowledged) and the metadata worker
+(:meth:`run`, a task of the write loop) decides its entries with Cassandra's
+answers, writes the new ones and then lets it go. The write loop goes on with
+the next chunk meanwhile: over a slow link, a chunk of devices met for the
+first time costs it the newest-write reads only, not those and then the
+entry count's compare-and-set in turn. The worker takes held events in
+order, every chunk queued at once (one decision for them all); at most
+BACKLOG_CHUNKS chunks wait, beyond that the write loop waits for room
+(``metadata_backlog_waits``). Promises:
 
 * Written once per new entry: every entry known to be stored is remembered
   in an LRU of ``metadata.cache_size``; an entry seen again costs nothing.
@@ -55,7 +64,7 @@ from ..lru import LRU
 from ..stats import Stats
 from .requests import Requests
 from .rollups import VALUE_METRIC
-from .sink import Pending, Write
+from .sink import Pending, Sink, Write
 from .write_session import Prepared, WriteSession
 
 # Tenants whose counts are remembered (LRU): a forgotten one costs existence
@@ -64,10 +73,14 @@ MAX_TENANTS = 10_000
 # Compare-and-sets per tenant per chunk: each one lost means another instance
 # won, so this many instances may race before one chunk's entries are capped.
 MAX_ATTEMPTS = 8
+# Chunks of held events waiting for the worker; the write loop waits beyond.
+BACKLOG_CHUNKS = 8
 
 # An entry: (kind, tenant, *rest). Its row's values are entry[1:], its
 # partition key entry[1:-1]. Kinds: metric name, tag key, tag value, device.
 Entry = tuple[str, ...]
+# Held events: each with the Pending its metadata rows (if any) go with.
+Held = list[tuple[Event, Pending]]
 # When the cap lets only part of a chunk's new entries in: names and keys first.
 _PRIORITY = {"m": 0, "k": 1, "v": 2, "d": 3}
 
@@ -91,17 +104,19 @@ class Metadata:
     _count_first: Prepared
     _count_move: Prepared
 
-    def __init__(self, requests: Requests, config: Config, stats: Stats) -> None:
+    def __init__(self, requests: Requests, sink: Sink, config: Config, stats: Stats) -> None:
         self._requests = requests
+        self._sink = sink
         self._stats = stats
+        self._backlog: asyncio.Queue[Held | None] = asyncio.Queue(BACKLOG_CHUNKS)
+        self._working = False
+        self._stopped = asyncio.Event()
         self._seen: LRU[Entry, bool] = LRU(config.metadata.cache_size)
         # Each tenant's count as last seen: the expected value of the next
         # compare-and-set (exact while this instance is the only writer), and
         # whether the tenant is at its cap (counts never go down).
         self._counts: LRU[str, int] = LRU(MAX_TENANTS)
         self._cap = config.metadata.max_per_tenant
-        # This chunk's decisions for entries not in _seen: True to write, False capped.
-        self._chunk: dict[Entry, bool] = {}
 
     async def prepare(self, session: WriteSession) -> None:
         tables = {
@@ -129,10 +144,75 @@ class Metadata:
             "UPDATE {keyspace}.meta_entry_counts SET reserved = ? WHERE tenant = ? IF reserved = ?"
         )
 
-    async def prepare_chunk(self, events: list[Event]) -> None:
-        """Decide, for the entries of these events not in the LRU, which are
-        new and which of those the tenants' caps allow. The events must be the
-        ones :meth:`writes` is then called for, before the next chunk."""
+    def writes_now(self, event: Event, pending: Pending) -> list[Write] | None:
+        """The rows of the event's new entries if each of its entries is
+        decided without asking Cassandra: remembered as stored, or its tenant
+        known to be at the cap. None if not: then :meth:`hold` it."""
+        seen, counts, cap = self._seen, self._counts, self._cap
+        capped: dict[Entry, bool] = {}
+        for entry in entries(event):
+            if entry in seen:
+                continue
+            if (counts.peek(entry[1]) or 0) < cap:
+                return None
+            capped[entry] = False
+        return self._rows(event, pending, capped)
+
+    async def hold(self, held: Held) -> None:
+        """Hand events that :meth:`writes_now` could not decide to the worker.
+        Each pending gets one more count, given back once the event's rows are
+        sent: call this after the events' other writes were submitted."""
+        if not held:
+            return
+        for _, pending in held:
+            pending.add()
+        if self._backlog.full():
+            self._stats.metadata_backlog_waits += 1
+        self._stats.metadata_held += len(held)
+        await self._backlog.put(held)
+
+    @property
+    def idle(self) -> bool:
+        """No event held."""
+        return self._backlog.empty() and not self._working
+
+    async def run(self) -> None:
+        """The worker: decide and write the held events' entries, in the order
+        they were held, until :meth:`close`."""
+        backlog = self._backlog
+        stop = False
+        while not stop:
+            taken = await backlog.get()
+            held: Held = []
+            while True:
+                if taken is None:
+                    stop = True
+                else:
+                    held += taken
+                if stop or backlog.empty():
+                    break
+                taken = backlog.get_nowait()
+            if not held:
+                continue
+            self._working = True
+            decisions = await self._decide([event for event, _ in held])
+            writes: list[Write] = []
+            for event, pending in held:
+                writes += self._rows(event, pending, decisions)
+            await self._sink.submit(writes)
+            for _, pending in held:
+                pending.finish_one()  # the hold; its rows (if any) keep it pending
+            self._working = False
+        self._stopped.set()
+
+    async def close(self) -> None:
+        """Let the worker finish what is held (its rows submitted), then stop it."""
+        await self._backlog.put(None)
+        await self._stopped.wait()
+
+    async def _decide(self, events: list[Event]) -> dict[Entry, bool]:
+        """For the entries of these events not in the LRU: which are new and
+        which of those the tenants' caps allow (True to write, False capped)."""
         chunk: dict[Entry, bool] = {}
         unknown: dict[Entry, None] = {}
         seen, counts, cap = self._seen, self._counts, self._cap
@@ -151,7 +231,7 @@ class Metadata:
             await asyncio.gather(
                 *(self._reserve(tenant, wanted, chunk) for tenant, wanted in new.items())
             )
-        self._chunk = chunk
+        return chunk
 
     async def _absent(self, wanted: list[Entry]) -> list[Entry]:
         """The entries whose rows are not in Cassandra; the others are remembered."""
@@ -204,10 +284,10 @@ class Metadata:
         for index, entry in enumerate(wanted):
             chunk[entry] = index < granted
 
-    def writes(self, event: Event, pending: Pending) -> list[Write]:
-        """The rows of the event's entries that :meth:`prepare_chunk` let in."""
+    def _rows(self, event: Event, pending: Pending, chunk: dict[Entry, bool]) -> list[Write]:
+        """The rows of the event's entries that ``chunk`` (the decisions) lets in."""
         out: list[Write] = []
-        chunk, seen, stats = self._chunk, self._seen, self._stats
+        seen, stats = self._seen, self._stats
         for entry in entries(event):
             verdict = chunk.get(entry)
             if verdict is None:

@@ -140,6 +140,17 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
         "Reads of a device's newest write (once per device per start-up or eviction).",
     ),
     (
+        "gateway_newest_read_ahead_total",
+        "newest_read_ahead",
+        "Of those, read as the event was queued, ahead of its chunk.",
+    ),
+    (
+        "gateway_newest_read_ahead_skipped_total",
+        "newest_read_ahead_skipped",
+        "Devices not read ahead: pipeline.queue_size devices were waiting "
+        "(their chunk reads them).",
+    ),
+    (
         "gateway_latest_deletes_saved_total",
         "deletes_saved",
         "Events in their device's last written state: no deletes written for them.",
@@ -215,6 +226,17 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
         "gateway_metadata_reservations_total",
         "metadata_reservations",
         "Compare-and-sets of a tenant's metadata entry count, lost races included.",
+    ),
+    (
+        "gateway_metadata_held_total",
+        "metadata_held",
+        "Events held for the metadata worker (an entry not in the LRU): acknowledged once "
+        "their entries are decided and written.",
+    ),
+    (
+        "gateway_metadata_backlog_waits_total",
+        "metadata_backlog_waits",
+        "Times the write loop waited because the metadata worker had its bound of chunks held.",
     ),
 )
 
