@@ -17,6 +17,7 @@ import time
 
 import orjson
 
+from gateway.config import Config
 from gateway.event import Event
 from gateway.stats import Stats
 from gateway.store import queries
@@ -34,6 +35,22 @@ TOPICS = '[{template = "slow-link/{tenant}/devices/{device_id}/events"}]'
 
 def topic(tenant: str, device: str) -> str:
     return f"slow-link/{tenant}/devices/{device}/events"
+
+
+async def drain_over_100ms(messages: list[tuple[str, bytes]], batch: int) -> tuple[Config, Stats]:
+    """Publish to an in-process gateway whose Cassandra is 100 ms away and
+    which takes chunks of ``batch`` events; its config and counters once
+    every message is handled."""
+    async with DelayProxy("127.0.0.1", CQL_PORT, delay=0.05) as proxy:
+        config = make_config(
+            GATEWAY_TOPICS=TOPICS,
+            GATEWAY_CASSANDRA__PORT=str(proxy.port),
+            GATEWAY_PIPELINE__BATCH_MAX_EVENTS=str(batch),
+        )
+        async with running_gateway(config) as gw:
+            await publish(messages)
+            await gw.wait_handled(len(messages), deadline=120)
+            return config, gw.stats
 
 
 async def test_new_devices_are_read_ahead_and_their_states_are_right(
@@ -56,16 +73,7 @@ async def test_new_devices_are_read_ahead_and_their_states_are_right(
         (topic(tenant, f"d{i}"), orjson.dumps({"ts": now, "state": "on" if i % 2 else "off"}))
         for i in range(300)
     ]
-    async with DelayProxy("127.0.0.1", CQL_PORT, delay=0.05) as proxy:
-        config = make_config(
-            GATEWAY_TOPICS=TOPICS,
-            GATEWAY_CASSANDRA__PORT=str(proxy.port),
-            GATEWAY_PIPELINE__BATCH_MAX_EVENTS="50",
-        )
-        async with running_gateway(config) as gw:
-            await publish(messages)
-            await gw.wait_handled(len(messages), deadline=120)
-            stats = gw.stats
+    config, stats = await drain_over_100ms(messages, batch=50)
     assert stats.newest_reads == 300  # once per device
     assert stats.newest_read_ahead == 300  # every one ahead of its chunk
     assert stats.newest_read_ahead_skipped == 0
@@ -123,16 +131,7 @@ async def test_metadata_waits_for_its_worker_not_the_write_loop(db: Database, te
         )
         for i in range(400)
     ]
-    async with DelayProxy("127.0.0.1", CQL_PORT, delay=0.05) as proxy:
-        config = make_config(
-            GATEWAY_TOPICS=TOPICS,
-            GATEWAY_CASSANDRA__PORT=str(proxy.port),
-            GATEWAY_PIPELINE__BATCH_MAX_EVENTS="10",
-        )
-        async with running_gateway(config) as gw:
-            await publish(messages)
-            await gw.wait_handled(len(messages), deadline=120)
-            stats = gw.stats
+    _, stats = await drain_over_100ms(messages, batch=10)
     assert stats.metadata_held == 400
     assert stats.metadata_backlog_waits > 0
     # metric value, tag key serial, 400 values, 400 device pairs.
