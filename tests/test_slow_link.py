@@ -140,3 +140,36 @@ async def test_metadata_waits_for_its_worker_not_the_write_loop(db: Database, te
     values = await queries.meta_tag_values(db, tenant, "serial")
     assert sorted(values) == sorted(f"s{i}" for i in range(400))
     assert await queries.meta_entry_count(db, tenant) == 2 + 400 + 400
+
+
+async def test_a_held_event_is_acknowledged_once_and_only_after_its_metadata(
+    db: Database, tenant: str
+) -> None:
+    """With one request in flight at a time, the sink's submit waits for a
+    slot between requests, so a held event's other writes complete while the
+    rest of its chunk is still being sent. Its extra count must already be
+    there: otherwise it is acknowledged (and counted written) before its
+    metadata rows, and a second time when the worker lets it go."""
+    messages = [
+        (
+            topic(tenant, f"d{i}"),
+            orjson.dumps({"ts": 1_700_000_000_000 + i, "tags": {"n": f"v{i}"}}),
+        )
+        for i in range(200)
+    ]
+    config = make_config(
+        GATEWAY_TOPICS=TOPICS,
+        GATEWAY_CASSANDRA__ADAPTIVE_IN_FLIGHT="false",
+        GATEWAY_CASSANDRA__MAX_IN_FLIGHT="1",
+        GATEWAY_PIPELINE__BATCH_MAX_EVENTS="50",
+    )
+    async with running_gateway(config) as gw:
+        await publish(messages)
+        await gw.wait_handled(len(messages), deadline=120)
+        stats = gw.stats
+    assert stats.metadata_held == 200
+    assert stats.written == 200  # each event done exactly once
+    assert stats.acked == 200
+    assert sorted(await queries.meta_tag_values(db, tenant, "n")) == sorted(
+        f"v{i}" for i in range(200)
+    )

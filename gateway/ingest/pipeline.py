@@ -384,8 +384,9 @@ class Pipeline:
                 writes += self._rejects.writes(item.rejection, pending)
         await self._sink.submit(writes)
         if metadata is not None:
-            # After the submit: each held pending counts its rows already, so
-            # the worker's release cannot complete it early.
+            # Each held pending has an extra count since writes_now, so its
+            # other writes could not complete it during the submit; the worker
+            # gives it back after submitting the event's metadata rows.
             await metadata.hold(held)
 
     def _done_callback(self, item: Item) -> Callable[[], None]:

@@ -147,25 +147,26 @@ class Metadata:
     def writes_now(self, event: Event, pending: Pending) -> list[Write] | None:
         """The rows of the event's new entries if each of its entries is
         decided without asking Cassandra: remembered as stored, or its tenant
-        known to be at the cap. None if not: then :meth:`hold` it."""
+        known to be at the cap. None if not: the event is held, its pending
+        has one more count (so none of its other writes can complete it) until
+        the worker is done with it; hand it to :meth:`hold` with its chunk."""
         seen, counts, cap = self._seen, self._counts, self._cap
         capped: dict[Entry, bool] = {}
         for entry in entries(event):
             if entry in seen:
                 continue
             if (counts.peek(entry[1]) or 0) < cap:
+                pending.add()
                 return None
             capped[entry] = False
         return self._rows(event, pending, capped)
 
     async def hold(self, held: Held) -> None:
-        """Hand events that :meth:`writes_now` could not decide to the worker.
-        Each pending gets one more count, given back once the event's rows are
-        sent: call this after the events' other writes were submitted."""
+        """Hand events that :meth:`writes_now` held to the worker, which gives
+        back their extra count once their rows are submitted. Call it after
+        the events' other writes were submitted (so each pending counts them)."""
         if not held:
             return
-        for _, pending in held:
-            pending.add()
         if self._backlog.full():
             self._stats.metadata_backlog_waits += 1
         self._stats.metadata_held += len(held)
