@@ -255,24 +255,29 @@ class LatestState:
     async def reader(self) -> None:
         """The read-ahead task: reads what :meth:`read_ahead` asks for, all
         that is asked at once, one round at a time; runs until cancelled."""
-        loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
             keys = list(self._to_read)
             self._to_read.clear()
-            done = loop.create_future()
-            for key in keys:
-                self._reading[key] = done
-            try:
-                self._stats.newest_read_ahead += len(keys)
-                await self._read_newest(keys)
-            finally:
-                for key in keys:
-                    del self._reading[key]
-                # Waiters check for themselves: a failed read leaves the
-                # devices unsure, and their chunk reads them.
-                done.set_result(None)
+            self._stats.newest_read_ahead += len(keys)
+            await self._read_marked(keys)
+
+    async def _read_marked(self, keys: list[tuple[str, str]]) -> None:
+        """:meth:`_read_newest`, with the keys marked as being read meanwhile
+        (a chunk that needs one waits for this read instead of reading again)."""
+        done = asyncio.get_running_loop().create_future()
+        mine = [key for key in keys if key not in self._reading]
+        for key in mine:
+            self._reading[key] = done
+        try:
+            await self._read_newest(keys)
+        finally:
+            for key in mine:
+                del self._reading[key]
+            # Waiters check for themselves: a failed read leaves the devices
+            # unsure, and their chunk reads them.
+            done.set_result(None)
 
     async def prepare_chunk(self, events: list[Event], over_ids: set[int]) -> set[int]:
         """After :meth:`over_budget`: the ids of events whose latest-table
@@ -296,7 +301,11 @@ class LatestState:
                     if entry is not None and entry.sure:
                         del to_read[key]
             if to_read:
-                await self._read_newest(list(to_read))
+                # Not read ahead yet (still waiting for the reader, or past
+                # its bound): read here, and take them off the reader's list.
+                for key in to_read:
+                    self._to_read.pop(key, None)
+                await self._read_marked(list(to_read))
         for event in events:
             if event.state is None or id(event) in over_ids:
                 continue
