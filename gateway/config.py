@@ -328,7 +328,8 @@ class CassandraConfig(_Model):
 class PipelineConfig(_Model):
     # Bounded queue between decode and the Cassandra writer. When it is full
     # the receiver stops reading; the broker then stops sending once
-    # mqtt.receive_maximum messages are unacknowledged.
+    # mqtt.receive_maximum messages are unacknowledged. It also bounds the
+    # devices waiting for their newest write to be read ahead (store/latest.py).
     queue_size: int = Field(default=2000, ge=1, le=1_000_000)
     # The writer takes up to this many messages at a time and groups their rows
     # by partition.
