@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.stats import Stats
-from gateway.store import queries
+from gateway.store import queries, rollups
 from gateway.store.database import Database
 from gateway.store.rollups import MINUTE_MS, RollupWorker
 from gateway.web.tokens import TokenStore
@@ -384,3 +384,34 @@ async def test_at_the_mark_cache_bound_a_forgotten_mark_is_written_again_and_cou
             db, tenant, f"d{i:03}", "value", 60, since, since + timedelta(minutes=1)
         )
         assert [r.count for r in got] == [2 if i == 0 else 1], i
+
+
+async def test_many_devices_in_one_pass_each_equal_their_raw_rows(
+    db: Database, gateway: RunningGateway, worker: RollupWorker, monkeypatch: Any
+) -> None:
+    """The worker reads a minute's windows together (device_id IN ...), in
+    groups: 150 devices with events on both sides of an hour boundary, some
+    late (a second round into windows already rolled up) and some copies.
+    With groups of 100 windows (of about 275) and reads of 7 devices (of
+    about 25 per window start in a group), both boundaries are crossed,
+    and each device's roll-ups must still equal its own raw rows; the
+    written batches pack up to 10 windows."""
+    monkeypatch.setattr(rollups, "GROUP", 100)
+    monkeypatch.setattr(rollups, "READ_IN", 7)
+    tenant = f"rupmany{uuid.uuid4().hex[:8]}"
+    devices = [f"m{i:03d}" for i in range(150)]
+
+    def event(i: int, second: int) -> tuple[str, bytes]:
+        ev = Ev(BASE + second * 1000, float(i % 7) + second / 10, {"a": float(second)})
+        return topic(tenant, devices[i]), ev.payload()
+
+    first = [event(i, (i * 37) % 240) for i in range(150)]
+    first += [event(i, (i * 11) % 240) for i in range(0, 150, 3)]
+    first += first[:20]  # copies
+    late = [event(i, (i * 53) % 240) for i in range(0, 150, 2)]
+    for batch in (first, late):
+        minute = minute_now()
+        await publish_and_wait(gateway, batch)
+        await settle(worker, minute)
+    for device in devices:
+        await assert_rollups_match_raw(db, tenant, device)
