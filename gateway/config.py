@@ -463,7 +463,7 @@ class RollupsConfig(_Model):
     # past it one is forgotten, which costs one more idempotent mark write.
     mark_cache_size: int = Field(default=100_000, ge=100, le=10_000_000)
     # Batches of roll-up rows the worker writes at once (each up to 10
-    # windows); its reads go 100 devices to a request, a group of 1,000
+    # windows); its reads go 100 devices to a request, a group of 100
     # windows at a time (gateway/store/rollups.py).
     concurrency: int = Field(default=16, ge=1, le=1024)
 

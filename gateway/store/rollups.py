@@ -46,7 +46,8 @@ entries, LRU): one mark per (device, window, writing minute) at most, and at
 the bound a forgotten mark is simply written again (idempotent, counted as
 ``rollup_mark_evictions``); nothing is held in memory that a crash would lose.
 The worker holds one minute's marks at a time and recomputes their windows
-GROUP at a time (their raw rows in memory together): the reads go READ_IN
+GROUP (100) at a time (their raw rows in memory together, where 16
+windows' rows were before): the reads go READ_IN
 devices to a request (``device_id IN (...)``), and the rows written go
 PACK_WINDOWS windows to an UNLOGGED batch, at most ``rollups.concurrency``
 batches at once. Per window that is a few hundredths of a read and about
@@ -89,9 +90,11 @@ HOUR_MS = 3_600_000
 MARK_SHARDS = 16
 VALUE_METRIC = "value"
 PROGRESS = "default"
-# Windows the worker recomputes together, and devices per read of theirs
-# (device_id IN ...): a minute of 1,000 windows costs about 30 reads, not 3,000.
-GROUP = 1000
+# Windows the worker recomputes together (their raw rows are in memory at
+# once: the bound on the worker's memory, GROUP windows' rows), and devices per
+# read of theirs (device_id IN ...): 1,000 windows of one minute cost about 30
+# reads, not 3,000.
+GROUP = 100
 READ_IN = 100
 # Windows (partitions) per written batch, and rows: Cassandra warns above 10
 # partitions or 5 KiB per batch; a row is about 100 bytes.
