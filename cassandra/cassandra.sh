@@ -161,8 +161,18 @@ start_node() {
         -cp "$lib/*" \
         org.apache.cassandra.service.CassandraDaemon \
         >>"$logdir/console.log" 2>&1 </dev/null &
-    echo $! >"$pidfile"
-    echo "$(label): started (pid $!), log $logdir/system.log"
+    local started=$!
+    echo "$started" >"$pidfile"
+    # $! is the forked shell until it has exec'd java: running_pid (which
+    # checks for CassandraDaemon) would call it not running. Seen once on a
+    # loaded box, right after a restart; give the exec up to 10 s.
+    local i
+    for ((i = 0; i < 100; i++)); do
+        running_pid >/dev/null && break
+        kill -0 "$started" 2>/dev/null || break
+        sleep 0.1
+    done
+    echo "$(label): started (pid $started), log $logdir/system.log"
 }
 
 # How lines name the node: "cassandra" alone, or "cassandra 127.0.0.2" in a cluster.
