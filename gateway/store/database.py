@@ -15,7 +15,7 @@ import logging
 import re
 import ssl
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Hashable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -73,6 +73,15 @@ class Database:
     ) -> asyncio.Future[Any]:
         """Send a statement; the returned future resolves to all its rows."""
         return self._send(statement, params, profile, timed=False)
+
+    def replicas(self, statement: Any) -> Hashable:
+        """What a bound statement's partition may share a batch by: the nodes
+        that hold it, from the driver's token map (the token-aware policy's own
+        lookup; empty without one, where the policy cannot route either)."""
+        key = statement.routing_key
+        if key is None:
+            return id(statement)  # unknown: a batch of its own
+        return frozenset(self.cluster.metadata.get_replicas(self.keyspace, key))
 
     def execute_timed(
         self, statement: Statement, *, profile: object = EXEC_PROFILE_DEFAULT

@@ -18,8 +18,9 @@ measures, in the spirit of TCP Vegas and Netflix's gradient limiter:
   starting limit, and growing 10% a window took seconds to get there. Well
   above it (over ``SHRINK_ABOVE`` x floor + ``SLACK``) requests queue
   somewhere, and the limit shrinks in proportion, by at most a quarter per
-  window. In between it holds. ``SLACK`` absorbs the event loop's own scheduling jitter, which on a
-  local Cassandra is larger than the round trip itself.
+  window. In between it holds. ``SLACK`` absorbs the event loop's own
+  scheduling jitter, which on a local Cassandra is larger than the round trip
+  itself.
 * A latency runs from sending a request to its answer: for the Python
   driver, to when the driver's own thread got it (``execute_timed``), so
   that the event loop's busy spells (binding a chunk's statements takes tens

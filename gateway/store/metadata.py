@@ -150,16 +150,20 @@ class Metadata:
         known to be at the cap. None if not: the event is held, its pending
         has one more count (so none of its other writes can complete it) until
         the worker is done with it; hand it to :meth:`hold` with its chunk."""
-        seen, counts, cap = self._seen, self._counts, self._cap
+        seen = self._seen
         capped: dict[Entry, bool] = {}
         for entry in entries(event):
             if entry in seen:
                 continue
-            if (counts.peek(entry[1]) or 0) < cap:
+            if not self._at_cap(entry[1]):
                 pending.add()
                 return None
             capped[entry] = False
         return self._rows(event, pending, capped)
+
+    def _at_cap(self, tenant: str) -> bool:
+        """Whether the tenant is known to have reached metadata.max_per_tenant."""
+        return (self._counts.peek(tenant) or 0) >= self._cap
 
     async def hold(self, held: Held) -> None:
         """Hand events that :meth:`writes_now` held to the worker, which gives
@@ -181,16 +185,14 @@ class Metadata:
         """The worker: decide and write the held events' entries, in the order
         they were held, until :meth:`close`."""
         backlog = self._backlog
-        stop = False
-        while not stop:
+        taken: Held | None = []
+        while taken is not None:
+            # Every chunk held so far, up to close()'s None.
             taken = await backlog.get()
             held: Held = []
-            while True:
-                if taken is None:
-                    stop = True
-                else:
-                    held += taken
-                if stop or backlog.empty():
+            while taken is not None:
+                held += taken
+                if backlog.empty():
                     break
                 taken = backlog.get_nowait()
             if not held:
@@ -216,12 +218,12 @@ class Metadata:
         which of those the tenants' caps allow (True to write, False capped)."""
         chunk: dict[Entry, bool] = {}
         unknown: dict[Entry, None] = {}
-        seen, counts, cap = self._seen, self._counts, self._cap
+        seen = self._seen
         for event in events:
             for entry in entries(event):
                 if entry in seen or entry in chunk or entry in unknown:
                     continue
-                if (counts.peek(entry[1]) or 0) >= cap:
+                if self._at_cap(entry[1]):
                     chunk[entry] = False
                 else:
                     unknown[entry] = None

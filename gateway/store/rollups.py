@@ -46,17 +46,16 @@ entries, LRU): one mark per (device, window, writing minute) at most, and at
 the bound a forgotten mark is simply written again (idempotent, counted as
 ``rollup_mark_evictions``); nothing is held in memory that a crash would lose.
 The worker holds one minute's marks at a time and recomputes their windows
-GROUP (100) at a time (their raw rows in memory together, where 16
-windows' rows were before): the reads go READ_IN
-devices to a request (``device_id IN (...)``), and the rows written go
-PACK_WINDOWS windows to an UNLOGGED batch, at most ``rollups.concurrency``
-batches at once. Per window that is a few hundredths of a read and about
-two tenths of a write, where it had been about five requests of its own
-(6 to 8 ms of CPU per window through the Python driver, the worker's cost
-for a device that sends once a minute). When it falls behind, marks wait in
-Cassandra and ``rollup_lag_seconds`` grows. Sums are ``math.fsum`` of the
-window's values (exactly rounded, whatever order the rows come in); an hour's
-sum adds its minutes' sums.
+GROUP (100) at a time (their raw rows in memory together, where 16 windows'
+rows were before): the reads go READ_IN devices to a request (``device_id IN
+(...)``), and the rows written go PACK_WINDOWS windows to an UNLOGGED batch,
+at most ``rollups.concurrency`` batches at once. Per window that is a few
+hundredths of a read and about two tenths of a write, where it had been about
+five requests of its own (6 to 8 ms of CPU per window through the Python
+driver, the worker's cost for a device that sends once a minute). When it
+falls behind, marks wait in Cassandra and ``rollup_lag_seconds`` grows. Sums
+are ``math.fsum`` of the window's values (exactly rounded, whatever order the
+rows come in); an hour's sum adds its minutes' sums.
 """
 
 from __future__ import annotations
@@ -484,7 +483,7 @@ class RollupWorker:
         packs: dict[Hashable, list[list[Any]]] = {}
         for rows in windows:
             if rows:
-                packs.setdefault(self._replicas(rows[0]), []).append(rows)
+                packs.setdefault(self._db.replicas(rows[0]), []).append(rows)
         batches: list[BatchStatement] = []
         for same in packs.values():
             batch, partitions = BatchStatement(batch_type=BatchType.UNLOGGED), 0
@@ -504,8 +503,3 @@ class RollupWorker:
                 await self._db.execute(batch)
 
         await asyncio.gather(*(send(batch) for batch in batches))
-
-    def _replicas(self, statement: Any) -> Hashable:
-        """The nodes that hold a bound statement's partition (the driver's token map)."""
-        hosts = self._db.cluster.metadata.get_replicas(self._db.keyspace, statement.routing_key)
-        return frozenset(hosts)

@@ -221,12 +221,7 @@ class PythonSession(WriteSession):
         return rows, answered
 
     def replicas(self, statement: Any) -> Hashable:
-        key = statement.routing_key
-        if key is None:
-            return id(statement)  # unknown: a batch of its own
-        # From the driver's token map (the token-aware policy's own lookup);
-        # empty without one, where the policy cannot route either.
-        return frozenset(self._db.cluster.metadata.get_replicas(self.keyspace, key))
+        return self._db.replicas(statement)
 
     def size(self, statement: Any, values: Sequence[Any]) -> int:
         return sum(len(v) for v in statement.values if isinstance(v, bytes))
