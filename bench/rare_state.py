@@ -879,14 +879,16 @@ class Bench:
 
     def _traced(self, db: Any, tenant: str, state: str, gen: int) -> dict[str, Any]:
         """The first-page query devices_page sends, once, with tracing."""
+        from gateway.identity import FIRST_HASH  # noqa: PLC0415
+
         cql = (
             f"SELECT device_id, ts, value, tags FROM {KEYSPACE}.latest_events_by_state "
-            "WHERE tenant = %s AND state = %s AND bucket = %s AND gen = %s AND device_id > %s "
-            "LIMIT %s"
+            "WHERE tenant = %s AND state = %s AND bucket = %s AND gen = %s "
+            "AND (device_hash, device_id) > (%s, %s) LIMIT %s"
         )
         try:
             result = db.session.execute(
-                cql, (tenant, state, 0, gen, "", PAGE), trace=True, timeout=60
+                cql, (tenant, state, 0, gen, FIRST_HASH, "", PAGE), trace=True, timeout=60
             )
             trace = result.get_query_trace(max_wait_sec=30)
         except Exception as exc:

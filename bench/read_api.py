@@ -97,6 +97,7 @@ from cassandra.query import UNSET_VALUE
 
 import cassandra
 from gateway.config import CassandraConfig
+from gateway.identity import device_hash
 from gateway.store.database import build_cluster
 from gateway.store.latest import state_value
 
@@ -161,8 +162,8 @@ def load(fleets: list[Fleet], concurrency: int) -> dict[str, Any]:
         session.execute("TRUNCATE state_partitions", timeout=120)
         by_state = session.prepare(
             "INSERT INTO latest_events_by_state "
-            "(tenant, state, bucket, gen, device_id, ts, value, tags) "
-            "VALUES (?, ?, 0, 0, ?, ?, ?, ?) USING TIMESTAMP ?"
+            "(tenant, state, bucket, gen, device_hash, device_id, ts, value, tags) "
+            "VALUES (?, ?, 0, 0, ?, ?, ?, ?, ?) USING TIMESTAMP ?"
         )
         by_device = session.prepare(
             "INSERT INTO latest_events_by_device "
@@ -182,7 +183,16 @@ def load(fleets: list[Fleet], concurrency: int) -> dict[str, Any]:
                     temp = round(rng.uniform(18.0, 26.0), 1)
                     tags = fleet.tags[d]
                     state_rows.append(
-                        (fleet.tenant, state, d, ts, state_value(None, temp), tags, ts * 1000)
+                        (
+                            fleet.tenant,
+                            state,
+                            device_hash(d),
+                            d,
+                            ts,
+                            state_value(None, temp),
+                            tags,
+                            ts * 1000,
+                        )
                     )
                     device_rows.append(
                         (fleet.tenant, d, state, ts, UNSET_VALUE, temp, {}, tags, ts * 1000)

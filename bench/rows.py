@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 from cassandra.query import UNSET_VALUE
 
-from gateway.identity import event_identity
+from gateway.identity import device_hash, event_identity
 
 __all__ = ["event_identity"]
 
@@ -38,12 +38,13 @@ SESSION_EXPIRY = 600
 
 CQL_INSERT_STATE = (
     "INSERT INTO {ks}.latest_events_by_state "
-    "(tenant, state, bucket, gen, device_id, ts, value, tags) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?"
+    "(tenant, state, bucket, gen, device_hash, device_id, ts, value, tags) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?"
 )
 CQL_DELETE_STATE = (
     "DELETE FROM {ks}.latest_events_by_state USING TIMESTAMP ? "
-    "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ? AND device_id = ?"
+    "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ? "
+    "AND device_hash = ? AND device_id = ?"
 )
 CQL_INSERT_DEVICE = (
     "INSERT INTO {ks}.latest_events_by_device "
@@ -79,7 +80,7 @@ def state_value(text: str | None, num: float | None) -> str:
 # Each statement's CQL and which of its parameters are timestamps (epoch ms),
 # as gateway/store/write_session.py wants them.
 ALL_CQL = {
-    "insert_state": (CQL_INSERT_STATE, (5,)),
+    "insert_state": (CQL_INSERT_STATE, (6,)),
     "delete_state": (CQL_DELETE_STATE, ()),
     "insert_device": (CQL_INSERT_DEVICE, (3,)),
     "insert_telemetry": (CQL_INSERT_TELEMETRY, (2, 4, 11)),
@@ -171,13 +172,16 @@ class Statements:
             return out
         bucket, gen = 0, 0  # state_buckets = 1 (the default), never rotated
         value = state_value(value_text, value_num)
+        hashed = device_hash(device)
         out.append(
             (
                 self.insert_state,
-                (tenant, state, bucket, gen, device, ts_ms, value, tags, write_ts),
+                (tenant, state, bucket, gen, hashed, device, ts_ms, value, tags, write_ts),
             )
         )
         for other in STATES:
             if other != state:
-                out.append((self.delete_state, (write_ts, tenant, other, bucket, gen, device)))
+                out.append(
+                    (self.delete_state, (write_ts, tenant, other, bucket, gen, hashed, device))
+                )
         return out

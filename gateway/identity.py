@@ -1,17 +1,37 @@
-"""Event identity: the content hash and the write timestamp of an event.
+"""Event identity and row keys: the content hash and the write timestamp of
+an event, and a device's state bucket and device hash.
 
-Kept apart from decode.py (no pydantic, no msgpack) so that anything writing
-the gateway's rows, the bench's reference writers included, computes exactly
-the same keys and timestamps.
+Kept apart from decode.py and the store (no pydantic, no msgpack) so that
+anything writing the gateway's rows, the bench's reference writers included,
+computes exactly the same keys and timestamps.
 """
 
 from __future__ import annotations
 
 import hashlib
+import zlib
 
 import orjson
 
-__all__ = ["event_identity"]
+__all__ = ["FIRST_HASH", "device_hash", "event_identity", "state_bucket"]
+
+# The least device_hash: every row's (device_hash, device_id) is above
+# (FIRST_HASH, ""), as no device id is empty, so a clustering slice
+# "> (FIRST_HASH, '')" starts at a partition's first row.
+FIRST_HASH = -(2**31)
+
+
+def state_bucket(device_id: str, buckets: int) -> int:
+    """The device's latest_events_by_state bucket, of ``buckets``: stable
+    across processes and versions (unlike hash())."""
+    return zlib.crc32(device_id.encode()) % buckets if buckets > 1 else 0
+
+
+def device_hash(device_id: str) -> int:
+    """The first clustering column of latest_events_by_state: the same stable
+    hash as the bucket's, as a signed 32-bit int. It spreads devices that
+    leave a state in id order among the rows that stay (schema/002)."""
+    return zlib.crc32(device_id.encode()) + FIRST_HASH
 
 
 def event_identity(

@@ -31,9 +31,8 @@ from hypothesis import strategies as st
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from gateway.identity import event_identity
+from gateway.identity import event_identity, state_bucket
 from gateway.store.database import Database
-from gateway.store.latest import state_bucket
 
 from .helpers import (
     DRIVERS,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import orjson
 
 from gateway.config import Config, TopicTemplate
+from gateway.identity import device_hash
 from gateway.store import queries
 from gateway.store.database import Database
 
@@ -84,8 +85,9 @@ async def test_leftovers_anywhere_in_a_long_page_are_left_out_and_deleted(
     leftovers in the first and in a later read are both found, and only they."""
     ks, t0 = db.keyspace, 1_790_000_000_000
     by_state = await db.prepared(
-        f"INSERT INTO {ks}.latest_events_by_state (tenant, state, bucket, gen, device_id, ts) "
-        "VALUES (?, ?, 0, 0, ?, ?) USING TIMESTAMP ?"
+        f"INSERT INTO {ks}.latest_events_by_state "
+        "(tenant, state, bucket, gen, device_hash, device_id, ts) "
+        "VALUES (?, ?, 0, 0, ?, ?, ?) USING TIMESTAMP ?"
     )
     by_device = await db.prepared(
         f"INSERT INTO {ks}.latest_events_by_device (tenant, device_id, state, ts) "
@@ -95,7 +97,7 @@ async def test_leftovers_anywhere_in_a_long_page_are_left_out_and_deleted(
     leftovers = {"d007", "d180"}  # in the first and the second read of 100
     for i, device in enumerate(devices):
         ts = t0 + i
-        await db.execute(by_state, (tenant, "alarm", device, ts, ts * 1000))
+        await db.execute(by_state, (tenant, "alarm", device_hash(device), device, ts, ts * 1000))
         newest, state = (ts + 1000, "ok") if device in leftovers else (ts, "alarm")
         await db.execute(by_device, (tenant, device, state, newest, newest * 1000))
     config = make_config()

@@ -1,25 +1,36 @@
-"""`gateway schema migrate`: a keyspace from before state generations is
-refused by `schema apply`, with the way out named, and rebuilt by `migrate`
-from latest_events_by_device, write timestamps kept."""
+"""`gateway schema migrate`: a keyspace with an older latest_events_by_state
+(from before state generations, or before the device_hash clustering column)
+is refused by `schema apply`, with the way out named, and rebuilt by
+`migrate` from latest_events_by_device, write timestamps kept."""
 
 from __future__ import annotations
 
 import uuid
 
+import pytest
 from cassandra.cluster import Cluster
+
+from gateway.identity import device_hash
 
 from .helpers import base_env, make_config, run_cli
 
-# latest_events_by_state as round 1 created it.
-OLD_TABLE = """
+# latest_events_by_state as round 1 created it, and as state generations left it.
+ROUND_1 = """
 CREATE TABLE {ks}.latest_events_by_state (
     tenant text, state text, bucket int, device_id text,
     ts timestamp, value text, value_num double,
     PRIMARY KEY ((tenant, state, bucket), device_id))
 """
+GENERATIONS = """
+CREATE TABLE {ks}.latest_events_by_state (
+    tenant text, state text, bucket int, gen int, device_id text,
+    ts timestamp, value text, tags frozen<map<text, text>>,
+    PRIMARY KEY ((tenant, state, bucket, gen), device_id))
+"""
 
 
-def test_an_old_state_table_is_refused_then_migrated() -> None:
+@pytest.mark.parametrize("old_table", [ROUND_1, GENERATIONS], ids=["round-1", "generations"])
+def test_an_old_state_table_is_refused_then_migrated(old_table: str) -> None:
     keyspace = f"gateway_migrate_{uuid.uuid4().hex[:8]}"
     env = base_env(GATEWAY_CASSANDRA__KEYSPACE=keyspace)
     config = make_config(GATEWAY_CASSANDRA__KEYSPACE=keyspace)
@@ -28,7 +39,7 @@ def test_an_old_state_table_is_refused_then_migrated() -> None:
     try:
         assert run_cli("schema", "apply", env=env).returncode == 0
         session.execute(f"DROP TABLE {keyspace}.latest_events_by_state")
-        session.execute(OLD_TABLE.format(ks=keyspace))
+        session.execute(old_table.format(ks=keyspace))
         insert = (
             f"INSERT INTO {keyspace}.latest_events_by_device "
             "(tenant, device_id, state, ts, value, value_num, tags) "
@@ -52,7 +63,7 @@ def test_an_old_state_table_is_refused_then_migrated() -> None:
         rows = {
             r.device_id: r
             for r in session.execute(
-                f"SELECT device_id, state, value, tags, WRITETIME(ts) AS wt "
+                f"SELECT device_hash, device_id, state, value, tags, WRITETIME(ts) AS wt "
                 f"FROM {keyspace}.latest_events_by_state"
             )
         }
@@ -63,6 +74,7 @@ def test_an_old_state_table_is_refused_then_migrated() -> None:
             1_000_000,
         )
         assert dict(rows["door-1"].tags) == {"floor": "3"}
+        assert rows["door-1"].device_hash == device_hash("door-1")
         assert (rows["door-2"].value, rows["door-2"].wt) == ('"x"', 2_000_000)
 
         assert run_cli("schema", "apply", env=env).returncode == 0  # now the new layout

@@ -26,7 +26,7 @@ from cassandra.query import BatchStatement, BatchType
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from gateway.identity import event_identity
+from gateway.identity import device_hash, event_identity
 from gateway.ingest.spool import Spool
 from gateway.store import queries
 from gateway.store.database import Database, connect
@@ -398,7 +398,8 @@ async def test_a_state_unreadable_for_tombstones_says_why_and_what_to_change(
     then says so and names the settings, no traceback."""
     delete = db.session.prepare(
         f"DELETE FROM {db.keyspace}.latest_events_by_state "
-        "WHERE tenant = ? AND state = 'alarm' AND bucket = 0 AND gen = 0 AND device_id = ?"
+        "WHERE tenant = ? AND state = 'alarm' AND bucket = 0 AND gen = 0 "
+        "AND device_hash = ? AND device_id = ?"
     )
     # One partition: unlogged batches of 1,000 deletes are ten times quicker
     # than 100,001 single statements.
@@ -406,7 +407,7 @@ async def test_a_state_unreadable_for_tombstones_says_why_and_what_to_change(
     for start in range(0, 100_001, 1000):
         batch = BatchStatement(batch_type=BatchType.UNLOGGED)
         for i in range(start, min(start + 1000, 100_001)):
-            batch.add(delete, (tenant, f"d{i:06d}"))
+            batch.add(delete, (tenant, device_hash(f"d{i:06d}"), f"d{i:06d}"))
         batches.append(batch)
     await asyncio.to_thread(
         execute_concurrent, db.session, [(b, ()) for b in batches], concurrency=8
@@ -530,9 +531,7 @@ async def test_devices_leaving_a_large_state_in_id_order_leave_no_tombstone_run(
     devices = [f"d{i:05d}" for i in range(3000)]
     leaving = devices[:1400]
     t = int(time.time() * 1000) - 60_000
-    config = make_config(
-        GATEWAY_PIPELINE__ROTATION_WAIT="0", GATEWAY_SAMPLING__ENABLED="false"
-    )
+    config = make_config(GATEWAY_PIPELINE__ROTATION_WAIT="0", GATEWAY_SAMPLING__ENABLED="false")
     async with running_gateway(config) as gw:
         await publish([msg(tenant, d, ts=t, state="on") for d in devices])
         await gw.wait_handled(len(devices))

@@ -16,8 +16,8 @@ from cassandra.query import UNSET_VALUE, BatchStatement, BatchType
 from harness import Bench
 
 from gateway.config import Config, TenantConfig
+from gateway.identity import device_hash, state_bucket
 from gateway.store.database import connect
-from gateway.store.latest import state_bucket
 from gateway.store.queries import devices_in_state
 
 
@@ -41,7 +41,18 @@ def run(bench: Bench) -> None:
                 for device in devices[start : start + 20]:
                     batch.add(
                         insert,
-                        (tenant, "on", bucket, 0, device, now, "1.0", UNSET_VALUE, now * 1000),
+                        (
+                            tenant,
+                            "on",
+                            bucket,
+                            0,
+                            device_hash(device),
+                            device,
+                            now,
+                            "1.0",
+                            UNSET_VALUE,
+                            now * 1000,
+                        ),
                     )
                 batches.append((batch, None))
     t0 = time.monotonic()

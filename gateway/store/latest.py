@@ -68,7 +68,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import zlib
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -77,6 +76,7 @@ import orjson
 
 from ..config import Config
 from ..event import Event
+from ..identity import device_hash, state_bucket
 from ..lru import LRU
 from ..stats import Stats
 from ..units import epoch_ms
@@ -102,11 +102,6 @@ class _Newest:
 def state_value(text: str | None, num: float | None) -> str:
     """An event's value as latest_events_by_state stores it: JSON, never null."""
     return orjson.dumps(text if text is not None else num).decode()
-
-
-def state_bucket(device_id: str, buckets: int) -> int:
-    """Stable across processes and versions (unlike hash())."""
-    return zlib.crc32(device_id.encode()) % buckets if buckets > 1 else 0
 
 
 PartKey = tuple[str, str, int]  # (tenant, state, bucket)
@@ -171,13 +166,14 @@ class LatestState:
     async def prepare(self, session: WriteSession) -> None:
         self._insert_state = await session.prepare(
             "INSERT INTO {keyspace}.latest_events_by_state "
-            "(tenant, state, bucket, gen, device_id, ts, value, tags) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
-            timestamps=(5,),
+            "(tenant, state, bucket, gen, device_hash, device_id, ts, value, tags) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
+            timestamps=(6,),
         )
         self._delete_state = await session.prepare(
             "DELETE FROM {keyspace}.latest_events_by_state USING TIMESTAMP ? "
-            "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ? AND device_id = ?"
+            "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ? "
+            "AND device_hash = ? AND device_id = ?"
         )
         self._select_parts = await session.prepare(
             "SELECT state, bucket, gen, next_gen, rotating_since, live, retired_gen "
@@ -381,6 +377,7 @@ class LatestState:
         if event.state is None:
             return out
         bucket = state_bucket(device, self._config.tenant(tenant).state_buckets)
+        hashed = device_hash(device)
         tenant_states = self._tenants.peek(tenant)
         # prepare_chunk loaded it, and a chunk (pipeline.batch_max_events) holds
         # fewer tenants than MAX_TENANTS, so it cannot have been evicted since.
@@ -397,6 +394,7 @@ class LatestState:
                         event.state,
                         bucket,
                         gen,
+                        hashed,
                         device,
                         event.ts_ms,
                         value,
@@ -429,7 +427,7 @@ class LatestState:
                     Write(
                         ("state", tenant, other, bucket, gen),
                         self._delete_state,
-                        (ts, tenant, other, bucket, gen, device),
+                        (ts, tenant, other, bucket, gen, hashed, device),
                         pending,
                     )
                 )

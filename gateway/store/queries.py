@@ -27,6 +27,7 @@ from cassandra import ReadFailure
 
 from ..config import MAX_BUCKET_SECONDS, Config
 from ..errors import QueryError
+from ..identity import FIRST_HASH
 from ..units import epoch_ms, parse_duration
 from .database import Database
 
@@ -106,10 +107,9 @@ class DevicePage:
 
 
 MAX_PAGE = 1000
-# Rows one page request may read while a tag filter skips rows; when it runs
+# Rows one page request may read while a filter skips rows; when it runs
 # out, the page comes back short with a cursor to go on from.
 SCAN_BUDGET = 10_000
-_TOP = "\U0010ffff"  # sorts after every UTF-8 text that starts with a given prefix
 
 
 def bad_parameter(parameter: str, detail: str) -> QueryError:
@@ -129,15 +129,22 @@ def _unpack(cursor: str) -> Any:
         raise bad_parameter("cursor", "not a cursor this server gave out") from None
 
 
-def encode_cursor(bucket: int, after: str) -> str:
-    return _pack([bucket, after])
+# A position in a state partition: (device_hash, device_id) of a row.
+Position = tuple[int, str]
+START: Position = (FIRST_HASH, "")  # before every row
 
 
-def decode_cursor(cursor: str, buckets: int) -> tuple[int, str]:
+def encode_cursor(bucket: int, after: Position) -> str:
+    return _pack([bucket, *after])
+
+
+def decode_cursor(cursor: str, buckets: int) -> tuple[int, Position]:
     found = _unpack(cursor)
     match found:
-        case [int(bucket), str(after)] if 0 <= bucket < buckets:
-            return bucket, after
+        case [int(bucket), int(hashed), str(after)] if 0 <= bucket < buckets and (
+            FIRST_HASH <= hashed < 2**31
+        ):
+            return bucket, (hashed, after)
     raise bad_parameter("cursor", "not a cursor this server gave out (or state_buckets changed)")
 
 
@@ -167,42 +174,47 @@ async def devices_page(
     prefix: str = "",
     tag: tuple[str, str] | None = None,
 ) -> DevicePage:
-    """One page of the devices in ``state``, by bucket, then device id.
+    """One page of the devices in ``state``, sorted by device id.
 
-    A cursor names the bucket and the last device id given out, so paging
-    goes on across buckets and across a rotation (generations keep device
-    ids). ``prefix`` limits device ids (a clustering range, not a filter);
-    ``tag`` keeps rows whose tags hold KEY with VALUE (read, then filtered,
-    within SCAN_BUDGET rows per page).
+    Pages follow the table's clustering order: by bucket, then by device
+    hash (schema/002), so one page holds devices from across the id range,
+    sorted by id within the page. A cursor names the bucket and the position
+    of the last row read, so paging goes on across buckets and across a
+    rotation (generations keep positions). ``prefix`` and ``tag`` are
+    filters: rows are read, then kept when the device id starts with
+    ``prefix`` and the tags hold KEY with VALUE, at most SCAN_BUDGET rows per
+    page; a page that runs out comes back short, with a cursor.
     """
     if not 1 <= limit <= MAX_PAGE:
         raise bad_parameter("limit", f"must be between 1 and {MAX_PAGE} (got {limit})")
     buckets = config.tenant(tenant).state_buckets
-    bucket, after = decode_cursor(cursor, buckets) if cursor else (0, "")
+    bucket, after = decode_cursor(cursor, buckets) if cursor else (0, START)
     gens = await state_generations(db, tenant, state)
-    upper = prefix + _TOP if prefix else None
-    base = (
-        "SELECT device_id, ts, value, tags, WRITETIME(ts) AS wt "
+    stmt = await db.prepared(
+        "SELECT device_hash, device_id, ts, value, tags, WRITETIME(ts) AS wt "
         f"FROM {db.keyspace}.latest_events_by_state "
         "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ? "
+        "AND (device_hash, device_id) > (?, ?) LIMIT ?"
     )
+    filtered = bool(prefix) or tag is not None
+
+    def keep(r: Any) -> bool:
+        if not r.device_id.startswith(prefix):
+            return False
+        return tag is None or (r.tags or {}).get(tag[0]) == tag[1]
+
     out: list[StateRow] = []
     scanned = 0
     while bucket < buckets:
-        lower_op, lower = (">", after) if after >= prefix else (">=", prefix)
-        cql = base + f"AND device_id {lower_op} ? " + ("AND device_id < ? " if upper else "")
-        want = limit - len(out) if tag is None else min(MAX_PAGE, SCAN_BUDGET - scanned)
-        stmt = await db.prepared(cql + "LIMIT ?")
+        want = min(MAX_PAGE, SCAN_BUDGET - scanned) if filtered else limit - len(out)
         gen = gens.get(bucket, 0)
-        params: list[Any] = [tenant, state, bucket, gen, lower]
-        if upper:
-            params.append(upper)
-        rows = await _read_state(db, stmt, (*params, want), tenant, state, buckets)
+        params = (tenant, state, bucket, gen, *after, want)
+        rows = await _read_state(db, stmt, params, tenant, state, buckets)
         scanned += len(rows)
-        matching = [r for r in rows if tag is None or (r.tags or {}).get(tag[0]) == tag[1]]
+        matching = [r for r in rows if keep(r)]
         seen, checked, stale = 0, 0, set[str]()
         for r in rows:
-            if tag is None or (r.tags or {}).get(tag[0]) == tag[1]:
+            if keep(r):
                 if seen == checked:
                     # Check only rows that may be given out, as many as the page still needs.
                     batch = matching[checked : checked + limit - len(out)]
@@ -211,18 +223,23 @@ async def devices_page(
                 seen += 1
                 if r.device_id not in stale:
                     out.append(StateRow(r.device_id, r.ts, _json(r.value), dict(r.tags or {})))
-            after = r.device_id
+            after = (r.device_hash, r.device_id)
             if len(out) == limit:
                 break
         if len(out) == limit:
-            more = rows and (after != rows[-1].device_id or len(rows) == want)
-            return DevicePage(out, encode_cursor(bucket, after) if more else _next(bucket, buckets))
+            last = (rows[-1].device_hash, rows[-1].device_id)
+            more = after != last or len(rows) == want
+            return _page(out, encode_cursor(bucket, after) if more else _next(bucket, buckets))
         if len(rows) == want:
-            if tag is not None and scanned >= SCAN_BUDGET:
-                return DevicePage(out, encode_cursor(bucket, after))
+            if filtered and scanned >= SCAN_BUDGET:
+                return _page(out, encode_cursor(bucket, after))
             continue  # more in this bucket
-        bucket, after = bucket + 1, ""
-    return DevicePage(out, None)
+        bucket, after = bucket + 1, START
+    return _page(out, None)
+
+
+def _page(rows: list[StateRow], cursor: str | None) -> DevicePage:
+    return DevicePage(sorted(rows, key=lambda r: r.device_id), cursor)
 
 
 # Devices per read of latest_events_by_device when a page is checked (a
@@ -260,18 +277,22 @@ async def _stale(
         )
     )
     truth = {t.device_id: t for part in found for t in part}
-    leftovers: list[tuple[str, int]] = []
+    leftovers: list[tuple[int, str, int]] = []
     for row in rows:
         t = truth.get(row.device_id)
         if t is not None and t.state != state and t.wt is not None and t.wt > (row.wt or 0):
-            leftovers.append((row.device_id, int(t.wt)))
+            leftovers.append((row.device_hash, row.device_id, int(t.wt)))
     if leftovers:
         repair = await db.prepared(
             f"DELETE FROM {db.keyspace}.latest_events_by_state USING TIMESTAMP ? "
-            "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ? AND device_id = ?"
+            "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ? "
+            "AND device_hash = ? AND device_id = ?"
         )
         await asyncio.gather(
-            *(db.execute(repair, (wt, tenant, state, bucket, gen, dev)) for dev, wt in leftovers)
+            *(
+                db.execute(repair, (wt, tenant, state, bucket, gen, hashed, dev))
+                for hashed, dev, wt in leftovers
+            )
         )
         log.info(
             "tenant %r state %r: %d leftover rows of devices whose newest event is in "
@@ -280,12 +301,12 @@ async def _stale(
             state,
             len(leftovers),
         )
-    return {device for device, _ in leftovers}
+    return {device for _, device, _ in leftovers}
 
 
 def _next(bucket: int, buckets: int) -> str | None:
     """The cursor of the start of the next bucket (None: that was the last)."""
-    return encode_cursor(bucket + 1, "") if bucket + 1 < buckets else None
+    return encode_cursor(bucket + 1, START) if bucket + 1 < buckets else None
 
 
 def _json(value: str | None) -> Any:

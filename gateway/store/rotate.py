@@ -48,6 +48,7 @@ from datetime import UTC, datetime
 
 from ..config import Config
 from ..errors import GatewayError
+from ..identity import FIRST_HASH
 from ..stats import Stats
 from ..units import epoch_ms
 from .latest import LatestState, Part, PartKey
@@ -106,16 +107,16 @@ class StateRotation:
             timestamps=(3,),
         )
         self._page = await session.prepare(
-            "SELECT device_id, ts, value, tags, WRITETIME(ts) AS wt "
+            "SELECT device_hash, device_id, ts, value, tags, WRITETIME(ts) AS wt "
             "FROM {keyspace}.latest_events_by_state "
-            "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ? AND device_id > ? "
-            f"LIMIT {PAGE}"
+            "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ? "
+            f"AND (device_hash, device_id) > (?, ?) LIMIT {PAGE}"
         )
         self._copy = await session.prepare(
             "INSERT INTO {keyspace}.latest_events_by_state "
-            "(tenant, state, bucket, gen, device_id, ts, value, tags) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
-            timestamps=(5,),
+            "(tenant, state, bucket, gen, device_hash, device_id, ts, value, tags) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
+            timestamps=(6,),
         )
         self._switch = await session.prepare(
             "UPDATE {keyspace}.state_partitions SET gen = ?, next_gen = null, "
@@ -270,9 +271,9 @@ class StateRotation:
         tenant, state, bucket = key
         session = self._requests.session
         copied = 0
-        after = ""
+        after: tuple[int, str] = (FIRST_HASH, "")
         while True:
-            rows = await self._requests.execute(self._page, (tenant, state, bucket, gen, after))
+            rows = await self._requests.execute(self._page, (tenant, state, bucket, gen, *after))
             inserts = [
                 session.bind(
                     self._copy,
@@ -281,6 +282,7 @@ class StateRotation:
                         state,
                         bucket,
                         next_gen,
+                        r["device_hash"],
                         r["device_id"],
                         epoch_ms(r["ts"]),
                         r["value"],
@@ -297,7 +299,7 @@ class StateRotation:
             copied += len(inserts)
             if len(rows) < PAGE:
                 return copied
-            after = rows[-1]["device_id"]
+            after = (rows[-1]["device_hash"], rows[-1]["device_id"])
 
     async def _drop_old(self, key: PartKey) -> None:
         part = self._latest.part(key)

@@ -4,9 +4,10 @@ Every statement is ``CREATE ... IF NOT EXISTS``; ``{keyspace}`` and
 ``{replication}`` are filled in from the config. Running ``gateway schema apply``
 twice changes nothing. ``missing_from`` tells ``gateway check`` and ``run`` what is absent.
 
-One change cannot be made by ``IF NOT EXISTS``: ``latest_events_by_state``
+Two changes cannot be made by ``IF NOT EXISTS``: ``latest_events_by_state``
 gained a ``gen`` column in its partition key (state generations,
-gateway/store/rotate.py). ``apply`` refuses a keyspace with the old layout
+gateway/store/rotate.py), then a ``device_hash`` clustering column before
+``device_id`` (schema/002). ``apply`` refuses a keyspace with an old layout
 and names the way out, ``gateway schema migrate``: it drops the old table,
 creates the new one and refills it from ``latest_events_by_device`` (the truth
 it was derived from), keeping each row's write timestamp.
@@ -22,8 +23,9 @@ from pathlib import Path
 
 from ..config import CassandraConfig
 from ..errors import SchemaError
+from ..identity import device_hash, state_bucket
 from .database import Database
-from .latest import state_bucket, state_value
+from .latest import state_value
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +89,8 @@ async def apply(db: Database, directory: Path | None = None) -> int:
     """Run every statement; returns how many ran. Waits for schema agreement."""
     if await old_state_layout(db):
         raise SchemaError(
-            f"{db.keyspace}.latest_events_by_state has the layout from before state "
-            "generations (no gen column). Run `gateway schema migrate` once: it rebuilds "
+            f"{db.keyspace}.latest_events_by_state has an older layout (without the "
+            "gen or device_hash column). Run `gateway schema migrate` once: it rebuilds "
             "the table from latest_events_by_device (stop the gateways first)"
         )
     done = 0
@@ -109,20 +111,21 @@ def missing_from(keyspace: str, tables: set[str] | None) -> list[str]:
 
 
 async def old_state_layout(db: Database) -> bool:
-    """Whether latest_events_by_state exists without its ``gen`` column."""
+    """Whether latest_events_by_state exists without its ``gen`` or
+    ``device_hash`` column."""
     rows = await db.execute(
         "SELECT column_name FROM system_schema.columns "
         "WHERE keyspace_name = %s AND table_name = 'latest_events_by_state'",
         (db.keyspace,),
     )
     columns = {r.column_name for r in rows}
-    return bool(columns) and "gen" not in columns
+    return bool(columns) and not {"gen", "device_hash"} <= columns
 
 
 async def migrate(
     db: Database, state_buckets: Callable[[str], int], progress: Callable[[int], None]
 ) -> int:
-    """Rebuild latest_events_by_state in the generation layout from
+    """Rebuild latest_events_by_state in the current layout from
     latest_events_by_device; returns the rows written. Idempotent: a second
     run (or one after an interruption) writes the same rows again.
     ``state_buckets`` gives a tenant's ``state_buckets`` setting."""
@@ -131,8 +134,8 @@ async def migrate(
     await apply(db)
     insert = await db.prepared(
         f"INSERT INTO {db.keyspace}.latest_events_by_state "
-        "(tenant, state, bucket, gen, device_id, ts, value, tags) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?"
+        "(tenant, state, bucket, gen, device_hash, device_id, ts, value, tags) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?"
     )
     gens = {
         (r.tenant, r.state, r.bucket): r.gen or 0
@@ -162,8 +165,8 @@ async def migrate(
             bucket = state_bucket(r.device_id, buckets[r.tenant])
             gen = gens.get((r.tenant, r.state, bucket), 0)
             value = state_value(r.value, r.value_num)
-            values = (r.tenant, r.state, bucket, gen, r.device_id, r.ts, value)
-            writes.append((*values, r.tags or {}, r.wt))
+            key = (r.tenant, r.state, bucket, gen, device_hash(r.device_id), r.device_id)
+            writes.append((*key, r.ts, value, r.tags or {}, r.wt))
         for start in range(0, len(writes), 64):
             await asyncio.gather(*(db.execute(insert, w) for w in writes[start : start + 64]))
         written += len(writes)

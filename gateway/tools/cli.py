@@ -134,7 +134,7 @@ def _parser() -> argparse.ArgumentParser:
     sch_sub.add_parser(
         "migrate",
         parents=[common],
-        help="rebuild latest_events_by_state in the generation layout (once; gateways stopped)",
+        help="rebuild latest_events_by_state in the current layout (once; gateways stopped)",
     )
 
     sub.add_parser(
