@@ -153,6 +153,13 @@ bench-models: up
 bench-rare: up
 	$(VPY) bench/rare_state.py $(BENCH_ARGS)
 
+# Devices leaving a large state in device-id order (~3 min): the first page's
+# tombstones and latency with rows clustered by device id (before) and by device
+# hash, then id (now). Writes bench/results/ordered_departure.{json,md}.
+.PHONY: bench-ordered
+bench-ordered: up
+	$(VPY) bench/ordered_departure.py $(BENCH_ARGS)
+
 # The receive path alone (no database): µs of CPU per MQTT message for our
 # connection.py, paho and aiomqtt 3. Writes bench/results/receive.{json,md}.
 .PHONY: bench-receive

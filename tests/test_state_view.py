@@ -422,15 +422,19 @@ async def test_a_state_unreadable_for_tombstones_says_why_and_what_to_change(
 TRACE_READ = re.compile(r"Read (\d+) live rows and (\d+) tombstone cells")
 
 
-async def _traced_state_read(db: Database, tenant: str, state: str) -> tuple[int, int]:
+async def _traced_state_read(
+    db: Database, tenant: str, state: str, limit: int | None = None
+) -> tuple[int, int]:
     """(live rows, tombstone cells) the replica read for the state's partition
-    in the generation readers read, from Cassandra's own tracing."""
+    in the generation readers read (the first `limit` rows, in the order the
+    read API pages them), from Cassandra's own tracing."""
     gens = await queries.state_generations(db, tenant, state)
+    limit_clause = f" LIMIT {limit}" if limit else ""
 
     def read() -> tuple[int, int]:
         result = db.session.execute(
             f"SELECT device_id FROM {db.keyspace}.latest_events_by_state "
-            "WHERE tenant = %s AND state = %s AND bucket = 0 AND gen = %s",
+            "WHERE tenant = %s AND state = %s AND bucket = 0 AND gen = %s" + limit_clause,
             (tenant, state, gens.get(0, 0)),
             trace=True,
         )
@@ -492,30 +496,6 @@ async def test_a_rare_state_stays_cheap_to_read_after_every_device_left_it(
     assert devices[7] not in {r.device_id for r in ok}
 
 
-async def _traced_first_page(db: Database, tenant: str, state: str) -> tuple[int, int]:
-    """(live rows, tombstone cells) read for the first page (100 rows) of the
-    state, in the order the read API pages it, from Cassandra's tracing."""
-    gens = await queries.state_generations(db, tenant, state)
-
-    def read() -> tuple[int, int]:
-        result = db.session.execute(
-            f"SELECT device_id FROM {db.keyspace}.latest_events_by_state "
-            "WHERE tenant = %s AND state = %s AND bucket = 0 AND gen = %s LIMIT 100",
-            (tenant, state, gens.get(0, 0)),
-            trace=True,
-        )
-        trace = result.get_query_trace(max_wait_sec=10)
-        for event in trace.events:
-            found = TRACE_READ.search(event.description)
-            if found:
-                return int(found[1]), int(found[2])
-        raise AssertionError(
-            f"no read summary in the trace: {[e.description for e in trace.events]}"
-        )
-
-    return await asyncio.to_thread(read)
-
-
 @pytest.mark.slow
 async def test_devices_leaving_a_large_state_in_id_order_leave_no_tombstone_run(
     db: Database, tenant: str
@@ -538,7 +518,7 @@ async def test_devices_leaving_a_large_state_in_id_order_leave_no_tombstone_run(
         await publish([msg(tenant, d, ts=t + 1000, state="off") for d in leaving])
         await gw.wait_handled(len(devices) + len(leaving))
         assert gw.stats.rotations == 0
-    live, tombstones = await _traced_first_page(db, tenant, "on")
+    live, tombstones = await _traced_state_read(db, tenant, "on", limit=100)
     assert live == 100
     assert tombstones <= 300, tombstones
     page = await queries.devices_page(db, make_config(), tenant, "on")
