@@ -68,6 +68,9 @@ class FakeApi:
     rejected: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     changed_at: dict[str, datetime] = field(default_factory=dict)
     seen: list[Seen] = field(default_factory=list)
+    # Rows a filtered devices page reads at most (the real API's SCAN_BUDGET):
+    # past it, a short page with a cursor.
+    scan_budget: int = 10_000
 
     # ------------------------------------------------------------ test-side
 
@@ -143,24 +146,40 @@ class FakeApi:
             if not sep or not key:
                 raise ApiError(400, "bad_request", f"tag must be key:value, got {tag!r}")
         after = _decode_cursor(query["cursor"]) if query.get("cursor") else None
-        rows = sorted(
+        in_state = sorted(
             (
                 d
                 for d in self.latest.get(tenant, {}).values()
-                if d["state"] == state
-                and d["device_id"].startswith(prefix)
-                and (key is None or d["tags"].get(key) == value)
-                and (after is None or d["device_id"] > after)
+                if d["state"] == state and (after is None or d["device_id"] > after)
             ),
             key=lambda d: d["device_id"],
         )
-        page = rows[:limit]
-        more = len(rows) > limit
+        filtered = bool(prefix) or key is not None
+        scanned = in_state[: self.scan_budget] if filtered else in_state
+        page: list[dict[str, Any]] = []
+        last = None
+        for d in scanned:
+            if len(page) == limit:
+                break
+            last = d["device_id"]
+            if d["device_id"].startswith(prefix) and (key is None or d["tags"].get(key) == value):
+                page.append(d)
+        if len(page) == limit:
+            more = any(
+                d["device_id"] > page[-1]["device_id"]
+                and d["device_id"].startswith(prefix)
+                and (key is None or d["tags"].get(key) == value)
+                for d in in_state
+            )
+            cursor = page[-1]["device_id"] if more else None
+        else:
+            # The budget ran out before the page filled: go on from the last row read.
+            cursor = last if len(scanned) < len(in_state) else None
         return {
             "tenant": tenant,
             "state": state,
             "devices": [{k: d[k] for k in ("device_id", "ts", "value", "tags")} for d in page],
-            "next_cursor": _encode_cursor(page[-1]["device_id"]) if more else None,
+            "next_cursor": _encode_cursor(cursor) if cursor else None,
         }
 
     def _history(self, tenant: str, device_id: str, query: Any) -> dict[str, Any]:

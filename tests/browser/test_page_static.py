@@ -179,6 +179,29 @@ async def test_admin_picks_a_tenant_pages_and_filters(
     await page.locator("#clear-filter").click()
     await expect(page.locator("#error")).to_be_hidden()
 
+    # A filter reads a bounded number of rows per request, as the real API
+    # does: an empty page with a cursor says the search goes on, not "none".
+    api.scan_budget = 50
+    await page.locator("#prefix").fill("dev-24")
+    await page.locator("#apply-filter").click()
+    empty = page.locator("#devices-empty")
+    searching = "No match among the devices searched so far: Next searches on."
+    await expect(empty).to_have_text(searching)
+    await expect(page.locator("#next-page")).to_be_enabled()
+    for _ in range(4):  # dev-050.. to dev-200..249, 50 rows a request
+        await page.locator("#next-page").click()
+    await expect(rows).to_have_count(10)
+    await expect(first).to_have_attribute("data-device", "dev-240")
+    await expect(page.locator("#next-page")).to_be_disabled()
+    await page.locator("#prefix").fill("nobody")
+    await page.locator("#apply-filter").click()
+    await expect(empty).to_have_text(searching)
+    api.scan_budget = 10_000
+    await page.locator("#prefix").fill("nobody-at-all")
+    await page.locator("#apply-filter").click()
+    await expect(empty).to_have_text("No devices match.")
+    await expect(page.locator("#next-page")).to_be_disabled()
+
 
 async def test_device_detail_chart_and_history(
     page: Page, url: str, api: FakeApi, screenshot: Shot

@@ -645,12 +645,12 @@
         nextCursor = data.next_cursor || null;
         next.disabled = !nextCursor;
         show($("pager"), Boolean(r.cursor || nextCursor));
-        renderDeviceRows(r, data.devices || [], pickTag);
+        renderDeviceRows(r, data.devices || [], pickTag, Boolean(nextCursor));
       },
     };
   }
 
-  function renderDeviceRows(r, devices, pickTag) {
+  function renderDeviceRows(r, devices, pickTag, more) {
     const tbody = $("device-rows");
     const old = new Map([...tbody.rows].map((row) => [row.dataset.device, row]));
     const rows = devices.map((d) => {
@@ -675,8 +675,12 @@
     replaceKeepingFocus(tbody, rows);
     const filtered = r.prefix || r.tag;
     show($("devices-empty"), devices.length === 0);
+    // A filtered page reads at most 10,000 devices: an empty one with a cursor
+    // means none matched so far, not none at all.
     $("devices-empty").textContent = filtered
-      ? "No devices match." : `No devices are in state ${r.state} right now.`;
+      ? (more ? "No match among the devices searched so far: Next searches on."
+        : "No devices match.")
+      : `No devices are in state ${r.state} right now.`;
     const shown = devices.length;
     $("devices-meta").textContent = shown
       ? `${shown} ${shown === 1 ? "device" : "devices"} on this page${filtered ? " (filtered)" : ""}`
