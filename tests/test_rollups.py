@@ -415,3 +415,30 @@ async def test_many_devices_in_one_pass_each_equal_their_raw_rows(
         await settle(worker, minute)
     for device in devices:
         await assert_rollups_match_raw(db, tenant, device)
+
+
+async def test_written_batches_stay_under_cassandras_batch_size_warning(
+    db: Database, gateway: RunningGateway, worker: RollupWorker, caplog: Any
+) -> None:
+    """`make run`'s fleet (a value and three metrics per event, ids like
+    dev-000001): a minute of 60 devices is rolled up in batches that Cassandra
+    does not warn about (batch_size_warn_threshold, 5 KiB of mutations). With
+    30 rows to a batch it warned: "Batch for [gateway.rollups] is of size
+    7056, exceeding specified threshold of 5120"."""
+    tenant = f"rupsize{uuid.uuid4().hex[:8]}"
+    metrics = {"temperature": 21.37, "humidity": 45.1, "battery": 97.25}
+    batch = [
+        (topic(tenant, f"dev-{i:06d}"), Ev(BASE + i * 500, 20.0 + i / 10, metrics).payload())
+        for i in range(60)
+    ]
+    minute = minute_now()
+    await publish_and_wait(gateway, batch)
+    caplog.set_level("WARNING", logger="cassandra")
+    await settle(worker, minute)
+    warnings = [r.getMessage() for r in caplog.records if "Batch for" in r.getMessage()]
+    assert warnings == []
+    since = datetime.fromtimestamp(BASE / 1000, UTC)
+    got = await queries.rollups(
+        db, tenant, "dev-000059", "humidity", 60, since, since + timedelta(minutes=1)
+    )
+    assert [(r.count, r.last) for r in got] == [(1, 45.1)]

@@ -80,7 +80,7 @@ from ..units import epoch_ms
 from . import queries
 from .database import Database
 from .sink import Pending, Write
-from .write_session import Prepared, WriteSession
+from .write_session import PACK_BYTES, Prepared, WriteSession
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +95,13 @@ PROGRESS = "default"
 # reads, not 3,000.
 GROUP = 100
 READ_IN = 100
-# Windows (partitions) per written batch, and rows: Cassandra warns above 10
-# partitions or 5 KiB per batch; a row is about 100 bytes.
+# Windows (partitions) per written batch: Cassandra warns above 10 partitions
+# or 5 KiB of mutations per batch. The mutations count about twice the bound
+# values (expiring cells carry their TTL and deletion time): 30 rows of
+# `make run`'s fleet, about 130 bytes of values each, made 7,056 bytes and a
+# warning. So a batch carries at most PACK_BYTES of values (2 KiB), as the
+# sink's do (write_session.PACK_BYTES).
 PACK_WINDOWS = 10
-PACK_ROWS = 30
 Window = tuple[str, str, int]  # (tenant, device_id, start in epoch ms)
 RawRows = dict[tuple[int, int], tuple[float | None, dict[str, float]]]  # (ts, event_id) ->
 
@@ -478,7 +481,7 @@ class RollupWorker:
     async def _store(self, windows: list[list[Any]]) -> None:
         """Write these windows' rows: windows whose partitions have the same
         replicas share an UNLOGGED batch, up to PACK_WINDOWS of them and
-        PACK_ROWS rows (under Cassandra's batch warnings: 10 partitions,
+        PACK_BYTES of values (under Cassandra's batch warnings: 10 partitions,
         5 KiB), at most ``rollups.concurrency`` batches at once."""
         packs: dict[Hashable, list[list[Any]]] = {}
         for rows in windows:
@@ -486,16 +489,18 @@ class RollupWorker:
                 packs.setdefault(self._db.replicas(rows[0]), []).append(rows)
         batches: list[BatchStatement] = []
         for same in packs.values():
-            batch, partitions = BatchStatement(batch_type=BatchType.UNLOGGED), 0
+            batch = BatchStatement(batch_type=BatchType.UNLOGGED)
+            partitions = size = 0
             for rows in same:
-                if partitions and (
-                    partitions == PACK_WINDOWS or len(batch) + len(rows) > PACK_ROWS
-                ):
+                rows_size = sum(len(v) for row in rows for v in row.values if isinstance(v, bytes))
+                if partitions and (partitions == PACK_WINDOWS or size + rows_size > PACK_BYTES):
                     batches.append(batch)
-                    batch, partitions = BatchStatement(batch_type=BatchType.UNLOGGED), 0
+                    batch = BatchStatement(batch_type=BatchType.UNLOGGED)
+                    partitions = size = 0
                 for row in rows:
                     batch.add(row)
                 partitions += 1
+                size += rows_size
             batches.append(batch)
 
         async def send(batch: BatchStatement) -> None:
