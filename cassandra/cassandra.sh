@@ -112,6 +112,22 @@ other_layout_running() {
     return 1
 }
 
+# How long a node waits for the seed's gossip (twice while it joins). The seed
+# (node 2) and the single node wait for nobody: 1 s. A joining node on a loaded
+# box could miss the seed's gossip within 1 s ("Unable to contact any seeds":
+# node 1 failed twice in one clean-clone run, 16 s a try), so it waits 3 s,
+# and 6 s when started again.
+ring_delay_ms() {
+    if [[ "$CASSANDRA_NODES" == 1 || "$1" == 2 ]]; then
+        echo 1000
+    elif (("$2" == 1)); then
+        echo 3000
+    else
+        echo 6000
+    fi
+}
+
+# start_node N [attempt]
 start_node() {
     node "$1"
     if pid="$(running_pid)"; then
@@ -157,7 +173,7 @@ start_node() {
         -Dlogback.configurationFile="$here/logback.xml" \
         -Dcassandra.jmx.local.port="$jmx" \
         -Dcassandra.skip_wait_for_gossip_to_settle=0 \
-        -Dcassandra.ring_delay_ms=1000 \
+        -Dcassandra.ring_delay_ms="$(ring_delay_ms "$1" "${2:-1}")" \
         -cp "$lib/*" \
         org.apache.cassandra.service.CassandraDaemon \
         >>"$logdir/console.log" 2>&1 </dev/null &
@@ -230,10 +246,10 @@ start_joined() {
     local i="$1" tries=1
     start_node "$i"
     until wait_node "$i"; do
-        # On a loaded box a joining node can give up on the seed's gossip
-        # within the short ring delay used here ("Unable to contact any
-        # seeds"; about one clean-clone run in three). It never joined, so
-        # nothing is lost: clear it and start it again.
+        # On a loaded box a joining node can still give up on the seed's
+        # gossip within its ring delay ("Unable to contact any seeds"; see
+        # ring_delay_ms). It never joined, so nothing is lost: clear it and
+        # start it again, with a longer delay.
         if ((tries >= 3)) || ! grep -q "Unable to contact any seeds" "$logdir/system.log"; then
             die "$(where)did not start; see $logdir/system.log"
         fi
@@ -241,7 +257,7 @@ start_joined() {
         echo "$(label): did not reach the seed in time; starting it again (attempt $tries of 3)"
         rm -rf "$storage"
         sleep 3
-        start_node "$i"
+        start_node "$i" "$tries"
     done
 }
 
