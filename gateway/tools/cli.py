@@ -23,20 +23,20 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import aiomqtt
 import orjson
 import uvloop
 
-from .. import app
 from ..config import Config, load_config
 from ..errors import ConfigError, GatewayError, QueryError
 from ..sd_notify import Notifier
 from ..store import queries, schema
 from ..store.database import connect
 from ..web import tokens
-from . import check
-from .mqtt_client import mqtt_client
-from .simulate import FleetSpec, publish
+
+# `gateway run` and `serve` (the app: aiohttp, both drivers, the pipeline),
+# `check`, `forget-session` and `simulate` (MQTT clients) import what they
+# need when they run: every other command, a typo included, then answers in
+# about half the time (0.7 s against 1.5 s for `gateway token add` here).
 
 log = logging.getLogger("gateway")
 
@@ -334,11 +334,15 @@ async def _serve(config: Config) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    from .. import app
+
     await app.serve_read_side(config, stop)
     return 0
 
 
 async def _run(config: Config) -> int:
+    from .. import app
+
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -408,6 +412,8 @@ async def _schema_apply(config: Config) -> int:
 
 
 async def _check(config: Config) -> int:
+    from . import check
+
     return await check.run(config)
 
 
@@ -595,6 +601,10 @@ def _token(config: Config, args: argparse.Namespace) -> int:
 async def _forget_session(config: Config) -> int:
     # A session whose client never returns keeps queueing every matching
     # message (until persistent_client_expiration): end it explicitly.
+    import aiomqtt
+
+    from .mqtt_client import mqtt_client
+
     cfg = config.mqtt
     try:
         async with mqtt_client(cfg, clean_start=True, session_expiry=0):
@@ -606,6 +616,10 @@ async def _forget_session(config: Config) -> int:
 
 
 async def _simulate(config: Config, args: argparse.Namespace) -> int:
+    import aiomqtt
+
+    from .simulate import FleetSpec, publish
+
     try:
         spec = FleetSpec(
             devices=args.devices,
