@@ -140,6 +140,8 @@ def main() -> None:
 def spy(pid: int, out: str) -> subprocess.Popen[bytes]:
     """py-spy (from the venv) sampling the gateway, idle time excluded."""
     py_spy = Path(sys.executable).with_name("py-spy")
+    if not py_spy.exists():
+        sys.exit(f"--profile needs py-spy at {py_spy}: .venv/bin/pip install -e '.[bench]'")
     cmd = [str(py_spy), "record", "--pid", str(pid), "--format", "raw", "--output", out]
     return subprocess.Popen([*cmd, "--rate", "250", "--threads"], stdout=subprocess.DEVNULL)
 

@@ -94,7 +94,7 @@ async def test_leftovers_anywhere_in_a_long_page_are_left_out_and_deleted(
         "VALUES (?, ?, ?, ?) USING TIMESTAMP ?"
     )
     devices = [f"d{i:03d}" for i in range(250)]
-    leftovers = {"d007", "d180"}  # in the first and the second read of 100
+    leftovers = {"d007", "d180"}  # the page takes several reads of VERIFY_IN
     for i, device in enumerate(devices):
         ts = t0 + i
         await db.execute(by_state, (tenant, "alarm", device_hash(device), device, ts, ts * 1000))
