@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -109,11 +110,13 @@ def main() -> None:
     start = time.monotonic()
     cpu0 = None
     written = 0
+    threads0: Counter[str] = Counter()
     profiler: subprocess.Popen[bytes] | None = None
     for line in follow(proc, log):
         if cpu0 is None and "subscribed to" in line:
             start = time.monotonic()
             cpu0 = _cpu(proc.pid)
+            threads0 = _thread_cpu(proc.pid)
             if args.profile:
                 profiler = spy(proc.pid, args.profile)
         if (m := STATUS.search(line)) and "status:" in line:
@@ -122,6 +125,8 @@ def main() -> None:
                 break
     elapsed = time.monotonic() - start
     cpu = _cpu(proc.pid) - (cpu0 or 0.0)
+    threads = _thread_cpu(proc.pid)
+    threads.subtract(threads0)
     rss = _rss_mb(proc.pid)
     if profiler is not None:
         profiler.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
@@ -135,6 +140,12 @@ def main() -> None:
         f"gateway CPU {cpu / written * 1e6:.0f} us/event, RSS {rss:.0f} MB "
         f"(devices={args.devices}, format={args.format})"
     )
+    split = ", ".join(
+        f"{name} {seconds / written * 1e6:.0f}"
+        for name, seconds in threads.most_common()
+        if seconds > 0
+    )
+    print(f"  by thread, us/event: {split}")
 
 
 def spy(pid: int, out: str) -> subprocess.Popen[bytes]:
@@ -147,7 +158,24 @@ def spy(pid: int, out: str) -> subprocess.Popen[bytes]:
 
 
 def _cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return _cpu_of(Path(f"/proc/{pid}/stat"))
+
+
+def _thread_cpu(pid: int) -> Counter[str]:
+    """CPU seconds by thread name (the event loop is "python"; the C++
+    driver's IO threads and the Python driver's have their own names)."""
+    by_name: Counter[str] = Counter()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            by_name[name] += _cpu_of(task / "stat")
+        except OSError:
+            continue  # the thread ended meanwhile
+    return by_name
+
+
+def _cpu_of(stat: Path) -> float:
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
