@@ -162,16 +162,18 @@ def _cpu(pid: int) -> float:
 
 
 def _thread_cpu(pid: int) -> Counter[str]:
-    """CPU seconds by thread name (the event loop is "python"; the C++
-    driver's IO threads and the Python driver's have their own names)."""
-    by_name: Counter[str] = Counter()
+    """CPU seconds of the event loop's thread ("event loop") and of all the
+    others together ("other threads": the C++ driver's IO threads, or the
+    Python driver's; they share the process's name, so they are told apart
+    by thread id)."""
+    by_thread: Counter[str] = Counter()
     for task in Path(f"/proc/{pid}/task").iterdir():
+        name = "event loop" if task.name == str(pid) else "other threads"
         try:
-            name = (task / "comm").read_text().strip()
-            by_name[name] += _cpu_of(task / "stat")
+            by_thread[name] += _cpu_of(task / "stat")
         except OSError:
             continue  # the thread ended meanwhile
-    return by_name
+    return by_thread
 
 
 def _cpu_of(stat: Path) -> float:

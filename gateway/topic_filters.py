@@ -7,6 +7,11 @@ matches topics, the topic matcher and the token store check levels.
 
 from __future__ import annotations
 
+import re
+
+# C0 controls, DEL and C1 controls.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
 
 def filter_levels(topic_filter: str) -> tuple[str, ...]:
     levels = tuple(topic_filter.split("/"))
@@ -37,4 +42,4 @@ def topic_matches(levels: tuple[str, ...], topic: str) -> bool:
 def has_control(text: str) -> bool:
     """Whether ``text`` holds a C0 or C1 control character (or DEL), which no
     tenant, device id or label may: they would break log lines and listings."""
-    return any(ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0 for ch in text)
+    return _CONTROL.search(text) is not None

@@ -78,7 +78,7 @@ class Ack:
     def done(self) -> None:
         if not self._done:
             self._done = True
-            self._tracker.flush()
+            self._tracker.flush_soon()
 
 
 class AckTracker:
@@ -97,6 +97,7 @@ class AckTracker:
         self._open = True
         self.taking = True
         self._throttled_since: float | None = None
+        self._flush_due = False
         self._empty = asyncio.Event()
         self._empty.set()
 
@@ -108,6 +109,18 @@ class AckTracker:
             self._throttled_since = time.monotonic()
             self._stats.throttle_events += 1
         return ack
+
+    def flush_soon(self) -> None:
+        """Flush once the event loop has run what is ready now: the requests
+        that completed together have their PUBACKs sent in one write."""
+        queue = self._queue
+        if not self._flush_due and queue and queue[0]._done:
+            self._flush_due = True
+            asyncio.get_running_loop().call_soon(self._due_flush)
+
+    def _due_flush(self) -> None:
+        self._flush_due = False
+        self.flush()
 
     def flush(self) -> None:
         queue = self._queue

@@ -31,6 +31,14 @@ class _Compiled:
     fixed_tenant: str | None
     only_tenants: frozenset[str] | None  # the template's tenants list, if any
     subscriptions: tuple[str, ...]
+    fixed: tuple[tuple[int, str], ...]  # (index, word) of each fixed level
+
+    def fits(self, parts: list[str]) -> bool:
+        """Whether a topic's levels (as many as the template's) have its fixed words."""
+        for index, word in self.fixed:  # noqa: SIM110 - no generator per message
+            if parts[index] != word:
+                return False
+        return True
 
 
 def _compile(template: TopicTemplate) -> _Compiled:
@@ -52,6 +60,7 @@ def _compile(template: TopicTemplate) -> _Compiled:
         fixed_tenant=template.tenant,
         only_tenants=frozenset(template.tenants) if template.tenants else None,
         subscriptions=tuple(subscriptions),
+        fixed=tuple((i, level) for i, level in enumerate(levels) if level is not None),
     )
 
 
@@ -74,10 +83,7 @@ class TopicMatcher:
         for tpl in self._templates:
             if len(parts) != len(tpl.levels):
                 continue
-            if any(
-                fixed is not None and fixed != part
-                for fixed, part in zip(tpl.levels, parts, strict=True)
-            ):
+            if not tpl.fits(parts):
                 continue
             if tpl.tenant_index is None:
                 assert tpl.fixed_tenant is not None  # guaranteed by TopicTemplate

@@ -153,13 +153,14 @@ class Metadata:
         seen = self._seen
         capped: dict[Entry, bool] = {}
         for entry in entries(event):
-            if entry in seen:
-                continue
+            if seen.touch(entry):
+                continue  # stored already
             if not self._at_cap(entry[1]):
                 pending.add()
                 return None
             capped[entry] = False
-        return self._rows(event, pending, capped)
+        # Every entry stored already (the common case) leaves nothing to write.
+        return self._rows(event, pending, capped) if capped else []
 
     def _at_cap(self, tenant: str) -> bool:
         """Whether the tenant is known to have reached metadata.max_per_tenant."""

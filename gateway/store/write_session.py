@@ -279,14 +279,22 @@ class AcsyllaSession(WriteSession):
         return Prepared(cql, native, timestamps)
 
     def bind(self, prepared: Prepared, values: Sequence[Any]) -> Any:
+        listed = list(values)
+        for index in prepared.timestamps:
+            value = listed[index]
+            if value is not None and value is not UNSET:
+                listed[index] = _seconds(value)
+        if UNSET not in listed:
+            return prepared.native.bind(listed)  # about half the CPU of one by one
+        # Values up to the first UNSET in one call, then one by one, leaving
+        # each UNSET unbound: protocol v4 sends "unset", not null.
         statement = prepared.native.bind()
-        timestamps = prepared.timestamps
-        for index, value in enumerate(values):
-            if value is UNSET:
-                continue  # left unset: protocol v4 sends "unset", not null
-            if index in timestamps and value is not None:
-                statement.bind(index, _seconds(value))
-            else:
+        first_unset = listed.index(UNSET)
+        if first_unset:
+            statement.bind_list(listed[:first_unset])
+        for index in range(first_unset + 1, len(listed)):
+            value = listed[index]
+            if value is not UNSET:
                 statement.bind(index, value)
         return statement
 
@@ -350,7 +358,12 @@ def value_bytes(values: Sequence[Any]) -> int:
     more; PACK_BYTES leaves room), maps by their keys and values, others 8."""
     size = 0
     for value in values:
-        if isinstance(value, str | bytes):
+        kind = type(value)  # exact types first: this runs for every row
+        if kind is str:
+            size += len(value)
+        elif kind is int or kind is float:
+            size += 8
+        elif isinstance(value, str | bytes):
             size += len(value)
         elif isinstance(value, dict):
             size += sum(len(k) + (len(v) if isinstance(v, str) else 8) for k, v in value.items())
