@@ -18,6 +18,9 @@ BACKLOG_CHUNKS chunks wait, beyond that the write loop waits for room
 
 * Written once per new entry: every entry known to be stored is remembered
   in an LRU of ``metadata.cache_size``; an entry seen again costs nothing.
+  So is, per device, the set of entries of its last event if all were
+  stored (another LRU of that size): an event with the same set is done
+  without looking at each entry.
   Those not in the LRU (new, forgotten, or stored before a restart) are
   looked up (``metadata_reads`` counts them) with one read per partition and
   chunk, ``clustering IN (...)`` of up to 100 of them (``Requests.read_keys``;
@@ -112,6 +115,14 @@ class Metadata:
         self._working = False
         self._stopped = asyncio.Event()
         self._seen: LRU[Entry, bool] = LRU(config.metadata.cache_size)
+        # Per device, the entries of an event whose every entry was known
+        # stored: whether it had a value, its metric names, its tags. Most
+        # devices send the same ones every time, and comparing them costs
+        # less than looking up each entry (an LRU of the same size; one
+        # forgotten costs those lookups again).
+        self._shapes: LRU[tuple[str, str], tuple[bool, frozenset[str], dict[str, str]]] = LRU(
+            config.metadata.cache_size
+        )
         # Each tenant's count as last seen: the expected value of the next
         # compare-and-set (exact while this instance is the only writer), and
         # whether the tenant is at its cap (counts never go down).
@@ -150,6 +161,16 @@ class Metadata:
         known to be at the cap. None if not: the event is held, its pending
         has one more count (so none of its other writes can complete it) until
         the worker is done with it; hand it to :meth:`hold` with its chunk."""
+        device = (event.tenant, event.device_id)
+        shape = self._shapes.get(device)
+        has_value = event.value_num is not None
+        if (
+            shape is not None
+            and shape[0] == has_value
+            and shape[2] == event.tags
+            and event.metrics.keys() == shape[1]
+        ):
+            return []  # the same entries as the device's last event: stored
         seen = self._seen
         capped: dict[Entry, bool] = {}
         for entry in entries(event):
@@ -159,8 +180,10 @@ class Metadata:
                 pending.add()
                 return None
             capped[entry] = False
-        # Every entry stored already (the common case) leaves nothing to write.
-        return self._rows(event, pending, capped) if capped else []
+        if capped:
+            return self._rows(event, pending, capped)
+        self._shapes.put(device, (has_value, frozenset(event.metrics), event.tags))
+        return []
 
     def _at_cap(self, tenant: str) -> bool:
         """Whether the tenant is known to have reached metadata.max_per_tenant."""

@@ -127,14 +127,18 @@ class Sink:
         """Pack partitions with the same replicas into shared requests (the
         Python driver's path); bound here, so that sizes are known."""
         session = self._session
-        bind = self._requests.bind
+        bind, size_of = self._requests.bind, session.size
         max_rows, max_parts = self._max_rows, session.batch_partitions
         packs: dict[Hashable, _Pack] = {}
         for group in groups:
             for start in range(0, len(group), max_rows):
                 rows = group[start : start + max_rows]
-                statements = [bind(r.prepared, r.values) for r in rows]
-                size = sum(session.size(s, r.values) for s, r in zip(statements, rows, strict=True))
+                statements: list[Any] = []
+                size = 0
+                for row in rows:  # a plain loop: this runs for every row
+                    statement = bind(row.prepared, row.values)
+                    statements.append(statement)
+                    size += size_of(statement, row.values)
                 key = session.replicas(statements[0])
                 pack = packs.get(key)
                 if pack is not None and (
