@@ -245,5 +245,5 @@ def test_acsylla_packs_only_where_every_node_holds_every_partition() -> None:
 
 def test_value_bytes_estimates_what_a_row_binds() -> None:
     assert value_bytes(["tenant", b"ab", 3, 2.5, None, UNSET, {"k": "vv", "n": 1.0}]) == (
-        6 + 2 + 8 + 8 + 0 + 0 + (1 + 2) + (1 + 8)
+        6 + 2 + 8 + 8 + 0 + 0 + len('{"k":"vv","n":1.0}')
     )

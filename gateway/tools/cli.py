@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib.resources
 import logging
 import os
@@ -340,9 +341,21 @@ async def _serve(config: Config) -> int:
     return 0
 
 
+# Python's cyclic collector, for `gateway run`: the young generation is
+# collected every GC_YOUNG net allocations of containers instead of 700. The
+# write path allocates a dozen short-lived rows, tuples and dicts per message
+# and almost no cycles (reference counting frees them), so at the default the
+# collector took about a fifth of the gateway's CPU in a drain of 30,000
+# messages (1.35 s of 7 s); at 50,000, 0.1 s, for about 10 MB more memory.
+GC_YOUNG = 50_000
+
+
 async def _run(config: Config) -> int:
     from .. import app
 
+    # What start-up loaded stays for good: out of every collection.
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG, 10, 10)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
