@@ -9,6 +9,7 @@ const TTL = 30 * 86400;
 const STATES = ["on", "off"];
 const cassandra = global.get("cassandra");
 const crypto = global.get("crypto");
+const zlib = global.get("zlib");
 const Long = cassandra.types.Long;
 const unset = cassandra.types.unset;
 const st = context.get("st");
@@ -56,15 +57,19 @@ function rows(m) {
     if (state !== null) {
         // latest_events_by_state keeps the value as JSON (gateway/store/latest.py
         // state_value), in generation 0: this writer never rotates a partition.
+        // Rows are clustered by device_hash first (gateway/identity.py
+        // device_hash: CRC-32 of the id as a signed 32-bit int).
+        const hash = zlib.crc32(Buffer.from(device, "utf8")) - 2147483648;
         out.push([`INSERT INTO ${ks}.latest_events_by_state (tenant, state, bucket, gen, ` +
-                  `device_id, ts, value, tags) VALUES (?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?`,
-                  [tenant, state, 0, 0, device, ts, JSON.stringify(value), tags, wts]]);
+                  `device_hash, device_id, ts, value, tags) ` +
+                  `VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?`,
+                  [tenant, state, 0, 0, hash, device, ts, JSON.stringify(value), tags, wts]]);
         for (const other of STATES) {
             if (other !== state) {
                 out.push([`DELETE FROM ${ks}.latest_events_by_state USING TIMESTAMP ? ` +
                           `WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ? ` +
-                          `AND device_id = ?`,
-                          [wts, tenant, other, 0, 0, device]]);
+                          `AND device_hash = ? AND device_id = ?`,
+                          [wts, tenant, other, 0, 0, hash, device]]);
             }
         }
     }

@@ -15,6 +15,7 @@ module.exports = {
     functionGlobalContext: {
         cassandra: require(path.join(modules, "cassandra-driver")),
         crypto: require("crypto"),
+        zlib: require("zlib"),
     },
     functionExternalModules: false,
     logging: { console: { level: "info", metrics: false, audit: false } },
