@@ -295,11 +295,12 @@ async def open_gateway(
                 await writer.prepare(session)
         worker: RollupWorker | None = None
         if marks is not None and config.rollups.worker:
-            # Its own session (the CLI's driver, which pages): its reads never
-            # queue behind the write path's in-flight cap. Started before any
-            # mark is written, so its cursor is never ahead of one.
-            rollup_db = await stack.enter_async_context(connect(config.cassandra))
-            worker = RollupWorker(rollup_db, config, stats)
+            # A session of its own (the same driver as the write path's): its
+            # reads never queue behind the write path's in-flight cap. Started
+            # before any mark is written, so its cursor is never ahead of one.
+            rollup_session = await stack.enter_async_context(open_write_session(config.cassandra))
+            await rollup_session.plan_packing()
+            worker = RollupWorker(rollup_session, config, stats)
             await worker.start()
         sampler = Sampler(config.sampling)
         classifier = Classifier(config, sampler, stats)

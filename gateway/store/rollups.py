@@ -22,8 +22,9 @@ How, and why this way (the tsdb-cassandra README's "re-write the window"):
   back-fill and late data cost the same as fresh data, and keep the table
   append-only: marks are never deleted (no tombstones for the worker to
   read), they expire after 7 days.
-* **One worker** (:class:`RollupWorker`, a task of the application object)
-  keeps a cursor in ``rollup_progress``: the first writing minute it has not
+* **One worker** (:class:`RollupWorker`, a task of the application object,
+  on a write session of its own: the write path's driver, so acsylla where
+  it is installed) keeps a cursor in ``rollup_progress``: the first writing minute it has not
   finished. Once that minute is over plus ``rollups.grace`` it reads the
   minute's mark partitions, recomputes each marked 1-minute window, then each
   touched hour from its 1-minute rows (a merge: counts and sums add, min and
@@ -71,17 +72,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-from cassandra.query import BatchStatement, BatchType
 
 from ..config import MAX_BUCKET_SECONDS, Config
 from ..event import Event
 from ..lru import LRU
 from ..stats import Stats
-from ..units import epoch_ms
 from . import queries
-from .database import Database
 from .sink import Pending, Write
-from .write_session import PACK_BYTES, Prepared, WriteSession
+from .write_session import PACK_BYTES, Prepared, Rows, WriteSession
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +103,7 @@ READ_IN = 100
 PACK_WINDOWS = 10
 Window = tuple[str, str, int]  # (tenant, device_id, start in epoch ms)
 RawRows = dict[tuple[int, int], tuple[float | None, dict[str, float]]]  # (ts, event_id) ->
+_Rows = tuple[list[Any], int]  # a window's bound statements, and the bytes of their values
 
 
 def mark_shard(tenant: str, device_id: str) -> int:
@@ -200,14 +199,14 @@ class RollupWorker:
 
     def __init__(
         self,
-        db: Database,
+        session: WriteSession,
         config: Config,
         stats: Stats,
         *,
         name: str = PROGRESS,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self._db = db
+        self._session = session
         self._config = config
         self._stats = stats
         self._name = name
@@ -223,54 +222,67 @@ class RollupWorker:
     async def start(self, first_minute_ms: int | None = None) -> None:
         """Prepare, and read the cursor (a new one starts at this minute, or at
         ``first_minute_ms``; no mark can be older than that)."""
-        ks = self._db.keyspace
-        prepare = self._db.prepared
-        self._read_cursor = await prepare(f"SELECT minute FROM {ks}.rollup_progress WHERE name = ?")
+        prepare = self._session.prepare
+        self._read_cursor = await prepare(
+            "SELECT toUnixTimestamp(minute) AS minute_ms FROM {keyspace}.rollup_progress "
+            "WHERE name = ?"
+        )
         self._init_cursor = await prepare(
-            f"INSERT INTO {ks}.rollup_progress (name, minute) VALUES (?, ?) IF NOT EXISTS"
+            "INSERT INTO {keyspace}.rollup_progress (name, minute) VALUES (?, ?) IF NOT EXISTS",
+            timestamps=(1,),
         )
         self._write_cursor = await prepare(
-            f"INSERT INTO {ks}.rollup_progress (name, minute) VALUES (?, ?)"
+            "INSERT INTO {keyspace}.rollup_progress (name, minute) VALUES (?, ?)", timestamps=(1,)
         )
         self._read_marks = await prepare(
-            f"SELECT tenant, device_id, window_start FROM {ks}.rollup_marks "
-            "WHERE minute = ? AND shard = ?"
+            "SELECT tenant, device_id, toUnixTimestamp(window_start) AS window_ms "
+            "FROM {keyspace}.rollup_marks WHERE minute = ? AND shard = ?",
+            timestamps=(0,),
         )
         # Each read covers READ_IN devices (device_id IN ?), see recompute().
+        # Timestamps are read as epoch ms, and the metrics map as JSON: cheaper
+        # to decode, in either driver, than datetimes and the driver's map type.
         self._read_index = await prepare(
-            f"SELECT tenant, device_id, bucket_start, shard, bucket_seconds "
-            f"FROM {ks}.telemetry_partitions "
-            "WHERE tenant = ? AND device_id IN ? AND bucket_start <= ? AND bucket_start > ?"
+            "SELECT tenant, device_id, toUnixTimestamp(bucket_start) AS bucket_ms, shard, "
+            "bucket_seconds FROM {keyspace}.telemetry_partitions "
+            "WHERE tenant = ? AND device_id IN ? AND bucket_start <= ? AND bucket_start > ?",
+            timestamps=(2, 3),
         )
         self._read_raw = await prepare(
-            # ts as epoch ms and the map as JSON: the Python driver's map
-            # type and datetimes cost the worker more CPU than the rest of it.
-            f"SELECT tenant, device_id, toUnixTimestamp(ts) AS ts_ms, event_id, value_num, "
-            f"toJson(metrics) AS metrics FROM {ks}.telemetry "
+            "SELECT tenant, device_id, toUnixTimestamp(ts) AS ts_ms, event_id, value_num, "
+            "toJson(metrics) AS metrics FROM {keyspace}.telemetry "
             "WHERE tenant = ? AND device_id IN ? AND bucket_start = ? AND shard = ? "
-            "AND ts >= ? AND ts <= ?"
+            "AND ts >= ? AND ts <= ?",
+            timestamps=(2, 4, 5),
         )
         self._read_minutes = await prepare(
-            f"SELECT tenant, device_id, metric, start, count, min, max, sum, last, last_ts, "
-            f"last_id FROM {ks}.rollups "
+            "SELECT tenant, device_id, metric, toUnixTimestamp(start) AS start_ms, count, min, "
+            "max, sum, last, toUnixTimestamp(last_ts) AS last_ms, last_id FROM {keyspace}.rollups "
             "WHERE tenant = ? AND device_id IN ? AND step = 60 AND bucket = ? AND metric IN ? "
-            "AND start >= ? AND start < ?"
+            "AND start >= ? AND start < ?",
+            timestamps=(2, 4, 5),
         )
         self._write = await prepare(
-            f"INSERT INTO {ks}.rollups (tenant, device_id, step, bucket, metric, start, count, "
-            "min, max, sum, last, last_ts, last_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
-            "USING TTL ? AND TIMESTAMP ?"
+            "INSERT INTO {keyspace}.rollups (tenant, device_id, step, bucket, metric, start, "
+            "count, min, max, sum, last, last_ts, last_id) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) USING TTL ? AND TIMESTAMP ?",
+            timestamps=(3, 5, 11),
         )
         now_ms = int(self._clock() * 1000)
         first = first_minute_ms if first_minute_ms is not None else now_ms - now_ms % MINUTE_MS
-        await self._db.execute(self._init_cursor, (self._name, first))
-        rows = await self._db.execute(self._read_cursor, (self._name,))
-        self._cursor = epoch_ms(rows[0].minute)
+        await self._execute(self._init_cursor, (self._name, first))
+        rows = await self._execute(self._read_cursor, (self._name,))
+        self._cursor = rows[0]["minute_ms"]
         self._ready = True
         log.info(
             "roll-ups: marks from %s on still to do",
             queries.iso(datetime.fromtimestamp(self._cursor / 1000, UTC)),
         )
+
+    async def _execute(self, prepared: Prepared, values: tuple[Any, ...]) -> Rows:
+        """One statement: every row (the sessions page), as dicts."""
+        session = self._session
+        return await session.execute(session.bind(prepared, values))
 
     @property
     def cursor_ms(self) -> int:
@@ -313,17 +325,15 @@ class RollupWorker:
                 return done
             await self.process_minute(self._cursor)
             self._cursor += MINUTE_MS
-            await self._db.execute(self._write_cursor, (self._name, self._cursor))
+            await self._execute(self._write_cursor, (self._name, self._cursor))
             done += 1
 
     async def process_minute(self, minute_ms: int) -> None:
         """Recompute every window marked in ``minute_ms``, then their hours."""
         parts = await asyncio.gather(
-            *(self._db.execute(self._read_marks, (minute_ms, s)) for s in range(MARK_SHARDS))
+            *(self._execute(self._read_marks, (minute_ms, s)) for s in range(MARK_SHARDS))
         )
-        windows = {
-            (r.tenant, r.device_id, epoch_ms(r.window_start)) for rows in parts for r in rows
-        }
+        windows = {(r["tenant"], r["device_id"], r["window_ms"]) for rows in parts for r in rows}
         await self.recompute(windows)
 
     async def recompute(self, windows: set[tuple[str, str, int]]) -> None:
@@ -337,7 +347,7 @@ class RollupWorker:
             group = ordered[first : first + GROUP]
             read_at = time.time()  # before any of the group's reads began
             raw = await self._raw(group)
-            writes: list[list[Any]] = []
+            writes: list[_Rows] = []
             for tenant, device, start in group:
                 aggregates = self._minute(raw.get((tenant, device, start), {}))
                 ttl = int(self._config.tenant(tenant).rollup_ttl_1m)
@@ -385,14 +395,14 @@ class RollupWorker:
             tenant, start_ms = key
             end_ms = start_ms + MINUTE_MS - 1
             low = start_ms - MAX_BUCKET_SECONDS * 1000
-            return self._db.execute(self._read_index, (tenant, devices, end_ms, low))
+            return self._execute(self._read_index, (tenant, devices, end_ms, low))
 
         # Per device, its partitions (bucket, shard) and their longest bucket.
         longest: dict[tuple[str, str], dict[tuple[int, int], int]] = {}
         for p in await self._read_in(by_start, read_index):
-            partitions = longest.setdefault((p.tenant, p.device_id), {})
-            key = (epoch_ms(p.bucket_start), p.shard)
-            partitions[key] = max(partitions.get(key, 0), p.bucket_seconds)
+            partitions = longest.setdefault((p["tenant"], p["device_id"]), {})
+            key = (p["bucket_ms"], p["shard"])
+            partitions[key] = max(partitions.get(key, 0), p["bucket_seconds"])
         by_partition: dict[tuple[str, int, int, int], list[str]] = {}
         for tenant, device_id, start_ms in windows:
             for (bucket, shard), seconds in longest.get((tenant, device_id), {}).items():
@@ -402,15 +412,15 @@ class RollupWorker:
         def read_raw(key: tuple[str, int, int, int], devices: list[str]) -> Any:
             tenant, bucket, shard, start_ms = key
             values = (tenant, devices, bucket, shard, start_ms, start_ms + MINUTE_MS - 1)
-            return self._db.execute(self._read_raw, values)
+            return self._execute(self._read_raw, values)
 
         out: dict[Window, RawRows] = {}
         for r in await self._read_in(by_partition, read_raw):
-            ts = r.ts_ms
+            ts = r["ts_ms"]
             # A redelivered copy can sit in two partitions (queries.history): once.
-            window = (r.tenant, r.device_id, ts - ts % MINUTE_MS)
-            metrics = orjson.loads(r.metrics) if r.metrics else None  # "null" when empty
-            out.setdefault(window, {})[(ts, r.event_id)] = (r.value_num, metrics or {})
+            window = (r["tenant"], r["device_id"], ts - ts % MINUTE_MS)
+            metrics = orjson.loads(r["metrics"]) if r["metrics"] else None  # "null" when empty
+            out.setdefault(window, {})[(ts, r["event_id"])] = (r["value_num"], metrics or {})
         return out
 
     async def _hours(self, hours: dict[tuple[str, str, int], set[str]]) -> None:
@@ -428,15 +438,24 @@ class RollupWorker:
             bucket = queries.rollup_bucket(hour_ms, 60)
             metrics = sorted(metrics_of[key])
             values = (tenant, devices, bucket, metrics, hour_ms, hour_ms + HOUR_MS)
-            return self._db.execute(self._read_minutes, values)
+            return self._execute(self._read_minutes, values)
 
         parts: dict[tuple[str, str, int], dict[str, list[Aggregate]]] = {}
         for r in await self._read_in(by_hour, read_minutes):
-            start = epoch_ms(r.start)
-            key = (r.tenant, r.device_id, start - start % HOUR_MS)
-            if r.metric in hours.get(key, ()):
-                parts.setdefault(key, {}).setdefault(r.metric, []).append(
-                    Aggregate(r.count, r.min, r.max, r.sum, r.last, epoch_ms(r.last_ts), r.last_id)
+            start = r["start_ms"]
+            key = (r["tenant"], r["device_id"], start - start % HOUR_MS)
+            metric = r["metric"]
+            if metric in hours.get(key, ()):
+                parts.setdefault(key, {}).setdefault(metric, []).append(
+                    Aggregate(
+                        r["count"],
+                        r["min"],
+                        r["max"],
+                        r["sum"],
+                        r["last"],
+                        r["last_ms"],
+                        r["last_id"],
+                    )
                 )
 
         writes = []
@@ -455,61 +474,66 @@ class RollupWorker:
         aggregates: dict[str, Aggregate],
         ttl: int,
         read_at: float,
-    ) -> list[Any]:
-        """One window's rows, every metric (they share a partition), bound."""
+    ) -> _Rows:
+        """One window's rows, every metric (they share a partition), bound,
+        with the bytes of their values."""
         bucket = queries.rollup_bucket(start_ms, step)
         # The later read wins (module docstring), in microseconds.
         stamp = int(read_at * 1_000_000)
-        return [
-            self._write.bind(
-                (
-                    tenant,
-                    device_id,
-                    step,
-                    bucket,
-                    metric,
-                    start_ms,
-                    agg.count,
-                    agg.min,
-                    agg.max,
-                    agg.sum,
-                    agg.last,
-                    agg.last_ts,
-                    agg.last_id,
-                    ttl,
-                    stamp,
-                )
+        session = self._session
+        statements: list[Any] = []
+        size = 0
+        for metric, agg in aggregates.items():
+            values = (
+                tenant,
+                device_id,
+                step,
+                bucket,
+                metric,
+                start_ms,
+                agg.count,
+                agg.min,
+                agg.max,
+                agg.sum,
+                agg.last,
+                agg.last_ts,
+                agg.last_id,
+                ttl,
+                stamp,
             )
-            for metric, agg in aggregates.items()
-        ]
+            statement = session.bind(self._write, values)
+            statements.append(statement)
+            size += session.size(statement, values)
+        return statements, size
 
-    async def _store(self, windows: list[list[Any]]) -> None:
+    async def _store(self, windows: list[_Rows]) -> None:
         """Write these windows' rows: windows whose partitions have the same
-        replicas share an UNLOGGED batch, up to PACK_WINDOWS of them and
-        PACK_BYTES of values (under Cassandra's batch warnings: 10 partitions,
-        5 KiB), at most ``rollups.concurrency`` batches at once."""
-        packs: dict[Hashable, list[list[Any]]] = {}
+        replicas share an UNLOGGED batch, up to PACK_WINDOWS of them (or the
+        session's ``batch_partitions``, if fewer) and PACK_BYTES of values
+        (under Cassandra's batch warnings: 10 partitions, 5 KiB), at most
+        ``rollups.concurrency`` batches at once."""
+        session = self._session
+        most = min(PACK_WINDOWS, session.batch_partitions)
+        packs: dict[Hashable, list[_Rows]] = {}
         for rows in windows:
-            if rows:
-                packs.setdefault(self._db.replicas(rows[0]), []).append(rows)
-        batches: list[BatchStatement] = []
+            if rows[0]:
+                packs.setdefault(session.replicas(rows[0][0]), []).append(rows)
+        batches: list[list[Any]] = []
         for same in packs.values():
-            batch = BatchStatement(batch_type=BatchType.UNLOGGED)
+            batch: list[Any] = []
             partitions = size = 0
-            for rows in same:
-                rows_size = sum(len(v) for row in rows for v in row.values if isinstance(v, bytes))
-                if partitions and (partitions == PACK_WINDOWS or size + rows_size > PACK_BYTES):
+            for statements, rows_size in same:
+                if partitions and (partitions == most or size + rows_size > PACK_BYTES):
                     batches.append(batch)
-                    batch = BatchStatement(batch_type=BatchType.UNLOGGED)
+                    batch = []
                     partitions = size = 0
-                for row in rows:
-                    batch.add(row)
+                batch += statements
                 partitions += 1
                 size += rows_size
             batches.append(batch)
 
-        async def send(batch: BatchStatement) -> None:
+        async def send(statements: list[Any]) -> None:
             async with self._slots:
-                await self._db.execute(batch)
+                await session.execute(session.batch(statements))
 
         await asyncio.gather(*(send(batch) for batch in batches))

@@ -23,9 +23,10 @@ What both keep, so the stages don't care which one runs:
   survives exactly);
 * ``USING TIMESTAMP`` and TTL parameters are plain integers;
 * batches are UNLOGGED; writes use client-side (monotonic) timestamps;
-* results are lists of dicts keyed by column name (``[applied]`` included).
-  acsylla returns the first page only: the reads here are single small
-  partitions (a tenant's states, one device's row), far below a page;
+* results are lists of dicts keyed by column name (``[applied]`` included),
+  every row: the Python driver pages (5,000 rows a page), acsylla sends no
+  page size, so Cassandra answers in one response. The largest reads, the
+  roll-up worker's, are bounded by its groups (rollups.GROUP, READ_IN);
 * :attr:`WriteSession.transient` lists the errors worth retrying (timeouts,
   unavailable replicas, lost connections, overload), the sink's concern.
 
