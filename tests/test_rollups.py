@@ -463,3 +463,22 @@ async def test_written_batches_stay_under_cassandras_batch_size_warning(
         db, tenant, "dev-000059", "humidity", 60, since, since + timedelta(minutes=1)
     )
     assert [(r.count, r.last) for r in got] == [(1, 45.1)]
+
+
+async def test_a_worker_on_the_python_driver_equals_the_raw_rows(
+    db: Database, gateway: RunningGateway
+) -> None:
+    """Where acsylla is not installed, or with Cassandra TLS or compression,
+    the worker's session is the Python driver's: the same roll-ups, from
+    rows that come back as that driver decodes them (timestamps, JSON, pages)."""
+    tenant = f"ruppy{uuid.uuid4().hex[:8]}"
+    sent = [Ev(BASE + i * 7_000, float(i % 5), {"a": float(i), "b": 0.5}) for i in range(30)]
+    minute = minute_now()
+    await publish_and_wait(gateway, [(topic(tenant, "meter"), e.payload()) for e in sent])
+    config = make_config(GATEWAY_CASSANDRA__DRIVER="python")
+    async with open_write_session(config.cassandra) as python_session:
+        assert python_session.name.startswith("python")
+        w = RollupWorker(python_session, config, Stats(), name=f"test-{uuid.uuid4().hex[:8]}")
+        await w.start(minute)
+        await settle(w, minute)
+    await assert_rollups_match_raw(db, tenant, "meter")
