@@ -299,7 +299,7 @@ async def open_gateway(
             # reads never queue behind the write path's in-flight cap. Started
             # before any mark is written, so its cursor is never ahead of one.
             rollup_session = await stack.enter_async_context(open_write_session(config.cassandra))
-            await rollup_session.plan_packing()
+            await rollup_session.plan_packing("the roll-up worker")
             worker = RollupWorker(rollup_session, config, stats)
             await worker.start()
         sampler = Sampler(config.sampling)

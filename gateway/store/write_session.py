@@ -160,8 +160,9 @@ class WriteSession(ABC):
         here estimated from ``values``: text and blobs by length, numbers 8."""
         return value_bytes(values)
 
-    async def plan_packing(self) -> None:  # noqa: B027 - most drivers decide nothing
-        """Decide :attr:`batch_partitions` once connected (the keyspace exists)."""
+    async def plan_packing(self, user: str = "the write path") -> None:  # noqa: B027 - most drivers decide nothing
+        """Decide :attr:`batch_partitions` once connected (the keyspace exists);
+        ``user`` names the session's user in the log line."""
 
     @abstractmethod
     async def tables(self) -> set[str] | None:
@@ -318,7 +319,7 @@ class AcsyllaSession(WriteSession):
     def replicas(self, statement: Any) -> Hashable:
         return None  # packing only when every node holds every partition
 
-    async def plan_packing(self) -> None:
+    async def plan_packing(self, user: str = "the write path") -> None:
         dcs = [r["data_center"] for r in await self._query("SELECT data_center FROM system.local")]
         dcs += [
             r["data_center"] for r in await self._query("SELECT data_center FROM system.peers_v2")
@@ -332,10 +333,11 @@ class AcsyllaSession(WriteSession):
             self.batch_partitions = 10
             log.info(
                 "Cassandra nodes: %d, each holding every partition of %r: "
-                "up to %d partitions per request",
+                "up to %d partitions per request of %s",
                 len(dcs),
                 self.keyspace,
                 self.batch_partitions,
+                user,
             )
 
     async def _query(self, cql: str) -> Rows:
