@@ -60,6 +60,9 @@ from .web.tokens import TokenStore
 
 log = logging.getLogger(__name__)
 
+# Seconds between two probes of the event loop's lag (Gateway._probe_loop).
+LAG_PROBE = 0.1
+
 
 class Gateway:
     """The running gateway: its parts, its health and its noisy devices."""
@@ -167,16 +170,27 @@ class Gateway:
             tasks.create_task(self._receive(handler, stop, feeding))
             tasks.create_task(self._status(stop))
             tasks.create_task(self._until_stop(self._rotation.run(), stop))
+            tasks.create_task(self._until_stop(self._probe_loop(), stop))
             if self._rollups is not None:
                 tasks.create_task(self._until_stop(self._rollups.run(), stop))
             tasks.create_task(self._signal_ready(stop, ready))
         log.info("stopped: %s", self.stats.summary())
         return self.stats
 
+    async def _probe_loop(self) -> None:
+        """Measure the event loop's stalls: how late a LAG_PROBE sleep wakes
+        (``gateway_event_loop_lag_seconds``)."""
+        loop = asyncio.get_running_loop()
+        observe = self.stats.loop_lag.observe
+        while True:
+            before = loop.time()
+            await asyncio.sleep(LAG_PROBE)
+            observe(max(0.0, loop.time() - before - LAG_PROBE))
+
     async def _until_stop(self, work: Coroutine[Any, Any, None], stop: asyncio.Event) -> None:
-        """Run ``work`` until ``stop``: state-partition rotations (store/rotate.py)
-        and the roll-up worker (store/rollups.py). Either, cut short, finishes
-        what it was doing after the next start."""
+        """Run ``work`` until ``stop``: state-partition rotations (store/rotate.py),
+        the roll-up worker (store/rollups.py) and the loop's lag probe. A
+        rotation or a roll-up pass cut short is finished after the next start."""
         working = asyncio.create_task(work)
         stopping = asyncio.create_task(stop.wait())
         try:

@@ -137,6 +137,9 @@ class Stats:
     metadata_backlog_waits: int = 0  # times the write loop waited for the metadata worker
     # Seconds from the device's publish time to the Cassandra ack of its event.
     write_latency: Histogram = field(default_factory=lambda: Histogram(WRITE_LATENCY_BUCKETS))
+    # How late the event loop woke from a LAG_PROBE sleep (app.py): its stalls,
+    # which every message in flight waits out.
+    loop_lag: Histogram = field(default_factory=lambda: Histogram(WRITE_LATENCY_BUCKETS))
     batch_rows: Histogram = field(default_factory=lambda: Histogram(BATCH_ROWS_BUCKETS))
     hot_by_table: LabelledCounts = field(default_factory=LabelledCounts)
     quota_by_tenant: LabelledCounts = field(default_factory=LabelledCounts)

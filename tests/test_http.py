@@ -171,6 +171,7 @@ def test_histograms_labelled_counters_noisy_and_spool() -> None:
     stats.write_latency.observe(0.004)
     stats.write_latency.observe(120)
     stats.batch_rows.observe(3)
+    stats.loop_lag.observe(0.3)
     stats.rejected_by_reason.update({"invalid_json": 2, "topic": 1})
     stats.hot_by_table.add("telemetry")
     stats.quota_by_tenant.add("acme")
@@ -190,6 +191,8 @@ def test_histograms_labelled_counters_noisy_and_spool() -> None:
     rows = dict(check_histogram(scrape, "gateway_batch_rows"))
     assert list(rows) == [str(2**i) for i in range(11)] + ["+Inf"]
     assert (rows["2"], rows["4"], rows["+Inf"]) == (0, 1, 1)
+    lag = dict(check_histogram(scrape, "gateway_event_loop_lag_seconds"))
+    assert (lag["0.25"], lag["0.5"], lag["+Inf"]) == (0, 1, 1)
 
     assert scrape.value("gateway_messages_rejected_total", reason="invalid_json") == 2
     assert scrape.value("gateway_messages_rejected_total", reason="topic") == 1

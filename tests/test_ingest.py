@@ -123,6 +123,15 @@ async def test_reference_example_shuffled_with_duplicates(
     assert len(await telemetry_keys(db, tenant, D2)) == 1
 
 
+async def test_the_event_loop_lag_is_probed_while_running() -> None:
+    """gateway_event_loop_lag_seconds: the gateway measures how late its event
+    loop wakes, ten times a second, whether or not messages flow."""
+    async with running_gateway() as gw:
+        await asyncio.sleep(0.6)
+        probes = sum(gw.stats.loop_lag.counts)
+    assert probes >= 3
+
+
 @pytest.mark.parametrize("driver", DRIVERS)
 async def test_history_across_buckets_and_msgpack(db: Database, tenant: str, driver: str) -> None:
     # Events spread over three hourly buckets, sent as MessagePack.

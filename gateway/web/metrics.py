@@ -366,6 +366,12 @@ class GatewayCollector(Collector):
         yield _histogram(
             "gateway_batch_rows", "Statements per Cassandra request.", stats.batch_rows
         )
+        yield _histogram(
+            "gateway_event_loop_lag_seconds",
+            "How late the event loop woke from a 0.1 s sleep: its stalls, which every "
+            "message in flight waits out.",
+            stats.loop_lag,
+        )
         yield GaugeMetricFamily(
             "gateway_cassandra_in_flight",
             "Cassandra requests not yet answered.",
