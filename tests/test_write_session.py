@@ -140,9 +140,9 @@ async def test_reads_and_lightweight_transactions_give_dicts(
 async def test_a_read_of_more_than_a_page_returns_every_row(
     session: WriteSession, tenant: str
 ) -> None:
-    """The Python driver pages by 5,000 rows, acsylla asks for no paging:
-    either way every row comes back. The roll-up worker's reads of a busy
-    minute can run past a page, and a row left out would be an aggregate wrong."""
+    """read() fetches 5,000 rows a page with either driver and returns them
+    all: the roll-up worker's reads of a busy minute can run past a page,
+    and a row left out would be an aggregate wrong."""
     insert = await session.prepare(INSERT, timestamps=TIMESTAMPS)
     count = 5_050
     statements = [
@@ -163,7 +163,7 @@ async def test_a_read_of_more_than_a_page_returns_every_row(
         "AND bucket_start = ? AND shard = 0",
         timestamps=(1,),
     )
-    rows = await session.execute(session.bind(select, (tenant, 0)))
+    rows = await session.read(select, (tenant, 0))
     assert sorted(r["event_id"] for r in rows) == list(range(count))
 
 

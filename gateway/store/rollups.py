@@ -271,7 +271,7 @@ class RollupWorker:
         now_ms = int(self._clock() * 1000)
         first = first_minute_ms if first_minute_ms is not None else now_ms - now_ms % MINUTE_MS
         await self._execute(self._init_cursor, (self._name, first))
-        rows = await self._execute(self._read_cursor, (self._name,))
+        rows = await self._session.read(self._read_cursor, (self._name,))
         self._cursor = rows[0]["minute_ms"]
         self._ready = True
         log.info(
@@ -280,7 +280,7 @@ class RollupWorker:
         )
 
     async def _execute(self, prepared: Prepared, values: tuple[Any, ...]) -> Rows:
-        """One statement: every row (the sessions page), as dicts."""
+        """One write (its rows, for a lightweight transaction)."""
         session = self._session
         return await session.execute(session.bind(prepared, values))
 
@@ -331,7 +331,7 @@ class RollupWorker:
     async def process_minute(self, minute_ms: int) -> None:
         """Recompute every window marked in ``minute_ms``, then their hours."""
         parts = await asyncio.gather(
-            *(self._execute(self._read_marks, (minute_ms, s)) for s in range(MARK_SHARDS))
+            *(self._session.read(self._read_marks, (minute_ms, s)) for s in range(MARK_SHARDS))
         )
         windows = {(r["tenant"], r["device_id"], r["window_ms"]) for rows in parts for r in rows}
         await self.recompute(windows)
@@ -395,7 +395,7 @@ class RollupWorker:
             tenant, start_ms = key
             end_ms = start_ms + MINUTE_MS - 1
             low = start_ms - MAX_BUCKET_SECONDS * 1000
-            return self._execute(self._read_index, (tenant, devices, end_ms, low))
+            return self._session.read(self._read_index, (tenant, devices, end_ms, low))
 
         # Per device, its partitions (bucket, shard) and their longest bucket.
         longest: dict[tuple[str, str], dict[tuple[int, int], int]] = {}
@@ -412,7 +412,7 @@ class RollupWorker:
         def read_raw(key: tuple[str, int, int, int], devices: list[str]) -> Any:
             tenant, bucket, shard, start_ms = key
             values = (tenant, devices, bucket, shard, start_ms, start_ms + MINUTE_MS - 1)
-            return self._execute(self._read_raw, values)
+            return self._session.read(self._read_raw, values)
 
         out: dict[Window, RawRows] = {}
         for r in await self._read_in(by_partition, read_raw):
@@ -438,7 +438,7 @@ class RollupWorker:
             bucket = queries.rollup_bucket(hour_ms, 60)
             metrics = sorted(metrics_of[key])
             values = (tenant, devices, bucket, metrics, hour_ms, hour_ms + HOUR_MS)
-            return self._execute(self._read_minutes, values)
+            return self._session.read(self._read_minutes, values)
 
         parts: dict[tuple[str, str, int], dict[str, list[Aggregate]]] = {}
         for r in await self._read_in(by_hour, read_minutes):

@@ -23,10 +23,11 @@ What both keep, so the stages don't care which one runs:
   survives exactly);
 * ``USING TIMESTAMP`` and TTL parameters are plain integers;
 * batches are UNLOGGED; writes use client-side (monotonic) timestamps;
-* results are lists of dicts keyed by column name (``[applied]`` included),
-  every row: the Python driver pages (5,000 rows a page), acsylla sends no
-  page size, so Cassandra answers in one response. The largest reads, the
-  roll-up worker's, are bounded by its groups (rollups.GROUP, READ_IN);
+* results are lists of dicts keyed by column name (``[applied]`` included).
+  :meth:`WriteSession.read` fetches every row of a SELECT READ_PAGE rows at
+  a time (the roll-up worker's reads can be large); :meth:`execute` of a
+  statement through acsylla sends no page size, so Cassandra answers it in
+  one response (the write path's reads are single small partitions);
 * :attr:`WriteSession.transient` lists the errors worth retrying (timeouts,
   unavailable replicas, lost connections, overload), the sink's concern.
 
@@ -94,6 +95,8 @@ Rows = list[dict[str, Any]]
 # warns above 5 KiB of mutations, which count more than the values: 3 KiB of
 # the bench's rows made 5.01 KiB.
 PACK_BYTES = 2 * 1024
+# Rows per page of WriteSession.read: the Python driver's default fetch size.
+READ_PAGE = 5_000
 
 
 class Prepared:
@@ -140,6 +143,10 @@ class WriteSession(ABC):
     @abstractmethod
     async def execute(self, request: Any) -> Rows:
         """Send a bound statement or batch; its rows as dicts."""
+
+    async def read(self, prepared: Prepared, values: Sequence[Any]) -> Rows:
+        """Every row of a SELECT, fetched READ_PAGE rows at a time."""
+        return await self.execute(self.bind(prepared, values))
 
     async def execute_timed(self, request: Any) -> tuple[Rows, float]:
         """:meth:`execute`, and when it was answered (``time.monotonic()``):
@@ -300,6 +307,17 @@ class AcsyllaSession(WriteSession):
             if value is not UNSET:
                 statement.bind(index, value)
         return statement
+
+    async def read(self, prepared: Prepared, values: Sequence[Any]) -> Rows:
+        statement = self.bind(prepared, values)
+        statement.set_page_size(READ_PAGE)  # unset, Cassandra sends all in one
+        rows: Rows = []
+        while True:
+            result = await self._session.execute(statement)
+            rows += [row.as_dict() for row in result]
+            if not result.has_more_pages():
+                return rows
+            statement.set_page_state(result.page_state())
 
     def batch(self, statements: Sequence[Any]) -> Any:
         batch = self._new_batch()
