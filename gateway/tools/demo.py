@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 
 from ..config import load_config
 from ..web.tokens import TokenStore
@@ -23,13 +25,21 @@ DEMO_LABEL = "make run demo"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _die_with_parent() -> None:
-    """In the simulator's child process: SIGTERM when this demo process dies,
-    however it dies (a signal to make alone, SIGKILL), so no simulator is left
-    publishing on its own. Linux only; elsewhere a no-op."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """For the simulator's child process: SIGTERM when this demo process
+    (``parent``) dies, however it dies (a signal to make alone, SIGKILL), so no
+    simulator is left publishing on its own. Linux only; elsewhere a no-op."""
+
+    def arm() -> None:
+        if sys.platform.startswith("linux"):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != parent:
+                # The demo died between the fork and the line above: no
+                # signal will come, so do not start at all.
+                os._exit(0)
+
+    return arm
 
 
 def demo_token(store: TokenStore) -> str:
@@ -90,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--rate",
                 str(args.rate),
             ],
-            preexec_fn=_die_with_parent,  # noqa: PLW1509 (no threads run yet)
+            preexec_fn=_die_with_parent(os.getpid()),  # noqa: PLW1509 (no threads run yet)
         )
         config = load_config()
         token = demo_token(TokenStore(config.api.tokens_file))
