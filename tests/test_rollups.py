@@ -293,6 +293,14 @@ async def test_cli_and_api_serve_the_rollups(
                    "--since", iso, "--until", until)  # fmt: skip
     assert text.returncode == 0, text.stderr
     assert text.stdout == f"{iso}\tcount=2\tmin=0.1\tmax=0.2\tsum=0.3\tlast=0.2\n"
+    # A misspelt metric finds nothing, and says which metrics the tenant has.
+    typo = run_cli("rollup", "--tenant", tenant, "m1", "--metric", "kwhh", "--step", "1m",
+                   "--since", iso, "--until", until)  # fmt: skip
+    assert typo.returncode == 0, typo.stderr
+    assert typo.stdout == ""
+    assert typo.stderr == (
+        f"(0 windows of 1m for 'kwhh': tenant {tenant!r} has no such metric; its metrics: kwh)\n"
+    )
     bad = run_cli(*args[:-1], "5m", "--since", iso, "--json")
     assert bad.returncode == 2
     assert "--step" in bad.stderr

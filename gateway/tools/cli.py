@@ -496,7 +496,15 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
             if exc.parameter is None:
                 raise
             raise ConfigError(f"--{exc}") from None
+        known = await queries.meta_metrics(db, args.tenant) if not rows else []
+    hint = ""
+    if known and args.metric not in known:
+        # Likely a misspelt --metric: say which ones the tenant's devices send.
+        shown = ", ".join(sorted(known)[:20]) + (", ..." if len(known) > 20 else "")
+        hint = f": tenant {args.tenant!r} has no such metric; its metrics: {shown}"
     if args.json:
+        if hint:
+            print(f"(0 windows for {args.metric!r}{hint})", file=sys.stderr)
         _print_json([r.as_json() for r in rows])
     else:
         for r in rows:
@@ -506,7 +514,7 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
                 f"{queries.iso(r.start)}\tcount={r.count}\tmin={r.min:.12g}\tmax={r.max:.12g}"
                 f"\tsum={r.sum:.12g}\tlast={r.last:.12g}"
             )
-        print(f"({len(rows)} windows of {args.step} for {args.metric!r})", file=sys.stderr)
+        print(f"({len(rows)} windows of {args.step} for {args.metric!r}{hint})", file=sys.stderr)
     return 0
 
 
