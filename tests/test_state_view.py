@@ -409,9 +409,22 @@ async def test_a_state_unreadable_for_tombstones_says_why_and_what_to_change(
         for i in range(start, min(start + 1000, 100_001)):
             batch.add(delete, (tenant, device_hash(f"d{i:06d}"), f"d{i:06d}"))
         batches.append(batch)
-    await asyncio.to_thread(
-        execute_concurrent, db.session, [(b, ()) for b in batches], concurrency=8
-    )
+    # The deletes are idempotent, so a batch the coordinator timed out on
+    # (a loaded CI box: 101 batches of 1,000 against one node) is sent again,
+    # at most three times, instead of failing the test on the seeding.
+    for _attempt in range(3):
+        results = await asyncio.to_thread(
+            execute_concurrent,
+            db.session,
+            [(b, ()) for b in batches],
+            concurrency=4,
+            raise_on_first_error=False,
+        )
+        failed = [(b, r) for b, (ok, r) in zip(batches, results, strict=True) if not ok]
+        batches = [b for b, _ in failed]
+        if not batches:
+            break
+    assert not failed, f"{len(failed)} delete batches still failing, first: {failed[0][1]!r}"
     result = await asyncio.to_thread(run_cli, "devices", "--tenant", tenant, "--state", "alarm")
     assert result.returncode == 1, result.stderr
     assert f"tenants.{tenant}.state_buckets" in result.stderr

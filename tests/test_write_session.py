@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -278,3 +279,4 @@ def test_value_bytes_estimates_what_a_row_binds() -> None:
     assert value_bytes(["tenant", b"ab", 3, 2.5, None, UNSET, {"k": "vv", "n": 1.0}]) == (
         6 + 2 + 8 + 8 + 0 + 0 + len('{"k":"vv","n":1.0}')
     )
+    assert value_bytes([OrderedDict(k="vv")]) == len('{"k":"vv"}')  # a dict of another class

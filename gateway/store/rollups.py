@@ -103,7 +103,7 @@ READ_IN = 100
 PACK_WINDOWS = 10
 Window = tuple[str, str, int]  # (tenant, device_id, start in epoch ms)
 RawRows = dict[tuple[int, int], tuple[float | None, dict[str, float]]]  # (ts, event_id) ->
-_Rows = tuple[list[Any], int]  # a window's bound statements, and the bytes of their values
+_Bound = tuple[list[Any], int]  # a window's bound statements, and the bytes of their values
 
 
 def mark_shard(tenant: str, device_id: str) -> int:
@@ -347,7 +347,7 @@ class RollupWorker:
             group = ordered[first : first + GROUP]
             read_at = time.time()  # before any of the group's reads began
             raw = await self._raw(group)
-            writes: list[_Rows] = []
+            writes: list[_Bound] = []
             for tenant, device, start in group:
                 aggregates = self._minute(raw.get((tenant, device, start), {}))
                 ttl = int(self._config.tenant(tenant).rollup_ttl_1m)
@@ -474,7 +474,7 @@ class RollupWorker:
         aggregates: dict[str, Aggregate],
         ttl: int,
         read_at: float,
-    ) -> _Rows:
+    ) -> _Bound:
         """One window's rows, every metric (they share a partition), bound,
         with the bytes of their values."""
         bucket = queries.rollup_bucket(start_ms, step)
@@ -506,7 +506,7 @@ class RollupWorker:
             size += session.size(statement, values)
         return statements, size
 
-    async def _store(self, windows: list[_Rows]) -> None:
+    async def _store(self, windows: list[_Bound]) -> None:
         """Write these windows' rows: windows whose partitions have the same
         replicas share an UNLOGGED batch, up to PACK_WINDOWS of them (or the
         session's ``batch_partitions``, if fewer) and PACK_BYTES of values
@@ -514,7 +514,7 @@ class RollupWorker:
         ``rollups.concurrency`` batches at once."""
         session = self._session
         most = min(PACK_WINDOWS, session.batch_partitions)
-        packs: dict[Hashable, list[_Rows]] = {}
+        packs: dict[Hashable, list[_Bound]] = {}
         for rows in windows:
             if rows[0]:
                 packs.setdefault(session.replicas(rows[0][0]), []).append(rows)

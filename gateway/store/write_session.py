@@ -387,7 +387,7 @@ def value_bytes(values: Sequence[Any]) -> int:
             size += len(value)
         elif kind is int or kind is float:
             size += 8
-        elif kind is dict:
+        elif isinstance(value, dict):
             size += len(orjson.dumps(value))
         elif isinstance(value, str | bytes):
             size += len(value)
