@@ -48,6 +48,10 @@ def run(bench: Bench) -> None:
     write_report(bench.results, bench.latencies, bench.args.out)
 
 
+def _store(mb: float | None) -> str:
+    return "not found (or an older run)" if mb is None else f"{mb:,.1f} MB"
+
+
 def _f(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
@@ -91,7 +95,9 @@ def markdown(results: dict[str, Any], plots: list[str]) -> Iterator[str]:
         f"{m.get('python_driver')}), Node.js {m.get('node')}; gateway at "
         f"{m.get('gateway_commit')}. Load average at start "
         f"{_load(m.get('loadavg_start'))}, at end {_load(m.get('loadavg_end'))} "
-        "(other work on the box shows up here)."
+        "(other work on the box shows up here). Mosquitto's store at start: "
+        f"{_store(m.get('broker_store_mb'))} (each of its autosaves, every 5,000 "
+        "changes, rewrites it and stalls every client: bench/publish_acks.py)."
     )
     yield ""
     yield (
