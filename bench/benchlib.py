@@ -53,6 +53,15 @@ T = TypeVar("T")
 # -- processes ----------------------------------------------------------------
 
 
+def broker_store_mb() -> float | None:
+    """The size of the local Mosquitto's persistence file (None if absent).
+    Mosquitto rewrites the whole file every 5,000 changes and serves nobody
+    meanwhile, so a large one (sessions left behind) adds stalls to every
+    latency figure (bench/publish_acks.py)."""
+    store = Path(os.environ.get("STATE_DIR", ROOT / ".state")) / "mosquitto" / "mosquitto.db"
+    return round(store.stat().st_size / 1e6, 1) if store.exists() else None
+
+
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a process (all its threads) from /proc/<pid>/stat."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

@@ -13,8 +13,8 @@ else meanwhile. Every publish in flight then waits, and so does every
 message's delivery; an end-to-end latency figure carries that wait whatever
 the subscriber does. Run this before trusting a latency tail.
 
-Usage: .venv/bin/python bench/publish_acks.py [--rate 500] [--duration 30]
-       [--store .state/mosquitto/mosquitto.db] [--slow 400]
+Usage: .venv/bin/python bench/publish_acks.py [--rate 500] [--duration 30] [--slow 400]
+(the store is $STATE_DIR/mosquitto/mosquitto.db, .state/ by default, as make up starts it)
 """
 
 from __future__ import annotations
@@ -23,24 +23,24 @@ import argparse
 import asyncio
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
-from gateway.tools.simulate import FleetSpec, publish
+from benchlib import broker_store_mb, fleet_spec, percentiles
 
-TOPIC_TEMPLATE = "gwbench/{tenant}/devices/{device_id}/events"
+from gateway.tools.simulate import publish
 
 
-def store_size(path: Path) -> str:
-    return f"{path.stat().st_size / 1e6:.1f} MB" if path.exists() else "absent"
+def store_size() -> str:
+    mb = broker_store_mb()
+    return "absent" if mb is None else f"{mb:,.1f} MB"
 
 
 def clusters(times_s: list[float], gap_s: float = 0.5) -> list[tuple[float, int]]:
     """(start, count) of the runs of slow publishes less than gap_s apart."""
     out: list[tuple[float, int]] = []
-    last = None
+    last = -gap_s
     for t in sorted(times_s):
-        if out and last is not None and t - last < gap_s:
+        if out and t - last < gap_s:
             out[-1] = (out[-1][0], out[-1][1] + 1)
         else:
             out.append((t, 1))
@@ -53,7 +53,6 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=500)
     parser.add_argument("--duration", type=float, default=30)
     parser.add_argument("--devices", type=int, default=1000)
-    parser.add_argument("--store", type=Path, default=Path(".state/mosquitto/mosquitto.db"))
     parser.add_argument("--slow", type=float, default=400, help="ms; default 400")
     args = parser.parse_args()
     acks: list[tuple[float, float]] = []  # (sent_at ms, publish → PUBACK ms)
@@ -61,32 +60,22 @@ def main() -> None:
     def on_sent(_topic: str, event: dict[str, Any]) -> None:
         acks.append((event["sent_at"], time.time() * 1000 - event["sent_at"]))
 
-    spec = FleetSpec(
-        devices=args.devices,
-        rate=args.rate,
-        tenant=f"acks{uuid.uuid4().hex[:6]}",
-        topic_template=TOPIC_TEMPLATE,
-        seed=1,
-    )
-    before = store_size(args.store)
+    spec = fleet_spec(f"acks{uuid.uuid4().hex[:6]}", args.devices, rate=args.rate)
+    before = store_size()
     start_ms = time.time() * 1000
     stats = asyncio.run(publish(spec, duration=args.duration, on_sent=on_sent, status_every=3600))
     if not acks:
         raise SystemExit("no publish was acknowledged")
-    ordered = sorted(latency for _, latency in acks)
-
-    def pct(q: float) -> float:
-        return ordered[round(q / 100 * (len(ordered) - 1))]
-
+    p = percentiles([latency for _, latency in acks])
     slow = [(sent - start_ms) / 1000 for sent, latency in acks if latency > args.slow]
     print(
         f"published {stats.sent} at {stats.rate:.0f} msg/s; publish → PUBACK ms: "
-        f"p50 {pct(50):.1f}, p90 {pct(90):.1f}, p99 {pct(99):.1f}, max {ordered[-1]:.1f}"
+        f"p50 {p['p50']:.1f}, p99 {p['p99']:.1f}, max {p['max']:.1f}"
     )
     print(f"slower than {args.slow:g} ms: {len(slow)}")
     for at, count in clusters(slow):
         print(f"  {count} publishes from {at:.1f} s into the run")
-    print(f"broker store ({args.store}): {before} before, {store_size(args.store)} after")
+    print(f"broker store: {before} before, {store_size()} after")
 
 
 if __name__ == "__main__":

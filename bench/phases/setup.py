@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import rows
-from benchlib import BENCH, BenchDb, apply_schema, percentiles
+from benchlib import BENCH, BenchDb, apply_schema, broker_store_mb, percentiles
 from harness import LOGS, Bench
 
 from cassandra import __version__ as cassandra_driver_version
@@ -74,18 +74,8 @@ def machine(db: BenchDb) -> dict[str, Any]:
         )
         + (" (working tree with uncommitted changes)" if _dirty() else ""),
         "loadavg_start": os.getloadavg(),
-        "broker_store_mb": _broker_store_mb(),
+        "broker_store_mb": broker_store_mb(),
     }
-
-
-def _broker_store_mb() -> float | None:
-    """The size of Mosquitto's persistence file at the start: it rewrites the
-    whole file every 5,000 changes and serves nobody meanwhile, so a large one
-    (sessions left behind) adds stalls to every latency figure
-    (bench/publish_acks.py)."""
-    state = Path(os.environ.get("STATE_DIR", BENCH.parent / ".state"))
-    store = state / "mosquitto" / "mosquitto.db"
-    return round(store.stat().st_size / 1e6, 1) if store.exists() else None
 
 
 def _write_driver() -> str:
