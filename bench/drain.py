@@ -87,7 +87,6 @@ def main() -> None:
     )
     args = parser.parse_args()
     client_id = f"bench-{uuid.uuid4().hex[:8]}"
-    tenant = f"bench{uuid.uuid4().hex[:6]}"
     env = dict(
         os.environ,
         GATEWAY_MQTT__CLIENT_ID=client_id,
@@ -96,10 +95,22 @@ def main() -> None:
         GATEWAY_MQTT__SESSION_EXPIRY="600",
     )
     log = f"/tmp/{client_id}.log"
+    try:
+        drain(args, env, log)
+    finally:
+        # Also when the gateway died mid-drain: a session left behind stays
+        # subscribed to the whole fleet's tree and queues every later bench
+        # publish until it expires, growing the broker's store (whose
+        # autosaves then stall every client: publish_acks.py).
+        asyncio.run(clear_session(client_id))
+
+
+def drain(args: argparse.Namespace, env: dict[str, str], log: str) -> None:
     proc = gateway(env, log)
     wait_line(proc, log, "subscribed to")
     proc.send_signal(signal.SIGTERM)
     proc.wait(30)
+    tenant = f"bench{uuid.uuid4().hex[:6]}"
     spec = FleetSpec(
         devices=args.devices, rate=1e9, fmt=args.format, noisy=args.noisy, tenant=tenant
     )
@@ -107,6 +118,15 @@ def main() -> None:
     stats = asyncio.run(publish(spec, count=args.count, status_every=3600))
     print(f"published {stats.sent} in {time.monotonic() - t0:.1f} s while the gateway was away")
     proc = gateway(env, log)
+    try:
+        measure(args, proc, log)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+
+
+def measure(args: argparse.Namespace, proc: subprocess.Popen[bytes], log: str) -> None:
     start = time.monotonic()
     cpu0 = None
     written = 0
@@ -131,9 +151,6 @@ def main() -> None:
     if profiler is not None:
         profiler.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
         profiler.wait(60)
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(30)
-    asyncio.run(clear_session(client_id))
     # Status lines come every second, so the rate is a slight underestimate.
     print(
         f"drained {written} events in {elapsed:.1f} s: {written / elapsed:.0f} events/s, "
