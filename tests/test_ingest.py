@@ -106,6 +106,21 @@ async def test_reference_example_in_order(db: Database, tenant: str, driver: str
     ]
     result = run_cli("devices", "--tenant", tenant, "--state", "off", "--json")
     assert [d["device_id"] for d in orjson.loads(result.stdout)] == [D2, D3]
+    # A misspelt state finds nothing, and the summary says which states the
+    # tenant has (with --json too, on stderr); a misspelt tenant has none.
+    for json_flag in ((), ("--json",)):
+        result = run_cli("devices", "--tenant", tenant, "--state", "onn", *json_flag)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == ("[]\n" if json_flag else "")
+        assert result.stderr == (
+            f"(0 devices in state 'onn' for tenant {tenant!r}: "
+            "the tenant has no such state; its states: off, on)\n"
+        )
+    result = run_cli("devices", "--tenant", tenant + "x", "--state", "on")
+    assert result.stderr == (
+        f"(0 devices in state 'on' for tenant {tenant + 'x'!r}: "
+        "the tenant has no states yet; a misspelt --tenant?)\n"
+    )
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

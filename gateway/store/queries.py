@@ -359,12 +359,18 @@ async def devices_in_state(db: Database, config: Config, tenant: str, state: str
         cursor = page.next_cursor
 
 
-async def state_counts(db: Database, config: Config, tenant: str) -> list[tuple[str, int]]:
-    """(state, devices) for every state the tenant has used, most devices first."""
-    states = await db.execute(
+async def known_states(db: Database, tenant: str) -> list[str]:
+    """Every state the tenant has used (``tenant_states``), by name."""
+    rows = await db.execute(
         await db.prepared(f"SELECT state FROM {db.keyspace}.tenant_states WHERE tenant = ?"),
         (tenant,),
     )
+    return sorted(r.state for r in rows)
+
+
+async def state_counts(db: Database, config: Config, tenant: str) -> list[tuple[str, int]]:
+    """(state, devices) for every state the tenant has used, most devices first."""
+    states = await known_states(db, tenant)
     buckets = config.tenant(tenant).state_buckets
     count = await db.prepared(
         f"SELECT COUNT(*) AS n FROM {db.keyspace}.latest_events_by_state "
@@ -381,7 +387,7 @@ async def state_counts(db: Database, config: Config, tenant: str) -> list[tuple[
         )
         return state, sum(rows[0].n for rows in parts)
 
-    found = await asyncio.gather(*(one(r.state) for r in states))
+    found = await asyncio.gather(*(one(state) for state in states))
     return sorted(found, key=lambda sc: (-sc[1], sc[0]))
 
 

@@ -326,6 +326,12 @@ def _init(path: Path, force: bool, edge: bool = False) -> int:
     return 0
 
 
+def _first_names(names: list[str], most: int = 20) -> str:
+    """The first ``most`` of ``names`` in order, for a hint after a misspelt name."""
+    ordered = sorted(names)
+    return ", ".join(ordered[:most]) + (", ..." if len(ordered) > most else "")
+
+
 def _print_json(value: Any) -> None:
     sys.stdout.write(orjson.dumps(value, option=orjson.OPT_INDENT_2).decode() + "\n")
 
@@ -433,15 +439,22 @@ async def _check(config: Config) -> int:
 async def _devices(config: Config, args: argparse.Namespace) -> int:
     async with connect(config.cassandra) as db:
         rows = await queries.devices_in_state(db, config, args.tenant, args.state)
+        known = await queries.known_states(db, args.tenant) if not rows else [args.state]
+    hint = ""
+    if not known:
+        hint = ": the tenant has no states yet; a misspelt --tenant?"
+    elif args.state not in known:
+        # Likely a misspelt --state: say which ones the tenant has.
+        hint = f": the tenant has no such state; its states: {_first_names(known)}"
+    summary = f"({len(rows)} devices in state {args.state!r} for tenant {args.tenant!r}{hint})"
     if args.json:
+        if hint:
+            print(summary, file=sys.stderr)
         _print_json([r.as_json() for r in rows])
     else:
         for r in rows:
             print(f"{r.device_id}\t{queries.iso(r.ts)}\t{r.value if r.value is not None else ''}")
-        print(
-            f"({len(rows)} devices in state {args.state!r} for tenant {args.tenant!r})",
-            file=sys.stderr,
-        )
+        print(summary, file=sys.stderr)
     return 0
 
 
@@ -500,8 +513,7 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
     hint = ""
     if known and args.metric not in known:
         # Likely a misspelt --metric: say which ones the tenant's devices send.
-        shown = ", ".join(sorted(known)[:20]) + (", ..." if len(known) > 20 else "")
-        hint = f": tenant {args.tenant!r} has no such metric; its metrics: {shown}"
+        hint = f": tenant {args.tenant!r} has no such metric; its metrics: {_first_names(known)}"
     summary = f"({len(rows)} windows of {args.step} for {args.metric!r}{hint})"
     if args.json:
         if hint:
