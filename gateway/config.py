@@ -13,6 +13,7 @@ that only the service user may read.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import ssl
@@ -36,10 +37,12 @@ from pydantic import (
 
 from .errors import ConfigError
 from .topic_filters import filter_levels, has_control
-from .units import parse_duration
+from .units import parse_duration, parse_whole_seconds
 
 ENV_PREFIX = "GATEWAY_"
 ENV_CONFIG_PATH = "GATEWAY_CONFIG"
+# The CLI's --log-level from the environment (not a config key).
+ENV_LOG_LEVEL = "GATEWAY_LOG_LEVEL"
 DEFAULT_TEMPLATE = "tenants/{tenant}/devices/{device_id}/events"
 
 _IDENTIFIER = r"^[a-z][a-z0-9_]{0,47}$"
@@ -137,7 +140,7 @@ class MqttConfig(_Model):
     # Fixed client id: the broker keeps this id's persistent session (and its
     # backlog) while the gateway is away.
     client_id: str = Field(default="mqtt-cassandra-gateway", min_length=1, max_length=128)
-    keepalive: int = Field(default=30, ge=5, le=3600)
+    keepalive: Annotated[int, BeforeValidator(parse_whole_seconds), Field(ge=5, le=3600)] = 30
     # How long the broker keeps our session and backlog after we disconnect.
     session_expiry: Annotated[
         float, BeforeValidator(parse_duration), Field(ge=1, le=4_294_967_295)
@@ -680,7 +683,7 @@ def _env_overlay(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[tuple[str
     tree: dict[str, Any] = {}
     origin: dict[tuple[str, ...], str] = {}
     for name, raw in env.items():
-        if not name.startswith(ENV_PREFIX) or name == ENV_CONFIG_PATH:
+        if not name.startswith(ENV_PREFIX) or name in (ENV_CONFIG_PATH, ENV_LOG_LEVEL):
             continue
         path = tuple(part.lower() for part in name[len(ENV_PREFIX) :].split("__"))
         if not all(path):
@@ -726,9 +729,48 @@ def _describe(exc: ValidationError, origin: Mapping[tuple[str, ...], str], file:
             source = ", ".join(under) if under and loc else file
         message = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            message = "unknown key"
+            message = "unknown key" + _nearest_key(loc, source)
         lines.append(f"{key} (from {source}): {message}")
     return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def _nearest_key(loc: tuple[str, ...], source: str) -> str:
+    """For an unknown key: the nearest key the same table has, or the two
+    underscores a GATEWAY_ variable's section needs; else nothing."""
+    model: type[BaseModel] | None = Config
+    named = False  # the part after a table of tables ([tenants.acme]) is a name
+    for part in loc[:-1]:
+        if named:
+            named = False
+            continue
+        field = model.model_fields.get(part) if model is not None else None
+        if field is None:
+            return ""
+        model, named = _model_of(field.annotation)
+    if model is None or named:
+        return ""
+    name = loc[-1]
+    near = difflib.get_close_matches(name, list(model.model_fields), n=1, cutoff=0.75)
+    if near:
+        return f"; did you mean {'.'.join((*loc[:-1], near[0]))}?"
+    section, _, key = name.partition("_")
+    if len(loc) == 1 and key and section in Config.model_fields and source.startswith(ENV_PREFIX):
+        return (
+            f"; {ENV_PREFIX}<SECTION>__<KEY> takes two underscores: "
+            f"{ENV_PREFIX}{section.upper()}__{key.upper()}?"
+        )
+    return ""
+
+
+def _model_of(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
+    """The model a field holds, and whether it is a table of them by name
+    (``tenants``: a dict of models)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, False
+    args: tuple[Any, ...] = getattr(annotation, "__args__", ())
+    if getattr(annotation, "__origin__", None) is dict and len(args) == 2:
+        return _model_of(args[1])[0], True
+    return None, False
 
 
 def load_config(path: Path | None = None, env: Mapping[str, str] | None = None) -> Config:

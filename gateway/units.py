@@ -14,19 +14,33 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 
 
+_EXPECTED = "expected a duration such as 30, '15m' or '1h' (units ms, s, m, h, d; none is s)"
+
+
 def parse_duration(value: object) -> float:
     """``"15m"``, ``"1h"``, ``"250ms"``, ``30`` (seconds) -> seconds."""
     if isinstance(value, bool):
-        raise ValueError("expected a duration such as 30, '15m' or '1h'")
+        raise ValueError(_EXPECTED)
     if isinstance(value, int | float):
         seconds = float(value)
     elif isinstance(value, str) and (match := _DURATION.match(value)):
         seconds = float(match.group(1)) * _UNITS[match.group(2)]
     else:
-        raise ValueError(f"expected a duration such as 30, '15m' or '1h', got {value!r}")
+        raise ValueError(f"{_EXPECTED}, got {value!r}")
     if not math.isfinite(seconds):
         raise ValueError(f"expected a finite duration, got {value!r}")
     return seconds
+
+
+def parse_whole_seconds(value: object) -> object:
+    """A duration in whole seconds as an int (``"1m"`` -> 60); a value that
+    is not a duration is left to the field's own type check."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    seconds = parse_duration(value)
+    if not seconds.is_integer():
+        raise ValueError(f"expected whole seconds, got {value!r}")
+    return int(seconds)
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from pydantic import SecretStr, ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 
 from gateway.config import (
     DEFAULT_TEMPLATE,
@@ -113,6 +115,41 @@ def test_example_file_loads_and_shows_the_defaults() -> None:
     assert example.tenant("anyone") == TenantConfig()
 
 
+def _sections(text: str) -> dict[str, str]:
+    """The example file's lines by the table they are under; a commented
+    table header (``# [mqtt.tls]``) counts as one."""
+    header = re.compile(r"^#?\s*\[\[?([a-z_.]+)\]\]?")
+    found: dict[str, str] = {}
+    current = ""
+    for line in text.splitlines():
+        if match := header.match(line):
+            current = match.group(1)
+        found[current] = found.get(current, "") + line + "\n"
+    return found
+
+
+def _tables(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, type[BaseModel]]]:
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            yield f"{prefix}{name}", field.annotation
+            yield from _tables(field.annotation, f"{prefix}{name}.")
+
+
+def test_example_file_lists_every_key_of_every_table() -> None:
+    """`gateway init` promises every key with its default: each key of each
+    table is in the example, set or commented out, under its own table."""
+    sections = _sections((ROOT / "gateway.example.toml").read_text())
+    missing = [
+        f"{table}.{key}"
+        for table, model in _tables(Config)
+        for key in model.model_fields
+        if not re.search(rf"^#?\s*{key}\s*=", sections.get(table, ""), re.MULTILINE)
+        # a table of its own ([mqtt.tls], [[sampling.important]], [sampling.tenants.acme])
+        and not any(name.startswith(f"{table}.{key}") for name in sections)
+    ]
+    assert missing == [], f"not in gateway.example.toml: {missing}"
+
+
 def test_contact_points_from_env_are_comma_separated() -> None:
     config = load_config(None, {"GATEWAY_CASSANDRA__CONTACT_POINTS": "10.0.0.5, 10.0.0.6 ,cass-3,"})
     assert config.cassandra.contact_points == ["10.0.0.5", "10.0.0.6", "cass-3"]
@@ -142,7 +179,36 @@ def test_unknown_section_in_file(tmp_path: Path) -> None:
 
 def test_unknown_key_from_env_names_the_variable() -> None:
     message = _error(env={"GATEWAY_MQTT__PROT": "1884"})
-    assert "mqtt.prot (from GATEWAY_MQTT__PROT): unknown key" in message
+    assert "mqtt.prot (from GATEWAY_MQTT__PROT): unknown key; did you mean mqtt.port?" in message
+
+
+def test_a_misspelt_key_or_section_is_told_the_nearest_one(tmp_path: Path) -> None:
+    path = _write(tmp_path, '[mqtt]\nhots = "b"\n[casandra]\nport = 9042\n')
+    message = _error(path)
+    assert f"mqtt.hots (from {path}): unknown key; did you mean mqtt.host?" in message
+    assert f"casandra (from {path}): unknown key; did you mean cassandra?" in message
+    # Inside a tenant's table too; nothing near: no guess.
+    path = _write(tmp_path, "[tenants.acme]\nstate_bucket = 4\nzzz = 1\n")
+    message = _error(path)
+    assert "tenants.acme.state_bucket (from" in message
+    assert "did you mean tenants.acme.state_buckets?" in message
+    assert f"tenants.acme.zzz (from {path}): unknown key\n" in message + "\n"
+
+
+def test_an_env_variable_with_one_underscore_is_told_the_two() -> None:
+    message = _error(env={"GATEWAY_MQTT_HOST": "broker"})
+    assert (
+        "mqtt_host (from GATEWAY_MQTT_HOST): unknown key; "
+        "GATEWAY_<SECTION>__<KEY> takes two underscores: GATEWAY_MQTT__HOST?"
+    ) in message
+
+
+def test_keepalive_takes_a_duration_in_whole_seconds() -> None:
+    assert load_config(None, {"GATEWAY_MQTT__KEEPALIVE": "1m"}).mqtt.keepalive == 60
+    assert load_config(None, {"GATEWAY_MQTT__KEEPALIVE": "45"}).mqtt.keepalive == 45
+    message = _error(env={"GATEWAY_MQTT__KEEPALIVE": "2.5s"})
+    assert "mqtt.keepalive (from GATEWAY_MQTT__KEEPALIVE): expected whole seconds" in message
+    assert "mqtt.keepalive" in _error(env={"GATEWAY_MQTT__KEEPALIVE": "2h"})  # over 3600
 
 
 @pytest.mark.parametrize(
@@ -250,6 +316,7 @@ def test_bad_duration_names_the_key(tmp_path: Path) -> None:
     assert f"mqtt.session_expiry (from {path})" in message
     assert "expected a duration" in message
     assert "'abc'" in message
+    assert "units ms, s, m, h, d" in message
 
 
 def test_zero_duration_rejected() -> None:

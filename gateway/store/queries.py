@@ -641,6 +641,21 @@ def parse_step(text: str) -> int:
         raise bad_parameter("step", f"expected 1m or 1h (got {text!r})") from None
 
 
+def check_rollup_range(step: int, since: datetime, until: datetime) -> tuple[int, int]:
+    """The epoch ms of the first window of [since, until) and of its end, or
+    the QueryError that names the bad parameter (checked before any read)."""
+    since_ms, until_ms = epoch_ms(since), epoch_ms(until)
+    if since_ms >= until_ms:
+        raise bad_parameter("since", "must be before until")
+    step_ms = step * 1000
+    first = since_ms - since_ms % step_ms
+    if (until_ms - first) // step_ms > MAX_ROLLUP_WINDOWS:
+        raise bad_parameter(
+            "since", f"the range holds more than {MAX_ROLLUP_WINDOWS} windows of {step} s"
+        )
+    return first, until_ms
+
+
 async def rollups(
     db: Database,
     tenant: str,
@@ -652,15 +667,7 @@ async def rollups(
 ) -> list[RollupRow]:
     """The ``step`` windows of ``metric`` that start in [since, until), oldest
     first; windows without stored raw rows are absent."""
-    since_ms, until_ms = epoch_ms(since), epoch_ms(until)
-    if since_ms >= until_ms:
-        raise bad_parameter("since", "must be before until")
-    step_ms = step * 1000
-    first = since_ms - since_ms % step_ms
-    if (until_ms - first) // step_ms > MAX_ROLLUP_WINDOWS:
-        raise bad_parameter(
-            "since", f"the range holds more than {MAX_ROLLUP_WINDOWS} windows of {step} s"
-        )
+    first, until_ms = check_rollup_range(step, since, until)
     stmt = await db.prepared(
         f"SELECT start, count, min, max, sum, last FROM {db.keyspace}.rollups "
         "WHERE tenant = ? AND device_id = ? AND step = ? AND bucket = ? AND metric = ? "

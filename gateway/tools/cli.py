@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 import uvloop
 
-from ..config import Config, load_config
+from ..config import ENV_LOG_LEVEL, Config, load_config
 from ..errors import ConfigError, GatewayError, QueryError
 from ..sd_notify import Notifier
 from ..store import queries, schema
@@ -40,6 +40,10 @@ from ..web import tokens
 # about half the time (0.7 s against 1.5 s for `gateway token add` here).
 
 log = logging.getLogger("gateway")
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# --limit of history and rejected (the API pages by 1 to 500 instead).
+MAX_CLI_LIMIT = 100_000
 
 
 # Python's levels as syslog priorities, for the journal.
@@ -95,7 +99,10 @@ def _parser() -> argparse.ArgumentParser:
         help="TOML config file (or GATEWAY_CONFIG)",
     )
     common.add_argument(
-        "--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING (default INFO)"
+        "--log-level",
+        type=_checked(_log_level),
+        default=argparse.SUPPRESS,
+        help=f"{', '.join(LOG_LEVELS)} (default INFO, or {ENV_LOG_LEVEL})",
     )
     parser = argparse.ArgumentParser(
         prog="gateway",
@@ -160,9 +167,14 @@ def _parser() -> argparse.ArgumentParser:
     his.add_argument("--tenant", required=True)
     his.add_argument("device_id")
     his.add_argument("--since", help="RFC 3339 time or a duration ago like 2h (default 24h)")
-    his.add_argument("--until", help="RFC 3339 time (default now)")
-    his.add_argument("--limit", type=int, default=1000)
-    his.add_argument("--json", action="store_true")
+    his.add_argument("--until", help="RFC 3339 time or a duration ago (default now)")
+    his.add_argument(
+        "--limit",
+        type=_limit,
+        default=1000,
+        help=f"at most this many events, 1 to {MAX_CLI_LIMIT} (default 1000)",
+    )
+    his.add_argument("--json", action="store_true", help="print a JSON array")
 
     rol = sub.add_parser(
         "rollup", parents=[common], help="a device's 1-minute or 1-hour aggregates, oldest first"
@@ -206,7 +218,12 @@ def _parser() -> argparse.ArgumentParser:
     rej.add_argument(
         "--hours", type=_hours, default=1, help="how many hours back (default 1, at most 168)"
     )
-    rej.add_argument("--limit", type=int, default=1000, help="at most this many (default 1000)")
+    rej.add_argument(
+        "--limit",
+        type=_limit,
+        default=1000,
+        help=f"at most this many, 1 to {MAX_CLI_LIMIT} (default 1000)",
+    )
     rej.add_argument("--json", action="store_true")
 
     sub.add_parser(
@@ -399,13 +416,36 @@ async def _run(config: Config) -> int:
     return 0
 
 
+def _more(more: bool) -> str:
+    """What a summary line adds when ``--limit`` left some out."""
+    return "; more than --limit, the rest left out" if more else ""
+
+
+def _whole(text: str, low: int, high: int, what: str) -> int:
+    """An argparse integer in [low, high]; the error says what it takes."""
+    try:
+        number = int(text)
+    except ValueError:
+        number = low - 1
+    if not low <= number <= high:
+        raise argparse.ArgumentTypeError(f"{what} from {low} to {high} (got {text!r})")
+    return number
+
+
 def _hours(text: str) -> int:
-    hours = int(text)
-    if not 1 <= hours <= queries.MAX_REJECTED_HOURS:
-        raise argparse.ArgumentTypeError(
-            f"between 1 and {queries.MAX_REJECTED_HOURS} (rejected messages are kept 7 days)"
-        )
-    return hours
+    # Rejected messages are kept 7 days (the table's TTL).
+    return _whole(text, 1, queries.MAX_REJECTED_HOURS, "a whole number of hours")
+
+
+def _limit(text: str) -> int:
+    return _whole(text, 1, MAX_CLI_LIMIT, "a whole number")
+
+
+def _log_level(text: str) -> str:
+    if text.upper() not in LOG_LEVELS:
+        levels = ", ".join(LOG_LEVELS[:-1]) + f" or {LOG_LEVELS[-1]}"
+        raise ValueError(f"expected {levels} (got {text!r})")
+    return text.upper()
 
 
 async def _schema_migrate(config: Config) -> int:
@@ -476,8 +516,12 @@ async def _history(config: Config, args: argparse.Namespace) -> int:
     now = datetime.now(UTC)
     since = _time_arg("--since", args.since, now - timedelta(hours=24))
     until = _time_arg("--until", args.until, now)
+    if since >= until:
+        raise ConfigError("--since: must be before --until")
     async with connect(config.cassandra) as db:
-        rows = await queries.history(db, args.tenant, args.device_id, since, until, args.limit)
+        # One more than asked: whether the limit left any out.
+        rows = await queries.history(db, args.tenant, args.device_id, since, until, args.limit + 1)
+    more, rows = len(rows) > args.limit, rows[: args.limit]
     if args.json:
         _print_json([r.as_json() for r in rows])
     else:
@@ -486,7 +530,7 @@ async def _history(config: Config, args: argparse.Namespace) -> int:
                 f"{queries.iso(r.ts)}\t{r.state or ''}\t{'' if r.value is None else r.value}"
                 f"\t{orjson.dumps(r.metrics).decode()}"
             )
-        print(f"({len(rows)} events)", file=sys.stderr)
+        print(f"({len(rows)} events{_more(more)})", file=sys.stderr)
     return 0
 
 
@@ -500,15 +544,14 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
         raise ConfigError(f"--{exc}") from None
     if since >= until:
         raise ConfigError("--since: must be before --until")
+    try:
+        queries.check_rollup_range(step, since, until)
+    except QueryError as exc:
+        raise ConfigError(f"--{exc}") from None
     async with connect(config.cassandra) as db:
-        try:
-            rows = await queries.rollups(
-                db, args.tenant, args.device_id, args.metric, step, since, until
-            )
-        except QueryError as exc:
-            if exc.parameter is None:
-                raise
-            raise ConfigError(f"--{exc}") from None
+        rows = await queries.rollups(
+            db, args.tenant, args.device_id, args.metric, step, since, until
+        )
         known = await queries.meta_metrics(db, args.tenant) if not rows else []
     hint = ""
     if known and args.metric not in known:
@@ -567,14 +610,16 @@ async def _meta(config: Config, args: argparse.Namespace) -> int:
 async def _rejected(config: Config, args: argparse.Namespace) -> int:
     since = datetime.now(UTC) - timedelta(hours=args.hours)
     async with connect(config.cassandra) as db:
-        out = await queries.rejected(db, args.tenant, since, limit=args.limit)
+        out = await queries.rejected(db, args.tenant, since, limit=args.limit + 1)
+    more, out = len(out) > args.limit, out[: args.limit]
     if args.json:
         _print_json([r.as_json() for r in out])
     else:
         for r in out:
             print(f"{queries.iso(r.received_at)}\t{r.reason}\t{r.topic}\t{r.detail}")
         print(
-            f"({len(out)} rejected in the last {args.hours} h for tenant {args.tenant!r})",
+            f"({len(out)} rejected in the last {args.hours} h for tenant {args.tenant!r}"
+            f"{_more(more)})",
             file=sys.stderr,
         )
     return 0
@@ -713,7 +758,14 @@ def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "init":
         return _init(args.path, args.force, args.edge)  # before any config exists to load
-    _setup_logging(getattr(args, "log_level", "INFO"))
+    level = getattr(args, "log_level", None)
+    if level is None:
+        try:
+            level = _log_level(os.environ.get(ENV_LOG_LEVEL) or "INFO")
+        except ValueError as exc:
+            print(f"gateway: {ENV_LOG_LEVEL}: {exc}", file=sys.stderr)
+            return 2
+    _setup_logging(level)
     if args.command == "check":
         # check reports every failure itself, first thing, in one line; the
         # drivers' own reports (tracebacks included) would come before it.
