@@ -42,6 +42,7 @@ from ..web import tokens
 log = logging.getLogger("gateway")
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+TENANT_HELP = "the tenant, as named in the topics"
 # --limit of history and rejected (the API pages by 1 to 500 instead).
 MAX_CLI_LIMIT = 100_000
 
@@ -152,19 +153,19 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     dev = sub.add_parser("devices", parents=[common], help="devices currently in a state")
-    dev.add_argument("--tenant", required=True)
-    dev.add_argument("--state", required=True)
+    dev.add_argument("--tenant", required=True, help=TENANT_HELP)
+    dev.add_argument("--state", required=True, help="a state the devices report, e.g. on")
     dev.add_argument("--json", action="store_true", help="print a JSON array")
 
     one = sub.add_parser("device", parents=[common], help="a device's latest event")
-    one.add_argument("--tenant", required=True)
+    one.add_argument("--tenant", required=True, help=TENANT_HELP)
     one.add_argument("device_id")
-    one.add_argument("--json", action="store_true")
+    one.add_argument("--json", action="store_true", help="print JSON")
 
     his = sub.add_parser(
         "history", parents=[common], help="a device's raw events in a time range, newest first"
     )
-    his.add_argument("--tenant", required=True)
+    his.add_argument("--tenant", required=True, help=TENANT_HELP)
     his.add_argument("device_id")
     his.add_argument("--since", help="RFC 3339 time or a duration ago like 2h (default 24h)")
     his.add_argument("--until", help="RFC 3339 time or a duration ago (default now)")
@@ -179,7 +180,7 @@ def _parser() -> argparse.ArgumentParser:
     rol = sub.add_parser(
         "rollup", parents=[common], help="a device's 1-minute or 1-hour aggregates, oldest first"
     )
-    rol.add_argument("--tenant", required=True)
+    rol.add_argument("--tenant", required=True, help=TENANT_HELP)
     rol.add_argument("device_id")
     rol.add_argument("--metric", default="value", help="a metrics key, or value (the default)")
     rol.add_argument("--step", required=True, help="1m or 1h")
@@ -193,25 +194,25 @@ def _parser() -> argparse.ArgumentParser:
     meta_sub = meta.add_subparsers(dest="meta_command", required=True, metavar="WHAT")
     for name, what in (("metrics", "metric names"), ("tags", "tag keys")):
         one_meta = meta_sub.add_parser(name, parents=[common], help=f"the tenant's {what}")
-        one_meta.add_argument("--tenant", required=True)
-        one_meta.add_argument("--json", action="store_true")
+        one_meta.add_argument("--tenant", required=True, help=TENANT_HELP)
+        one_meta.add_argument("--json", action="store_true", help="print JSON")
     values = meta_sub.add_parser("values", parents=[common], help="the values of a tag key")
     values.add_argument("key", metavar="KEY")
-    values.add_argument("--tenant", required=True)
-    values.add_argument("--json", action="store_true")
+    values.add_argument("--tenant", required=True, help=TENANT_HELP)
+    values.add_argument("--json", action="store_true", help="print JSON")
     tagged = meta_sub.add_parser(
         "devices", parents=[common], help="devices that carry a tag value (KEY=VALUE)"
     )
     tagged.add_argument("tag", metavar="KEY=VALUE")
-    tagged.add_argument("--tenant", required=True)
-    tagged.add_argument("--json", action="store_true")
+    tagged.add_argument("--tenant", required=True, help=TENANT_HELP)
+    tagged.add_argument("--json", action="store_true", help="print JSON")
     counted = meta_sub.add_parser(
         "count",
         parents=[common],
         help="entries the tenant has taken against metadata.max_per_tenant",
     )
-    counted.add_argument("--tenant", required=True)
-    counted.add_argument("--json", action="store_true")
+    counted.add_argument("--tenant", required=True, help=TENANT_HELP)
+    counted.add_argument("--json", action="store_true", help="print JSON")
 
     rej = sub.add_parser("rejected", parents=[common], help="recently rejected messages and why")
     rej.add_argument("--tenant", default="", help="tenant ('' for topics that named none)")
@@ -224,7 +225,7 @@ def _parser() -> argparse.ArgumentParser:
         default=1000,
         help=f"at most this many, 1 to {MAX_CLI_LIMIT} (default 1000)",
     )
-    rej.add_argument("--json", action="store_true")
+    rej.add_argument("--json", action="store_true", help="print JSON")
 
     sub.add_parser(
         "forget-session",
@@ -235,8 +236,8 @@ def _parser() -> argparse.ArgumentParser:
     noi = sub.add_parser(
         "noisy", parents=[common], help="noisy devices of a tenant, from the running gateway"
     )
-    noi.add_argument("--tenant", required=True)
-    noi.add_argument("--json", action="store_true")
+    noi.add_argument("--tenant", required=True, help=TENANT_HELP)
+    noi.add_argument("--json", action="store_true", help="print JSON")
 
     tok = sub.add_parser(
         "token", parents=[common], help="read tokens of the HTTP API (api.tokens_file)"
@@ -254,21 +255,23 @@ def _parser() -> argparse.ArgumentParser:
         "--label", type=_checked(tokens.check_label), default="", help="who or what it is for"
     )
     lst = tok_sub.add_parser("list", parents=[common], help="the tokens (never their secrets)")
-    lst.add_argument("--json", action="store_true")
+    lst.add_argument("--json", action="store_true", help="print JSON")
     rev = tok_sub.add_parser("revoke", parents=[common], help="revoke a token by its id")
     rev.add_argument("token_id", metavar="ID", help="the id `gateway token list` shows")
 
     sim = sub.add_parser(
         "simulate", parents=[common], help="publish events from a simulated device fleet"
     )
-    sim.add_argument("--devices", type=int, default=100)
+    sim.add_argument("--devices", type=int, default=100, help="fleet size (default 100)")
     sim.add_argument("--rate", type=float, default=50.0, help="messages per second, fleet-wide")
-    sim.add_argument("--format", choices=("json", "msgpack"), default="json")
+    sim.add_argument(
+        "--format", choices=("json", "msgpack"), default="json", help="payload encoding"
+    )
     sim.add_argument("--noisy", type=float, default=0.0, help="fraction of noisy devices (50x)")
-    sim.add_argument("--tenant", default="demo")
+    sim.add_argument("--tenant", default="demo", help="the tenant in the topics (default demo)")
     sim.add_argument("--count", type=int, help="stop after this many messages")
     sim.add_argument("--duration", type=float, help="stop after this many seconds")
-    sim.add_argument("--seed", type=int, default=1)
+    sim.add_argument("--seed", type=int, default=1, help="same seed, same fleet and events")
     return parser
 
 
