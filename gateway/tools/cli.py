@@ -311,7 +311,7 @@ EDGE_CHANGES = (
         '# disk per message (README, "Running on an edge host").\n'
         'enabled = true\npath = "/var/lib/gateway/spool.sqlite"\n',
     ),
-    ("port = 9108\n", 'port = 9108\ntokens_file = "/var/lib/gateway/tokens.jsonl"\n'),
+    ('tokens_file = "gateway-tokens.jsonl"\n', 'tokens_file = "/var/lib/gateway/tokens.jsonl"\n'),
 )
 
 
