@@ -183,7 +183,7 @@ def _parser() -> argparse.ArgumentParser:
     rol.add_argument("--tenant", required=True, help=TENANT_HELP)
     rol.add_argument("device_id")
     rol.add_argument("--metric", default="value", help="a metrics key, or value (the default)")
-    rol.add_argument("--step", required=True, help="1m or 1h")
+    rol.add_argument("--step", default="1m", help="1m or 1h (default 1m, as the API)")
     rol.add_argument("--since", help="RFC 3339 time or a duration ago like 2h (default 24h)")
     rol.add_argument("--until", help="RFC 3339 time or a duration ago (default now)")
     rol.add_argument("--json", action="store_true", help="print a JSON array")
