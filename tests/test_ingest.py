@@ -158,34 +158,14 @@ async def test_history_across_buckets_and_msgpack(db: Database, tenant: str, dri
             content_type="application/msgpack",
         )
         await gw.wait_handled(len(events))
-    result = run_cli(
-        "history",
-        "--tenant",
-        tenant,
-        "m1",
-        "--since",
-        "2021-05-01T00:00:00Z",
-        "--until",
-        "2021-05-02T00:00:00Z",
-        "--json",
-    )
+    day = ("--since", "2021-05-01T00:00:00Z", "--until", "2021-05-02T00:00:00Z")
+    result = run_cli("history", "--tenant", tenant, "m1", *day, "--json")
     assert result.returncode == 0, result.stderr
     got = orjson.loads(result.stdout)
     assert [row["value"] for row in got] == [float(i) for i in reversed(range(8))]
     # A --limit that cuts the answer short says so; one that doesn't, doesn't.
     for limit, summary in (("3", "(3 events; more than --limit, the rest left out)"), ("8", "")):
-        cut = run_cli(
-            "history",
-            "--tenant",
-            tenant,
-            "m1",
-            "--since",
-            "2021-05-01T00:00:00Z",
-            "--until",
-            "2021-05-02T00:00:00Z",
-            "--limit",
-            limit,
-        )
+        cut = run_cli("history", "--tenant", tenant, "m1", *day, "--limit", limit)
         assert cut.returncode == 0, cut.stderr
         assert len(cut.stdout.splitlines()) == int(limit)
         assert cut.stderr == (summary or "(8 events)") + "\n"

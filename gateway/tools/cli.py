@@ -169,12 +169,7 @@ def _parser() -> argparse.ArgumentParser:
     his.add_argument("device_id")
     his.add_argument("--since", help="RFC 3339 time or a duration ago like 2h (default 24h)")
     his.add_argument("--until", help="RFC 3339 time or a duration ago (default now)")
-    his.add_argument(
-        "--limit",
-        type=_limit,
-        default=1000,
-        help=f"at most this many events, 1 to {MAX_CLI_LIMIT} (default 1000)",
-    )
+    _add_limit(his, "events")
     his.add_argument("--json", action="store_true", help="print a JSON array")
 
     rol = sub.add_parser(
@@ -219,12 +214,7 @@ def _parser() -> argparse.ArgumentParser:
     rej.add_argument(
         "--hours", type=_hours, default=1, help="how many hours back (default 1, at most 168)"
     )
-    rej.add_argument(
-        "--limit",
-        type=_limit,
-        default=1000,
-        help=f"at most this many, 1 to {MAX_CLI_LIMIT} (default 1000)",
-    )
+    _add_limit(rej, "messages")
     rej.add_argument("--json", action="store_true", help="print JSON")
 
     sub.add_parser(
@@ -417,6 +407,15 @@ async def _run(config: Config) -> int:
     except asyncio.CancelledError:
         return 1
     return 0
+
+
+def _add_limit(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--limit",
+        type=_limit,
+        default=1000,
+        help=f"at most this many {what}, 1 to {MAX_CLI_LIMIT} (default 1000)",
+    )
 
 
 def _more(more: bool) -> str:
