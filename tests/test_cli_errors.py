@@ -1,60 +1,90 @@
 """Bad command-line input: an error that names the option and says what it
 accepts (exit 2), before anything is connected. Cassandra and the broker are
 pointed at ports nobody listens on, so a command that connected first would
-fail with a connection error instead of the one asserted."""
+fail with a connection error instead of the one asserted. The commands run
+in-process (``gateway.tools.cli.main``), which saves a second of start-up per
+case; tests/test_edge.py runs the installed command itself."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+
 import pytest
 
-from tests.helpers import base_env, run_cli
+from gateway.tools.cli import main
 
 NOWHERE = {"GATEWAY_CASSANDRA__PORT": "1", "GATEWAY_MQTT__PORT": "1"}
 
 
-def _fails(*args: str, **env: str) -> str:
-    result = run_cli(*args, env=base_env(**NOWHERE, **env))
-    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
-    assert "Traceback" not in result.stderr
-    assert "connect" not in result.stderr.lower(), result.stderr
-    return result.stderr
+@pytest.fixture
+def gateway(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Run:
+    """Run `gateway ARGS` in-process with ENV: (exit code, stderr)."""
+    for name in [n for n in os.environ if n.startswith("GATEWAY_")]:
+        monkeypatch.delenv(name)
+
+    def run(*args: str, **env: str) -> tuple[int, str]:
+        with monkeypatch.context() as patched:
+            for name, value in (NOWHERE | env).items():
+                patched.setenv(name, value)
+            try:
+                code = main(list(args))
+            except SystemExit as exc:  # argparse
+                code = int(exc.code or 0)
+        return code, capsys.readouterr().err
+
+    return run
 
 
-def test_a_log_level_outside_the_list_is_refused_and_the_list_shown() -> None:
-    err = _fails("--log-level", "LOUD", "schema", "print")
+Run = Callable[..., tuple[int, str]]
+
+
+def _fails(gateway: Run, *args: str, **env: str) -> str:
+    code, err = gateway(*args, **env)
+    assert code == 2, (code, err)
+    assert "Traceback" not in err
+    assert "connect" not in err.lower(), err
+    return err
+
+
+def test_a_log_level_outside_the_list_is_refused_and_the_list_shown(gateway: Run) -> None:
+    err = _fails(gateway, "--log-level", "LOUD", "schema", "print")
     assert "argument --log-level: expected DEBUG, INFO, WARNING or ERROR (got 'LOUD')" in err
-    assert run_cli("schema", "print", "--log-level", "error").returncode == 0
+    assert gateway("schema", "print", "--log-level", "error")[0] == 0
 
 
-def test_gateway_log_level_in_the_environment_sets_the_level() -> None:
-    result = run_cli("schema", "print", env=base_env(GATEWAY_LOG_LEVEL="debug"))
-    assert result.returncode == 0, result.stderr
-    err = _fails("schema", "print", GATEWAY_LOG_LEVEL="LOUD")
+def test_gateway_log_level_in_the_environment_sets_the_level(gateway: Run) -> None:
+    assert gateway("schema", "print", GATEWAY_LOG_LEVEL="debug")[0] == 0
+    err = _fails(gateway, "schema", "print", GATEWAY_LOG_LEVEL="LOUD")
     assert "GATEWAY_LOG_LEVEL: expected DEBUG, INFO, WARNING or ERROR (got 'LOUD')" in err
 
 
 @pytest.mark.parametrize("hours", ["x", "1.5", "0", "169"])
-def test_rejected_hours_says_what_it_takes(hours: str) -> None:
-    err = _fails("rejected", "--tenant", "t", "--hours", hours)
+def test_rejected_hours_says_what_it_takes(gateway: Run, hours: str) -> None:
+    err = _fails(gateway, "rejected", "--tenant", "t", "--hours", hours)
     assert f"argument --hours: a whole number of hours from 1 to 168 (got {hours!r})" in err
     assert "_hours" not in err
 
 
 @pytest.mark.parametrize("command", ["history", "rejected"])
 @pytest.mark.parametrize("limit", ["0", "-1", "100001", "many"])
-def test_a_limit_out_of_range_is_refused(command: str, limit: str) -> None:
+def test_a_limit_out_of_range_is_refused(gateway: Run, command: str, limit: str) -> None:
     args = ["history", "--tenant", "t", "d"] if command == "history" else ["rejected"]
-    err = _fails(*args, "--limit", limit)
+    err = _fails(gateway, *args, "--limit", limit)
     assert f"argument --limit: a whole number from 1 to 100000 (got {limit!r})" in err
 
 
-def test_history_refuses_a_range_that_ends_before_it_starts() -> None:
-    err = _fails("history", "--tenant", "t", "d", "--since", "1h", "--until", "2h")
+def test_history_refuses_a_range_that_ends_before_it_starts(gateway: Run) -> None:
+    err = _fails(gateway, "history", "--tenant", "t", "d", "--since", "1h", "--until", "2h")
     assert "--since: must be before --until" in err
 
 
-def test_rollup_range_errors_come_before_connecting() -> None:
-    err = _fails("rollup", "--tenant", "t", "d", "--step", "1m", "--since", "2000-01-01T00:00:00Z")
+def test_rollup_range_errors_come_before_connecting(gateway: Run) -> None:
+    err = _fails(
+        gateway, "rollup", "--tenant", "t", "d", "--step", "1m", "--since", "2000-01-01T00:00:00Z"
+    )
     assert "--since: the range holds more than" in err
-    err = _fails("rollup", "--tenant", "t", "d", "--step", "1m", "--since", "1h", "--until", "2h")
+    err = _fails(
+        gateway, "rollup", "--tenant", "t", "d", "--step", "1m", "--since", "1h", "--until", "2h"
+    )
     assert "--since: must be before --until" in err

@@ -108,6 +108,9 @@ async def test_reference_example_in_order(db: Database, tenant: str, driver: str
     assert [d["device_id"] for d in orjson.loads(result.stdout)] == [D2, D3]
     # A misspelt state finds nothing, and the summary says which states the
     # tenant has (with --json too, on stderr); a misspelt tenant has none.
+    # The CLI reads alike whichever driver wrote: once is enough.
+    if driver != DRIVERS[0]:
+        return
     for json_flag in ((), ("--json",)):
         result = run_cli("devices", "--tenant", tenant, "--state", "onn", *json_flag)
         assert result.returncode == 0, result.stderr
@@ -163,8 +166,10 @@ async def test_history_across_buckets_and_msgpack(db: Database, tenant: str, dri
     assert result.returncode == 0, result.stderr
     got = orjson.loads(result.stdout)
     assert [row["value"] for row in got] == [float(i) for i in reversed(range(8))]
-    # A --limit that cuts the answer short says so; one that doesn't, doesn't.
-    for limit, summary in (("3", "(3 events; more than --limit, the rest left out)"), ("8", "")):
+    # A --limit that cuts the answer short says so; one that doesn't, doesn't
+    # (once: the CLI reads alike whichever driver wrote).
+    cases = (("3", "(3 events; more than --limit, the rest left out)"), ("8", ""))
+    for limit, summary in cases if driver == DRIVERS[0] else ():
         cut = run_cli("history", "--tenant", tenant, "m1", *day, "--limit", limit)
         assert cut.returncode == 0, cut.stderr
         assert len(cut.stdout.splitlines()) == int(limit)
