@@ -514,8 +514,11 @@ async def test_devices_leaving_a_large_state_in_id_order_leave_no_tombstone_run(
     db: Database, tenant: str
 ) -> None:
     """A floor switches its lights off together: 1,400 of 3,000 devices leave
-    "on" in device-id order, too few (under half the partition) for a
-    rotation. Were rows clustered by device id, their tombstones would sit
+    "on" in device-id order, with rotations off, so that only the clustering
+    keeps the page cheap. (With them on, the partition is due once 1,000 have
+    left, as many deletes as half the 2,000 still there; whether the rotation
+    began before the assertion below was a race under load.) Were rows
+    clustered by device id, their tombstones would sit
     together in front of the first page, and reading it would step over all
     1,400 (past Cassandra's tombstone_warn_threshold of 1,000). Clustered by a
     hash of the id first, they are spread among the live rows: the first page
@@ -524,7 +527,9 @@ async def test_devices_leaving_a_large_state_in_id_order_leave_no_tombstone_run(
     devices = [f"d{i:05d}" for i in range(3000)]
     leaving = devices[:1400]
     t = int(time.time() * 1000) - 60_000
-    config = make_config(GATEWAY_PIPELINE__ROTATION_WAIT="0", GATEWAY_SAMPLING__ENABLED="false")
+    config = make_config(
+        GATEWAY_PIPELINE__ROTATE_AFTER_DELETES="0", GATEWAY_SAMPLING__ENABLED="false"
+    )
     async with running_gateway(config) as gw:
         await publish([msg(tenant, d, ts=t, state="on") for d in devices])
         await gw.wait_handled(len(devices))
