@@ -337,7 +337,8 @@ class PipelineConfig(_Model):
     # The writer takes up to this many messages at a time and groups their rows
     # by partition.
     batch_max_events: int = Field(default=500, ge=1, le=100_000)
-    # While writes are in flight, wait this long for a fuller chunk; 0 disables.
+    # Wait this long for a fuller chunk while writes are in flight, or while
+    # messages arrive within this of each other; 0 disables.
     linger: Annotated[float, BeforeValidator(parse_duration), Field(ge=0, le=1)] = 0.005
     # Rows per unlogged batch (only rows of one partition are batched).
     batch_max_rows: int = Field(default=32, ge=1, le=1000)

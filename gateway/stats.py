@@ -88,6 +88,7 @@ class Stats:
     acks_dropped: int = 0  # finished after their connection closed: the broker redelivers
     no_ts: int = 0  # events that took the receive time as ts
     chunks: int = 0  # groups of messages the writer took off the queue at once
+    lingers: int = 0  # chunks the writer waited pipeline.linger for, to gather more
     requests: int = 0  # Cassandra requests sent (a batch is one)
     rows: int = 0  # statements in those requests
     retries: int = 0  # Cassandra requests retried after a transient error
@@ -176,7 +177,8 @@ class Stats:
             f"received={self.received} written={self.written} rejected={self.rejected}"
             f"{f' ({reasons})' if reasons else ''} acked={self.acked} "
             f"unacked_redelivered_later={self.acks_dropped} no_ts={self.no_ts} "
-            f"chunks={self.chunks} requests={self.requests} retries={self.retries} "
+            f"chunks={self.chunks} lingers={self.lingers} requests={self.requests} "
+            f"retries={self.retries} "
             f"connects={self.connects} sessions_lost={self.sessions_lost} "
             f"malformed_packets={self.malformed_packets} "
             f"sampled_out={self.sampled_out} quota_rejected={self.quota_rejected} "

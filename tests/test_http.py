@@ -108,6 +108,7 @@ def test_every_stats_total_is_mirrored_under_its_name() -> None:
         "gateway_read_overflow_total": "overflow",
         "gateway_coalesced_events_total": "coalesced",
         "gateway_chunks_total": "chunks",
+        "gateway_lingers_total": "lingers",
         "gateway_states_registered_total": "states_registered",
         "gateway_newest_reads_total": "newest_reads",
         "gateway_latest_deletes_saved_total": "deletes_saved",

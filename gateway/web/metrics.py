@@ -133,6 +133,11 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
         "Events whose latest-state writes a newer event in the same chunk made moot.",
     ),
     ("gateway_chunks_total", "chunks", "Groups of messages the writer took off the queue."),
+    (
+        "gateway_lingers_total",
+        "lingers",
+        "Chunks the writer waited pipeline.linger for, to gather more messages.",
+    ),
     ("gateway_states_registered_total", "states_registered", "States newly registered."),
     (
         "gateway_newest_reads_total",

@@ -1,0 +1,120 @@
+"""The gateway's CPU per message on a live stream, at fixed rates.
+
+A drain (drain.py) fills every chunk and request; a live stream at a modest
+rate does not, and costs several times more CPU per message. For each rate
+this starts `gateway run`, publishes the simulated fleet at that rate for
+--duration seconds (the publisher runs in this process, not the gateway's),
+waits until every message is written (or sampled out), and prints the
+gateway's CPU per message by thread, with its chunks and requests per message.
+
+Usage: .venv/bin/python bench/live_cpu.py --rates 500,1000,2000 [--duration 20]
+       [--gateway-env GATEWAY_PIPELINE__LINGER=0s]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+from drain import _thread_cpu, clear_session, follow, gateway, wait_line
+
+from gateway.tools.simulate import FleetSpec, publish
+
+# Handled = written + sampled out (a noisy device's sampled events are decided too).
+HANDLED = re.compile(r"written=(\d+).*sampled_out=(\d+)")
+COUNTERS = re.compile(r"\b(chunks|lingers|requests)=(\d+)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rates", default="500,1000,2000", help="msg/s, comma-separated")
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds per rate")
+    parser.add_argument("--devices", type=int, default=1000)
+    parser.add_argument(
+        "--gateway-env",
+        action="append",
+        default=[],
+        metavar="GATEWAY_X__Y=V",
+        help="a setting for the gateway (repeatable)",
+    )
+    args = parser.parse_args()
+    extra = dict(item.split("=", 1) for item in args.gateway_env)
+    print(
+        "rate msg/s | achieved | CPU us/msg | event loop | other threads | msgs/chunk"
+        " | chunks lingered | requests/msg"
+    )
+    for rate in (float(r) for r in args.rates.split(",")):
+        run(rate, args.duration, args.devices, extra)
+
+
+def run(rate: float, duration: float, devices: int, extra: dict[str, str]) -> None:
+    client_id = f"bench-live-{uuid.uuid4().hex[:8]}"
+    env = dict(
+        os.environ,
+        GATEWAY_MQTT__CLIENT_ID=client_id,
+        GATEWAY_PIPELINE__STATUS_INTERVAL="1",
+        GATEWAY_API__PORT="0",
+        GATEWAY_MQTT__SESSION_EXPIRY="600",
+        **extra,
+    )
+    log = f"/tmp/{client_id}.log"
+    proc = gateway(env, log)
+    try:
+        wait_line(proc, log, "subscribed to")
+        before = _thread_cpu(proc.pid)
+        spec = FleetSpec(devices=devices, rate=rate, tenant=f"live{uuid.uuid4().hex[:6]}")
+        stats = asyncio.run(publish(spec, duration=duration, status_every=3600))
+        wait_written(proc, log, stats.sent)
+        cpu = _thread_cpu(proc.pid)
+        cpu.subtract(before)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        counters = final_counters(log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        asyncio.run(clear_session(client_id))
+    report(rate, stats.rate, stats.sent, cpu, counters)
+
+
+def wait_written(proc: subprocess.Popen[bytes], log: str, count: int) -> None:
+    deadline = time.monotonic() + 120
+    for line in follow(proc, log):
+        m = HANDLED.search(line)
+        if "status:" in line and m and int(m.group(1)) + int(m.group(2)) >= count:
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the gateway did not handle {count} messages within 120 s")
+
+
+def final_counters(log: str) -> dict[str, int]:
+    """chunks, lingers and requests from the gateway's last line (``stopped: ...``)."""
+    for line in reversed(Path(log).read_text().splitlines()):
+        if "stopped:" in line:
+            return {k: int(v) for k, v in COUNTERS.findall(line)}
+    raise SystemExit(f"no 'stopped:' line in {log}")
+
+
+def report(
+    rate: float, achieved: float, sent: int, cpu: Counter[str], counters: dict[str, int]
+) -> None:
+    per = 1e6 / sent
+    chunks = counters.get("chunks", 0)
+    print(
+        f"{rate:.0f} | {achieved:.0f} | {sum(cpu.values()) * per:.0f}"
+        f" | {cpu['event loop'] * per:.0f} | {cpu['other threads'] * per:.0f}"
+        f" | {sent / max(chunks, 1):.1f} | {counters.get('lingers', 0)} of {chunks}"
+        f" | {counters.get('requests', 0) / sent:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
