@@ -48,8 +48,8 @@ CQL_DELETE_STATE = (
 )
 CQL_INSERT_DEVICE = (
     "INSERT INTO {ks}.latest_events_by_device "
-    "(tenant, device_id, state, ts, value, value_num, metrics, tags) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?"
+    "(tenant, device_id, state, state_event_id, ts, value, value_num, metrics, tags) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?"
 )
 CQL_INSERT_TELEMETRY = (
     "INSERT INTO {ks}.telemetry "
@@ -82,7 +82,7 @@ def state_value(text: str | None, num: float | None) -> str:
 ALL_CQL = {
     "insert_state": (CQL_INSERT_STATE, (6,)),
     "delete_state": (CQL_DELETE_STATE, ()),
-    "insert_device": (CQL_INSERT_DEVICE, (3,)),
+    "insert_device": (CQL_INSERT_DEVICE, (4,)),
     "insert_telemetry": (CQL_INSERT_TELEMETRY, (2, 4, 11)),
     "insert_partition": (CQL_INSERT_PARTITION, (2,)),
 }
@@ -159,6 +159,7 @@ class Statements:
                     tenant,
                     device,
                     state if state is not None else UNSET_VALUE,
+                    event_id if state is not None else UNSET_VALUE,
                     ts_ms,
                     value_text,
                     value_num,

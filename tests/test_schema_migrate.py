@@ -1,7 +1,8 @@
 """`gateway schema migrate`: a keyspace with an older latest_events_by_state
 (from before state generations, or before the device_hash clustering column)
 is refused by `schema apply`, with the way out named, and rebuilt by
-`migrate` from latest_events_by_device, write timestamps kept."""
+`migrate` from latest_events_by_device, write timestamps kept; a
+latest_events_by_device from before state_event_id gains the column."""
 
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ def test_an_old_state_table_is_refused_then_migrated(old_table: str) -> None:
         assert run_cli("schema", "apply", env=env).returncode == 0
         session.execute(f"DROP TABLE {keyspace}.latest_events_by_state")
         session.execute(old_table.format(ks=keyspace))
+        # Older still: latest_events_by_device before state_event_id.
+        session.execute(f"ALTER TABLE {keyspace}.latest_events_by_device DROP state_event_id")
         insert = (
             f"INSERT INTO {keyspace}.latest_events_by_device "
             "(tenant, device_id, state, ts, value, value_num, tags) "
@@ -78,6 +81,12 @@ def test_an_old_state_table_is_refused_then_migrated(old_table: str) -> None:
         assert (rows["door-2"].value, rows["door-2"].wt) == ('"x"', 2_000_000)
 
         assert run_cli("schema", "apply", env=env).returncode == 0  # now the new layout
+        columns = session.execute(
+            "SELECT column_name FROM system_schema.columns "
+            "WHERE keyspace_name = %s AND table_name = 'latest_events_by_device'",
+            (keyspace,),
+        )
+        assert "state_event_id" in {c.column_name for c in columns}
         listed = run_cli("devices", "--tenant", "acme", "--state", "open", "--json", env=env)
         assert listed.returncode == 0, listed.stderr
         assert '"door-1"' in listed.stdout

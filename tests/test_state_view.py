@@ -262,6 +262,33 @@ async def test_colliding_tie_breaks_settle_on_the_larger_event_id(
     assert (await device_row(db, tenant, "pump")).state == winner["state"]
 
 
+@pytest.mark.parametrize("winner_first", [False, True])
+async def test_colliding_tie_breaks_settle_across_a_restart(
+    db: Database, tenant: str, winner_first: bool
+) -> None:
+    """Case 8 split across a restart: the first event written by one run, the
+    colliding second by the next. The next run learns the first's event id
+    with its write timestamp (latest_events_by_device.state_event_id), so the
+    larger event id still wins. Without it both carried one timestamp, a
+    tombstone won the tie, and the device fell out of both state partitions."""
+    t = int(time.time() * 1000) - 5000
+    loser, winner = _colliding_pair(tenant, "valve", t)
+    # Both states known first, so that each event deletes from the other's.
+    known = [
+        msg(tenant, "other", ts=t - 2, state="on"),
+        msg(tenant, "other", ts=t - 1, state="off"),
+    ]
+    order = [winner, loser] if winner_first else [loser, winner]
+    for run, event in enumerate(order):
+        async with running_gateway(make_config()) as gw:
+            messages = [*(known if run == 0 else []), msg(tenant, "valve", **event)]
+            for i, message in enumerate(messages, start=1):
+                await publish([message])
+                await gw.wait_handled(i)
+    assert await states_of(db, tenant, "valve", ["on", "off"]) == [winner["state"]]
+    assert (await device_row(db, tenant, "valve")).state == winner["state"]
+
+
 async def test_same_state_events_write_no_deletes_and_changes_still_move_the_device(
     db: Database, tenant: str
 ) -> None:

@@ -93,7 +93,7 @@ MAX_TENANTS = 10_000
 class _Newest:
     write_ts: int  # of the device's newest state-bearing write known
     sure: bool  # read from Cassandra (and kept up to date) since start-up
-    event_id: int = 0  # of that write's event, when this process saw it (0: read back)
+    event_id: int = 0  # of that write's event (0: unknown, a row from before state_event_id)
     # The state of the newest latest-table write this process has sent for the
     # device (None: none since start-up): while it stays, no deletes are needed.
     written: str | None = None
@@ -181,9 +181,9 @@ class LatestState:
         )
         self._insert_device = await session.prepare(
             "INSERT INTO {keyspace}.latest_events_by_device "
-            "(tenant, device_id, state, ts, value, value_num, metrics, tags) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
-            timestamps=(3,),
+            "(tenant, device_id, state, state_event_id, ts, value, value_num, metrics, tags) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
+            timestamps=(4,),
         )
         self._select_states = await session.prepare(
             "SELECT state, registered_at FROM {keyspace}.tenant_states WHERE tenant = ?"
@@ -194,7 +194,8 @@ class LatestState:
             timestamps=(2,),
         )
         self._newest_state = await session.prepare(
-            "SELECT device_id, WRITETIME(state) AS wt FROM {keyspace}.latest_events_by_device "
+            "SELECT device_id, WRITETIME(state) AS wt, state_event_id "
+            "FROM {keyspace}.latest_events_by_device "
             "WHERE tenant = ? AND device_id IN ?"
         )
 
@@ -339,15 +340,19 @@ class LatestState:
         stored = await self._requests.read_keys(keys, lambda prefix: (newest, prefix), "device_id")
         for key in keys:
             entry = self._newest.peek(key)
-            found = stored.get(key, {}).get("wt")
+            row = stored.get(key, {})
+            found = row.get("wt")
             if found is not None:
                 wt = int(found)
+                # Its event id settles a tie (prepare_chunk); 0 (unknown) for
+                # a row written before the column existed.
+                event_id = row.get("state_event_id") or 0
                 if entry is None:
-                    entry = _Newest(wt, True)
+                    entry = _Newest(wt, True, event_id)
                 elif wt > entry.write_ts:
                     # Someone else's write, newer than this process's: forget
                     # what this process wrote (its event and its deletes).
-                    entry.write_ts, entry.event_id, entry.written = wt, 0, None
+                    entry.write_ts, entry.event_id, entry.written = wt, event_id, None
             elif entry is None:
                 entry = _Newest(-1, True)  # nothing stored, nothing seen yet
             entry.sure = True
@@ -364,6 +369,7 @@ class LatestState:
                     tenant,
                     device,
                     event.state if event.state is not None else UNSET,
+                    event.event_id if event.state is not None else UNSET,
                     event.ts_ms,
                     event.value_text,
                     event.value_num,

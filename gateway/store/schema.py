@@ -1,6 +1,7 @@
 """Apply the ordered ``schema/*.cql`` files, idempotently.
 
-Every statement is ``CREATE ... IF NOT EXISTS``; ``{keyspace}`` and
+Every statement is ``CREATE ... IF NOT EXISTS`` or, for a column added
+later, ``ALTER TABLE ... ADD IF NOT EXISTS``; ``{keyspace}`` and
 ``{replication}`` are filled in from the config. Running ``gateway schema apply``
 twice changes nothing. ``missing_from`` tells ``gateway check`` and ``run`` what is absent.
 
