@@ -31,8 +31,19 @@ from .helpers import (
 
 
 def _publish_in_thread(messages: list[tuple[str, bytes]], done: list[int]) -> threading.Thread:
+    """Publish in a thread, 100 at a time with 0.1 s between: at most about
+    1,000 msg/s, so that the stream outlasts the first kill (at full speed a
+    fast gateway could write all of it before the kill lands)."""
+
+    async def paced() -> int:
+        sent = 0
+        for start in range(0, len(messages), 100):
+            sent += await publish(messages[start : start + 100])
+            await asyncio.sleep(0.1)
+        return sent
+
     def work() -> None:
-        done.append(asyncio.run(publish(messages)))
+        done.append(asyncio.run(paced()))
 
     thread = threading.Thread(target=work, daemon=True)
     thread.start()
