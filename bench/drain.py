@@ -44,6 +44,19 @@ def gateway(env: dict[str, str], log: str) -> subprocess.Popen[bytes]:
         )
 
 
+def gateway_env(client_id: str, **settings: str) -> dict[str, str]:
+    """The environment of a bench's `gateway run`: its own MQTT session (ended
+    by the caller), a status line every second, no HTTP port, plus ``settings``."""
+    return dict(
+        os.environ,
+        GATEWAY_MQTT__CLIENT_ID=client_id,
+        GATEWAY_PIPELINE__STATUS_INTERVAL="1",
+        GATEWAY_API__PORT="0",
+        GATEWAY_MQTT__SESSION_EXPIRY="600",
+        **settings,
+    )
+
+
 def follow(proc: subprocess.Popen[bytes], log: str) -> Iterator[str]:
     with open(log) as lines:
         while True:
@@ -87,13 +100,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     client_id = f"bench-{uuid.uuid4().hex[:8]}"
-    env = dict(
-        os.environ,
-        GATEWAY_MQTT__CLIENT_ID=client_id,
-        GATEWAY_PIPELINE__STATUS_INTERVAL="1",
-        GATEWAY_API__PORT="0",
-        GATEWAY_MQTT__SESSION_EXPIRY="600",
-    )
+    env = gateway_env(client_id)
     log = f"/tmp/{client_id}.log"
     try:
         drain(args, env, log)
@@ -136,7 +143,7 @@ def measure(args: argparse.Namespace, proc: subprocess.Popen[bytes], log: str) -
         if cpu0 is None and "subscribed to" in line:
             start = time.monotonic()
             cpu0 = _cpu(proc.pid)
-            threads0 = _thread_cpu(proc.pid)
+            threads0 = thread_cpu(proc.pid)
             if args.profile:
                 profiler = spy(proc.pid, args.profile)
         if (m := STATUS.search(line)) and "status:" in line:
@@ -145,7 +152,7 @@ def measure(args: argparse.Namespace, proc: subprocess.Popen[bytes], log: str) -
                 break
     elapsed = time.monotonic() - start
     cpu = _cpu(proc.pid) - (cpu0 or 0.0)
-    threads = _thread_cpu(proc.pid)
+    threads = thread_cpu(proc.pid)
     threads.subtract(threads0)
     rss = _rss_mb(proc.pid)
     if profiler is not None:
@@ -178,7 +185,7 @@ def _cpu(pid: int) -> float:
     return _cpu_of(Path(f"/proc/{pid}/stat"))
 
 
-def _thread_cpu(pid: int) -> Counter[str]:
+def thread_cpu(pid: int) -> Counter[str]:
     """CPU seconds of the event loop's thread ("event loop") and of all the
     others together ("other threads": the C++ driver's IO threads, or the
     Python driver's; they share the process's name, so they are told apart

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import re
 import signal
 import subprocess
@@ -24,12 +23,10 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
-from drain import _thread_cpu, clear_session, follow, gateway, wait_line
+from drain import STATUS, clear_session, follow, gateway, gateway_env, thread_cpu, wait_line
 
 from gateway.tools.simulate import FleetSpec, publish
 
-# Handled = written + sampled out (a noisy device's sampled events are decided too).
-HANDLED = re.compile(r"written=(\d+).*sampled_out=(\d+)")
 COUNTERS = re.compile(r"\b(chunks|lingers|requests)=(\d+)")
 
 
@@ -57,23 +54,16 @@ def main() -> None:
 
 def run(rate: float, duration: float, devices: int, extra: dict[str, str]) -> None:
     client_id = f"bench-live-{uuid.uuid4().hex[:8]}"
-    env = dict(
-        os.environ,
-        GATEWAY_MQTT__CLIENT_ID=client_id,
-        GATEWAY_PIPELINE__STATUS_INTERVAL="1",
-        GATEWAY_API__PORT="0",
-        GATEWAY_MQTT__SESSION_EXPIRY="600",
-        **extra,
-    )
+    env = gateway_env(client_id, **extra)
     log = f"/tmp/{client_id}.log"
     proc = gateway(env, log)
     try:
         wait_line(proc, log, "subscribed to")
-        before = _thread_cpu(proc.pid)
+        before = thread_cpu(proc.pid)
         spec = FleetSpec(devices=devices, rate=rate, tenant=f"live{uuid.uuid4().hex[:6]}")
         stats = asyncio.run(publish(spec, duration=duration, status_every=3600))
         wait_written(proc, log, stats.sent)
-        cpu = _thread_cpu(proc.pid)
+        cpu = thread_cpu(proc.pid)
         cpu.subtract(before)
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
@@ -88,7 +78,7 @@ def run(rate: float, duration: float, devices: int, extra: dict[str, str]) -> No
 def wait_written(proc: subprocess.Popen[bytes], log: str, count: int) -> None:
     deadline = time.monotonic() + 120
     for line in follow(proc, log):
-        m = HANDLED.search(line)
+        m = STATUS.search(line)  # written, sampled out
         if "status:" in line and m and int(m.group(1)) + int(m.group(2)) >= count:
             return
         if time.monotonic() > deadline:
