@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -88,3 +89,21 @@ def test_rollup_range_errors_come_before_connecting(gateway: Run) -> None:
         gateway, "rollup", "--tenant", "t", "d", "--step", "1m", "--since", "1h", "--until", "2h"
     )
     assert "--since: must be before --until" in err
+
+
+def test_init_writes_where_config_says_and_refuses_two_places(
+    gateway: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`gateway --config F init` and `gateway init --config F` write F (it
+    wrote ./gateway.toml, ignoring --config); a path and a different
+    --config are refused."""
+    monkeypatch.chdir(tmp_path)
+    first, second = tmp_path / "a.toml", tmp_path / "b.toml"
+    assert gateway("--config", str(first), "init")[0] == 0
+    assert gateway("init", "--config", str(second))[0] == 0
+    assert first.read_text().startswith("#")
+    assert second.exists()
+    assert not (tmp_path / "gateway.toml").exists()
+    err = _fails(gateway, "init", str(first), "--config", str(second))
+    assert f"two places to write, {first} and --config {second}" in err
+    assert gateway("init", str(first), "--config", str(first), "--force")[0] == 0

@@ -113,10 +113,15 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     ini = sub.add_parser(
-        "init", help="write a commented config (every key, its default) to start from"
+        "init",
+        parents=[common],
+        help="write a commented config (every key, its default) to start from",
     )
     ini.add_argument(
-        "path", nargs="?", type=Path, default=Path("gateway.toml"), help="default gateway.toml"
+        "path",
+        nargs="?",
+        type=Path,
+        help="where to write it (default gateway.toml; --config FILE names it too)",
     )
     ini.add_argument("--force", action="store_true", help="replace an existing file")
     ini.add_argument(
@@ -759,7 +764,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "init":
-        return _init(args.path, args.force, args.edge)  # before any config exists to load
+        # Before any config exists to load. --config names the file to
+        # write, as every other command's names the file to read.
+        named: Path | None = getattr(args, "config", None)
+        if args.path is not None and named is not None and args.path != named:
+            print(
+                f"gateway init: two places to write, {args.path} and --config {named}: give one",
+                file=sys.stderr,
+            )
+            return 2
+        return _init(args.path or named or Path("gateway.toml"), args.force, args.edge)
     level = getattr(args, "log_level", None)
     if level is None:
         try:
