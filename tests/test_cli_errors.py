@@ -67,6 +67,13 @@ def test_rejected_hours_says_what_it_takes(gateway: Run, hours: str) -> None:
     assert "_hours" not in err
 
 
+def test_rejected_since_says_what_it_takes_and_is_not_given_with_hours(gateway: Run) -> None:
+    err = _fails(gateway, "rejected", "--tenant", "t", "--since", "yesterday")
+    assert "--since: 'yesterday' is neither an RFC 3339 time nor a duration like 2h" in err
+    err = _fails(gateway, "rejected", "--tenant", "t", "--since", "1h", "--hours", "2")
+    assert "argument --hours: not allowed with argument --since" in err
+
+
 @pytest.mark.parametrize("command", ["history", "rejected"])
 @pytest.mark.parametrize("limit", ["0", "-1", "100001", "many"])
 def test_a_limit_out_of_range_is_refused(gateway: Run, command: str, limit: str) -> None:

@@ -361,6 +361,19 @@ async def test_bad_payloads_rejected_with_reasons_and_good_ones_written(
     big = next(r for r in rows if r.reason == "too_large")
     assert big.payload_size > 70_000
     assert len(big.payload) == 2048  # truncated to limits.rejected_payload_bytes
+    if driver == DRIVERS[0]:
+        # `gateway rejected` reads them back, by --since (as the API's since) or --hours.
+        for window in (["--since", "10m"], ["--hours", "1"]):
+            listed = run_cli("rejected", "--tenant", tenant, *window, "--json")
+            assert listed.returncode == 0, listed.stderr
+            assert sorted(r["reason"] for r in orjson.loads(listed.stdout)) == sorted(
+                reasons.values()
+            )
+        later = datetime.fromtimestamp(now / 1000 + 60).astimezone().isoformat()
+        listed = run_cli("rejected", "--tenant", tenant, "--since", later)
+        assert listed.returncode == 0, listed.stderr
+        assert listed.stdout == ""
+        assert "(0 rejected since " in listed.stderr
     for i in range(20):
         assert (await device_row(db, tenant, f"g{i}")).value_num == i
 

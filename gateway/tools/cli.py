@@ -216,8 +216,13 @@ def _parser() -> argparse.ArgumentParser:
 
     rej = sub.add_parser("rejected", parents=[common], help="recently rejected messages and why")
     rej.add_argument("--tenant", default="", help="tenant ('' for topics that named none)")
-    rej.add_argument(
-        "--hours", type=_hours, default=1, help="how many hours back (default 1, at most 168)"
+    back = rej.add_mutually_exclusive_group()
+    back.add_argument(
+        "--since",
+        help="RFC 3339 time or a duration ago like 30m (default 1h; they are kept 7 days)",
+    )
+    back.add_argument(
+        "--hours", type=_hours, help="how many hours back (default 1, at most 168; kept 7 days)"
     )
     _add_limit(rej, "messages")
     rej.add_argument("--json", action="store_true", help="print JSON")
@@ -615,7 +620,14 @@ async def _meta(config: Config, args: argparse.Namespace) -> int:
 
 
 async def _rejected(config: Config, args: argparse.Namespace) -> int:
-    since = datetime.now(UTC) - timedelta(hours=args.hours)
+    now = datetime.now(UTC)
+    if args.since is not None:
+        since = _time_arg("--since", args.since, now)
+        span = f"since {queries.iso(since)}"
+    else:
+        hours = args.hours or 1
+        since = now - timedelta(hours=hours)
+        span = f"in the last {hours} h"
     async with connect(config.cassandra) as db:
         out = await queries.rejected(db, args.tenant, since, limit=args.limit + 1)
     more, out = len(out) > args.limit, out[: args.limit]
@@ -625,8 +637,7 @@ async def _rejected(config: Config, args: argparse.Namespace) -> int:
         for r in out:
             print(f"{queries.iso(r.received_at)}\t{r.reason}\t{r.topic}\t{r.detail}")
         print(
-            f"({len(out)} rejected in the last {args.hours} h for tenant {args.tenant!r}"
-            f"{_more(more)})",
+            f"({len(out)} rejected {span} for tenant {args.tenant!r}{_more(more)})",
             file=sys.stderr,
         )
     return 0
