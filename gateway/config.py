@@ -338,7 +338,7 @@ class PipelineConfig(_Model):
     # by partition.
     batch_max_events: int = Field(default=500, ge=1, le=100_000)
     # Wait this long for a fuller chunk while writes are in flight, or while
-    # messages arrive within this of each other; 0 disables.
+    # the last second's messages came at least one per this long; 0 disables.
     linger: Annotated[float, BeforeValidator(parse_duration), Field(ge=0, le=1)] = 0.005
     # Rows per unlogged batch (only rows of one partition are batched).
     batch_max_rows: int = Field(default=32, ge=1, le=1000)
