@@ -127,7 +127,10 @@ async def test_timeouts_halve_the_limit_and_nothing_is_lost(keyspace: str) -> No
     async with slow_link(keyspace, one_way=0.025, request_timeout=1.0) as link:
         await link.write(3000)
         grown = link.limit.limit
-        assert grown >= 4 * START
+        # How far it grew is test_the_limit_grows_on_a_50ms_link's subject; on
+        # a loaded box it may grow little (20 once in a clean-clone CI run),
+        # and a quarter of START is still the minimum, so halving must reach it.
+        assert grown >= START
         # The link stalls past the request timeout: every request times out.
         link.proxy.delay = 3.0
         writing = asyncio.create_task(link.write(grown))
