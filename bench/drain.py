@@ -44,19 +44,6 @@ def gateway(env: dict[str, str], log: str) -> subprocess.Popen[bytes]:
         )
 
 
-def gateway_env(client_id: str, **settings: str) -> dict[str, str]:
-    """The environment of a bench's `gateway run`: its own MQTT session (ended
-    by the caller), a status line every second, no HTTP port, plus ``settings``."""
-    return dict(
-        os.environ,
-        GATEWAY_MQTT__CLIENT_ID=client_id,
-        GATEWAY_PIPELINE__STATUS_INTERVAL="1",
-        GATEWAY_API__PORT="0",
-        GATEWAY_MQTT__SESSION_EXPIRY="600",
-        **settings,
-    )
-
-
 def follow(proc: subprocess.Popen[bytes], log: str) -> Iterator[str]:
     with open(log) as lines:
         while True:
@@ -100,7 +87,13 @@ def main() -> None:
     )
     args = parser.parse_args()
     client_id = f"bench-{uuid.uuid4().hex[:8]}"
-    env = gateway_env(client_id)
+    env = dict(
+        os.environ,
+        GATEWAY_MQTT__CLIENT_ID=client_id,
+        GATEWAY_PIPELINE__STATUS_INTERVAL="1",
+        GATEWAY_API__PORT="0",
+        GATEWAY_MQTT__SESSION_EXPIRY="600",
+    )
     log = f"/tmp/{client_id}.log"
     try:
         drain(args, env, log)

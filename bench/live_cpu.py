@@ -2,10 +2,11 @@
 
 A drain (drain.py) fills every chunk and request; a live stream at a modest
 rate does not, and costs several times more CPU per message. For each rate
-this starts `gateway run`, publishes the simulated fleet at that rate for
---duration seconds (the publisher runs in this process, not the gateway's),
-waits until every message is written (or sampled out), and prints the
-gateway's CPU per message by thread, with its chunks and requests per message.
+this starts `gateway run` on the bench keyspace (benchlib.gateway_env),
+publishes the simulated fleet at that rate for --duration seconds (the
+publisher runs in this process, not the gateway's), waits until every message
+is handled (written, rejected or sampled out), and prints the gateway's CPU
+per message by thread, with its chunks and requests per message.
 
 Usage: .venv/bin/python bench/live_cpu.py --rates 500,1000,2000 [--duration 20]
        [--gateway-env GATEWAY_PIPELINE__LINGER=0s]
@@ -23,10 +24,12 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
-from drain import STATUS, clear_session, follow, gateway, gateway_env, thread_cpu, wait_line
+from benchlib import HANDLED, apply_schema, clear_session, fleet_spec, gateway_env
+from drain import follow, gateway, thread_cpu, wait_line
 
-from gateway.tools.simulate import FleetSpec, publish
+from gateway.tools.simulate import publish
 
+ROOT = "gwlive"
 COUNTERS = re.compile(r"\b(chunks|lingers|requests)=(\d+)")
 
 
@@ -44,6 +47,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     extra = dict(item.split("=", 1) for item in args.gateway_env)
+    apply_schema()
     print(
         "rate msg/s | achieved | CPU us/msg | event loop | other threads | msgs/chunk"
         " | chunks lingered | requests/msg"
@@ -54,13 +58,14 @@ def main() -> None:
 
 def run(rate: float, duration: float, devices: int, extra: dict[str, str]) -> None:
     client_id = f"bench-live-{uuid.uuid4().hex[:8]}"
-    env = gateway_env(client_id, **extra)
+    # The bench keyspace, and a topic tree of its own (benchlib.gateway_env).
+    env = gateway_env(client_id, ROOT) | extra
     log = f"/tmp/{client_id}.log"
     proc = gateway(env, log)
     try:
         wait_line(proc, log, "subscribed to")
         before = thread_cpu(proc.pid)
-        spec = FleetSpec(devices=devices, rate=rate, tenant=f"live{uuid.uuid4().hex[:6]}")
+        spec = fleet_spec(f"live{uuid.uuid4().hex[:6]}", devices, rate, root=ROOT)
         stats = asyncio.run(publish(spec, duration=duration, status_every=3600))
         wait_written(proc, log, stats.sent)
         cpu = thread_cpu(proc.pid)
@@ -71,15 +76,15 @@ def run(rate: float, duration: float, devices: int, extra: dict[str, str]) -> No
     finally:
         if proc.poll() is None:
             proc.kill()
-        asyncio.run(clear_session(client_id))
+        clear_session(client_id)
     report(rate, stats.rate, stats.sent, cpu, counters)
 
 
 def wait_written(proc: subprocess.Popen[bytes], log: str, count: int) -> None:
     deadline = time.monotonic() + 120
     for line in follow(proc, log):
-        m = STATUS.search(line)  # written, sampled out
-        if "status:" in line and m and int(m.group(1)) + int(m.group(2)) >= count:
+        m = HANDLED.search(line)  # written, rejected, sampled out
+        if m and sum(int(n) for n in m.groups()) >= count:
             return
         if time.monotonic() > deadline:
             raise SystemExit(f"the gateway did not handle {count} messages within 120 s")
