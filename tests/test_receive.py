@@ -16,9 +16,8 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 import mqtt5
 import orjson
@@ -30,99 +29,7 @@ from gateway.stats import Stats
 from gateway.store.database import Database
 
 from .helpers import MQTT_HOST, MQTT_PORT, device_row, make_config, running_gateway, wait_until
-
-# ------------------------------------------------------------ a scripted broker
-
-
-@dataclass
-class Session:
-    """One client connection to the scripted broker, as the broker saw it."""
-
-    connect: mqtt5.ConnectPacket
-    subscribed: list[str] = field(default_factory=list)
-    pubacks: list[int] = field(default_factory=list)
-    pings: int = 0
-
-
-Script = Callable[[asyncio.StreamWriter, Session, int], None]
-
-
-class ScriptedBroker:
-    """Accepts connections; answers CONNECT and SUBSCRIBE; then runs ``script``.
-
-    ``script(writer, session, n)`` gets the n-th connection (0-based) and
-    writes whatever bytes the test wants the client to see.
-    """
-
-    def __init__(
-        self,
-        script: Script,
-        *,
-        session_present: Callable[[int], bool] = bool,
-        server_keep_alive: int | None = None,
-    ) -> None:
-        self.script = script
-        self.session_present = session_present
-        self.server_keep_alive = server_keep_alive
-        self.sessions: list[Session] = []
-        self.answer_pings = True
-        self.port = 0
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        buf = bytearray()
-        session: Session | None = None
-        n = len(self.sessions)
-        try:
-            while data := await reader.read(65536):
-                buf += data
-                while True:
-                    try:
-                        packet, used = mqtt5.read(memoryview(bytes(buf)))
-                    except IndexError:
-                        break
-                    del buf[:used]
-                    if isinstance(packet, mqtt5.ConnectPacket):
-                        session = Session(packet)
-                        self.sessions.append(session)
-                        present = self.session_present(n)
-                        writer.write(
-                            mqtt5.ConnAckPacket(
-                                session_present=present, server_keep_alive=self.server_keep_alive
-                            ).write()
-                        )
-                    elif isinstance(packet, mqtt5.SubscribePacket):
-                        assert session is not None
-                        session.subscribed += [f.pattern for f in packet.topic_filters]
-                        codes = [
-                            mqtt5.SubAckReasonCode.NOT_AUTHORIZED
-                            if f.pattern.startswith("denied/")
-                            else mqtt5.SubAckReasonCode.GRANTED_QOS_AT_LEAST_ONCE
-                            for f in packet.topic_filters
-                        ]
-                        writer.write(mqtt5.SubAckPacket(packet.packet_id, codes).write())
-                        self.script(writer, session, n)
-                    elif isinstance(packet, mqtt5.PubAckPacket):
-                        assert session is not None
-                        session.pubacks.append(packet.packet_id)
-                    elif isinstance(packet, mqtt5.PingReqPacket):
-                        assert session is not None
-                        session.pings += 1
-                        if self.answer_pings:
-                            writer.write(mqtt5.PingRespPacket().write())
-                    elif isinstance(packet, mqtt5.DisconnectPacket):
-                        writer.close()
-                        return
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
-
-    @asynccontextmanager
-    async def running(self) -> AsyncIterator[ScriptedBroker]:
-        server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = server.sockets[0].getsockname()[1]
-        async with server:
-            yield self
+from .scripted_broker import ScriptedBroker, Session
 
 
 def publish_packet(pid: int, payload: bytes = b"{}", **kw: object) -> bytes:
@@ -233,6 +140,17 @@ async def test_a_topic_alias_we_did_not_allow_is_a_protocol_error() -> None:
             writer.write(publish_packet(1, topic_alias=1))
         else:
             writer.write(publish_packet(2))
+
+    broker = ScriptedBroker(script)
+    async with broker.running(), receiving(broker) as (got, stats, _):
+        await wait_until(lambda: len(got) == 1, 10, "the message after the reconnect")
+    assert got[0].topic.endswith("d2/events")
+    assert stats.connects == 2
+
+
+async def test_a_puback_to_a_receiver_that_never_publishes_is_a_protocol_error() -> None:
+    def script(writer: asyncio.StreamWriter, _s: Session, n: int) -> None:
+        writer.write(mqtt5.PubAckPacket(7).write() if n == 0 else publish_packet(2))
 
     broker = ScriptedBroker(script)
     async with broker.running(), receiving(broker) as (got, stats, _):

@@ -3,23 +3,31 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import pwd
 import subprocess
 import sys
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import aiomqtt
+import mqtt5
 import msgpack
 import orjson
 import pytest
 
 from gateway.config import MqttConfig
+from gateway.errors import BrokerError
+from gateway.tools import simulate
 from gateway.tools.simulate import Fleet, FleetSpec, PublishStats, noisy_device_ids, publish
 
 from .helpers import MQTT_HOST, MQTT_PORT, base_env, free_port, reachable, run_cli
+from .scripted_broker import ScriptedBroker
 
 NOW_MS = 1_700_000_000_000
 
@@ -239,11 +247,7 @@ def test_the_cli_says_in_one_line_when_the_broker_is_missing_or_goes_away(
     assert f"gateway: simulate: lost or no broker at 127.0.0.1:{port}" in refused.stderr
     assert "Traceback" not in refused.stderr
 
-    conf = tmp_path / "mosquitto.conf"
-    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\n")
-    broker = subprocess.Popen(["mosquitto", "-c", str(conf)], stderr=subprocess.DEVNULL)
-    try:
-        wait_until_listening(port)
+    with mosquitto_on(port, tmp_path):
         sim = subprocess.Popen(
             [sys.executable, "-m", "gateway", *args, "--duration", "60"],
             env=env,
@@ -253,13 +257,108 @@ def test_the_cli_says_in_one_line_when_the_broker_is_missing_or_goes_away(
         )
         time.sleep(2)  # publishing by now
         assert sim.poll() is None, sim.communicate()
-    finally:
-        broker.terminate()
-        broker.wait(10)
     _, err = sim.communicate(timeout=60)
     assert sim.returncode == 1, err
     assert f"gateway: simulate: lost or no broker at 127.0.0.1:{port}" in err
     assert "Traceback" not in err
+
+
+def _no_script(_writer: asyncio.StreamWriter, _session: object, _n: int) -> None:
+    pass
+
+
+async def test_at_most_concurrency_publishes_await_their_puback() -> None:
+    """The scripted broker holds every PUBACK until the publisher has had time to
+    overrun its window; then answers all, and the rest go out."""
+    held: list[int] = []
+    release = asyncio.Event()
+
+    def on_publish(writer: asyncio.StreamWriter, packet: Any) -> None:
+        held.append(packet.packet_id)
+        if release.is_set():
+            writer.write(mqtt5.PubAckPacket(packet.packet_id).write())
+
+    broker = ScriptedBroker(_no_script, on_publish=on_publish)
+    spec = FleetSpec(devices=5, rate=5000.0, tenant="window")
+    async with broker.running():
+        task = asyncio.create_task(
+            publish(spec, MqttConfig(host="127.0.0.1", port=broker.port), count=20, concurrency=4)
+        )
+        await asyncio.sleep(0.5)  # 2,500 messages would be due by now
+        assert len(held) == 4, held
+        release.set()
+        broker.writers[0].write(b"".join(mqtt5.PubAckPacket(pid).write() for pid in held))
+        async with asyncio.timeout(10):
+            stats = await task
+    assert stats.sent == 20
+    assert len(held) == 20
+    assert len(set(held[:4])) == 4
+
+
+async def test_a_puback_for_no_publish_of_ours_is_a_broker_error() -> None:
+    def on_publish(writer: asyncio.StreamWriter, packet: Any) -> None:
+        writer.write(mqtt5.PubAckPacket(packet.packet_id + 1000).write())
+
+    broker = ScriptedBroker(_no_script, on_publish=on_publish)
+    spec = FleetSpec(devices=5, rate=100.0, tenant="stray")
+    async with broker.running():
+        with pytest.raises(BrokerError, match="PUBACK for no publish of ours"):
+            async with asyncio.timeout(10):
+                await publish(spec, MqttConfig(host="127.0.0.1", port=broker.port), count=3)
+
+
+async def test_publishes_never_acknowledged_end_the_run_with_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once the last message is sent, its PUBACK is awaited ACK_WAIT_S, not forever."""
+    monkeypatch.setattr(simulate, "ACK_WAIT_S", 0.5)
+    broker = ScriptedBroker(_no_script)  # swallows every PUBLISH
+    spec = FleetSpec(devices=5, rate=1000.0, tenant="silent")
+    started = time.monotonic()
+    async with broker.running():
+        with pytest.raises(BrokerError, match=r"3 publishes got no PUBACK within 0\.5 s"):
+            async with asyncio.timeout(10):
+                await publish(spec, MqttConfig(host="127.0.0.1", port=broker.port), count=3)
+    assert time.monotonic() - started < 5
+
+
+async def test_publishes_the_broker_refuses_are_counted_not_sent(tmp_path: Path) -> None:
+    """A real Mosquitto whose ACL lets clients write only under allowed/: each
+    refused publish gets a PUBACK of NOT_AUTHORIZED, is counted as refused and
+    is not handed to on_sent."""
+    port = free_port()
+    acl = tmp_path / "acl"
+    acl.write_text("topic write allowed/#\n")
+    sent: list[str] = []
+    with mosquitto_on(port, tmp_path, f"acl_file {acl}\n"):
+        cfg = MqttConfig(host="127.0.0.1", port=port)
+        denied = FleetSpec(devices=3, rate=500.0, tenant="denied")
+        async with asyncio.timeout(30):
+            stats = await publish(denied, cfg, count=10, on_sent=lambda t, _e: sent.append(t))
+        assert (stats.sent, stats.refused, sent) == (0, 10, [])
+        allowed = FleetSpec(
+            devices=3, rate=500.0, tenant="t", topic_template="allowed/{tenant}/{device_id}"
+        )
+        async with asyncio.timeout(30):
+            stats = await publish(allowed, cfg, count=10, on_sent=lambda t, _e: sent.append(t))
+        assert (stats.sent, stats.refused, len(sent)) == (10, 0, 10)
+
+
+@contextmanager
+def mosquitto_on(port: int, tmp_path: Path, extra: str = "") -> Iterator[None]:
+    """A Mosquitto of the test's own on ``port``, with ``extra`` configuration lines.
+    It runs as this user (as mosquitto/mosquitto.sh starts ours): as root it would
+    otherwise drop to ``mosquitto``, which can't read files under ``tmp_path``."""
+    conf = tmp_path / "mosquitto.conf"
+    user = pwd.getpwuid(os.getuid()).pw_name
+    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\nuser {user}\n{extra}")
+    broker = subprocess.Popen(["mosquitto", "-c", str(conf)], stderr=subprocess.DEVNULL)
+    try:
+        wait_until_listening(port)
+        yield
+    finally:
+        broker.terminate()
+        broker.wait(10)
 
 
 def wait_until_listening(port: int, seconds: float = 10) -> None:

@@ -10,6 +10,13 @@ packet parsing that costs well under a microsecond. ``mqtt5`` (Rust) encodes
 and decodes the packets; this module is only the session logic around it:
 CONNECT/CONNACK, SUBSCRIBE/SUBACK, keepalive, PUBACK, DISCONNECT.
 
+The same connection publishes at QoS 1 for ``gateway simulate``
+(gateway/tools/simulate.py), whose load has to cost little next to the
+gateway it drives on the same cores: :meth:`Connection.publish` sends a batch
+of PUBLISH packets in one write, and each PUBACK is handed to ``on_puback``.
+The gateway itself never publishes; a PUBACK it did not ask for is a protocol
+error.
+
 Promises:
 
 * Every PUBLISH is handed to ``on_publish`` synchronously, in the order the
@@ -20,6 +27,8 @@ Promises:
   :class:`ConnectionLost` and the caller reconnects.
 * Nothing is buffered beyond one partial packet, which is bounded by the
   Maximum Packet Size we advertise.
+* A packet id is never reused while its PUBLISH awaits its PUBACK; how many
+  await one is the caller's bound (:attr:`Connection.unacked`).
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ from ..errors import BrokerError
 log = logging.getLogger(__name__)
 
 PublishHandler = Callable[[PublishPacket], None]
+PubAckHandler = Callable[[PubAckPacket], None]
 T = TypeVar("T")
 
 
@@ -78,8 +88,16 @@ class ConnectOptions:
 class Connection(asyncio.Protocol):
     """The protocol object for one TCP (or TLS) connection; see the module docstring."""
 
-    def __init__(self, on_publish: PublishHandler, max_packet_size: int | None) -> None:
+    def __init__(
+        self,
+        on_publish: PublishHandler,
+        max_packet_size: int | None,
+        *,
+        on_puback: PubAckHandler | None = None,
+    ) -> None:
         self._on_publish = on_publish
+        self._on_puback = on_puback
+        self._unacked: set[int] = set()  # our QoS 1 publishes awaiting their PUBACK
         self._max_packet_size = max_packet_size
         self._transport: asyncio.Transport | None = None
         self._partial = bytearray()
@@ -150,6 +168,12 @@ class Connection(asyncio.Protocol):
             waiter = self._subacks.pop(packet.packet_id, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(packet)
+        elif isinstance(packet, PubAckPacket) and self._on_puback is not None:
+            if packet.packet_id not in self._unacked:
+                self._abort(DisconnectReasonCode.PROTOCOL_ERROR, "PUBACK for no publish of ours")
+                return
+            self._unacked.discard(packet.packet_id)
+            self._on_puback(packet)
         elif isinstance(packet, PingRespPacket):
             pass  # last_received is already updated
         elif isinstance(packet, DisconnectPacket):
@@ -157,7 +181,8 @@ class Connection(asyncio.Protocol):
             self._fail(ConnectionLost(f"broker disconnected us: {packet.reason_code.name}{detail}"))
             self.close()
         else:
-            # We never publish, so no PUBACK/PUBREC/...; QoS 2 is not subscribed.
+            # A receiver never publishes, so no PUBACK/PUBREC/...; a publisher
+            # publishes at QoS 1 only; QoS 2 is not subscribed.
             self._abort(DisconnectReasonCode.PROTOCOL_ERROR, f"unexpected {type(packet).__name__}")
 
     # -- sending --------------------------------------------------------------
@@ -170,6 +195,35 @@ class Connection(asyncio.Protocol):
     def puback(self, packet_ids: Iterable[int]) -> None:
         """Acknowledge QoS 1 messages (already in receive order), in one write."""
         self.send(b"".join(PubAckPacket(pid).write() for pid in packet_ids))
+
+    @property
+    def unacked(self) -> int:
+        """How many of our QoS 1 publishes await their PUBACK."""
+        return len(self._unacked)
+
+    def publish(self, messages: Iterable[tuple[str, bytes]], content_type: str | None) -> list[int]:
+        """Publish ``(topic, payload)`` pairs at QoS 1 in one write; return their
+        packet ids in order. Each PUBACK goes to ``on_puback``."""
+        if self._on_puback is None:
+            raise RuntimeError("this connection was opened without on_puback")
+        ids: list[int] = []
+        packets: list[bytes] = []
+        for topic, payload in messages:
+            if len(self._unacked) >= 65535:
+                raise BrokerError("65,535 publishes await their PUBACK: no packet id is free")
+            pid = self._next_id = self._next_id % 65535 + 1
+            while pid in self._unacked:
+                pid = self._next_id = pid % 65535 + 1
+            self._unacked.add(pid)
+            ids.append(pid)
+            packets.append(
+                PublishPacket(
+                    topic, payload, qos=QoS.AT_LEAST_ONCE, packet_id=pid, content_type=content_type
+                ).write()
+            )
+        if packets:
+            self.send(b"".join(packets))
+        return ids
 
     def pause_reading(self) -> None:
         if self._transport is not None and self._transport.is_reading():

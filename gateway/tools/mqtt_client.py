@@ -1,9 +1,10 @@
-"""The tools' MQTT client: ``gateway check``, ``gateway forget-session``, ``gateway simulate``.
+"""The tools' MQTT client: ``gateway check`` and ``gateway forget-session``.
 
 aiomqtt 2 through its public API only. The gateway's own receive path does not
-use it (gateway/ingest/connection.py): the tools need no acknowledge-after-
-durable, no pausable reads and no per-message speed, and a publisher is what
-aiomqtt does well.
+use it (gateway/ingest/connection.py): these tools need no acknowledge-after-
+durable, no pausable reads and no per-message speed. ``gateway simulate``
+publishes over the receive path's connection instead, because a load
+generator on the gateway's own cores has to cost little (gateway/tools/simulate.py).
 """
 
 from __future__ import annotations
@@ -24,14 +25,12 @@ def mqtt_client(
     clean_start: bool = False,
     session_expiry: int | None = None,
     receive_maximum: int | None = None,
-    max_inflight: int | None = None,
     timeout: float = 10,
 ) -> aiomqtt.Client:
     """An MQTT v5 client for the configured broker: address, credentials, TLS.
 
     One place for what the tools' connections share; the password is only
-    read here and in the receiver's ConnectOptions. ``max_inflight`` bounds our own unacknowledged
-    QoS 1 publishes (the simulator's).
+    read here and in the receiver's ConnectOptions.
     """
     props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
     if session_expiry is not None:
@@ -51,5 +50,4 @@ def mqtt_client(
         tls_context=cfg.tls.context(),
         timeout=timeout,
         logger=logging.getLogger(f"{__name__}.paho"),
-        max_inflight_messages=max_inflight,
     )

@@ -1,0 +1,99 @@
+"""Where a live message's latency goes: publish → received, and received → write sent.
+
+Starts `gateway run` on the bench keyspace under a topic tree of its own
+(benchlib.gateway_env), publishes the simulated fleet at RATE msg/s for
+DURATION seconds (benchlib.publish_recorded, in this process), waits until the
+gateway has handled every message, and reads each telemetry row back with
+``received_at`` (the gateway's clock when the message arrived) and
+``WRITETIME`` (the driver's clock when the write was sent). Prints the
+percentiles of both legs, and the quarter-seconds whose slowest message took
+over --slow ms (a periodic stall shows as a pattern there).
+
+Usage: .venv/bin/python bench/latency_legs.py [--rate 3000] [--duration 20]
+       [--gateway-env GATEWAY_PIPELINE__LINGER=0s]
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import uuid
+
+from benchlib import (
+    BenchDb,
+    apply_schema,
+    clear_session,
+    fleet_spec,
+    gateway_env,
+    publish_recorded,
+)
+from drain import gateway, wait_line
+from live_cpu import wait_written
+
+ROOT = "gwlegs"
+BIN_S = 0.25
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", type=float, default=3000)
+    parser.add_argument("--duration", type=float, default=20)
+    parser.add_argument("--devices", type=int, default=1000)
+    parser.add_argument("--slow", type=float, default=100, help="ms; default 100")
+    parser.add_argument("--gateway-env", action="append", default=[], metavar="GATEWAY_X__Y=V")
+    args = parser.parse_args()
+    apply_schema()
+    client_id = f"bench-legs-{uuid.uuid4().hex[:8]}"
+    env = gateway_env(client_id, ROOT) | dict(a.split("=", 1) for a in args.gateway_env)
+    log = f"/tmp/{client_id}.log"
+    tenant = f"legs{uuid.uuid4().hex[:6]}"
+    db = BenchDb()
+    proc = gateway(env, log)
+    try:
+        wait_line(proc, log, "subscribed to")
+        db.register_states([tenant])
+        spec = fleet_spec(tenant, args.devices, args.rate, root=ROOT)
+        stats, sent = publish_recorded(spec, duration=args.duration)
+        wait_written(proc, log, stats.sent)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        clear_session(client_id)
+    sent_at = {(s.device_id, s.ts): s.sent_at for s in sent}
+    t0 = min(s.sent_at for s in sent if s.sent_at is not None)
+    partitions = db.session.prepare(
+        "SELECT bucket_start, shard FROM telemetry_partitions WHERE tenant = ? AND device_id = ?"
+    )
+    rows = db.session.prepare(
+        "SELECT toUnixTimestamp(ts) AS ts, toUnixTimestamp(received_at) AS received,"
+        " WRITETIME(received_at) AS written FROM telemetry"
+        " WHERE tenant = ? AND device_id = ? AND bucket_start = ? AND shard = ?"
+    )
+    arrive: list[float] = []
+    write: list[float] = []
+    bins: dict[int, list[float]] = {}
+    for device in sorted({s.device_id for s in sent}):
+        for part in db.session.execute(partitions, (tenant, device)):
+            for row in db.session.execute(rows, (tenant, device, part.bucket_start, part.shard)):
+                at = sent_at.get((device, row.ts))
+                if at is None:
+                    continue
+                arrive.append(row.received - at)
+                write.append(row.written / 1000 - row.received)
+                bins.setdefault(int((at - t0) / 1000 / BIN_S), []).append(row.written / 1000 - at)
+    db.close()
+    print(f"{len(write)} of {stats.sent} messages at {stats.rate:.0f} msg/s; ms:")
+    for leg, values in (("publish → received", arrive), ("received → write sent", write)):
+        ordered = sorted(values)
+        q = [ordered[min(len(ordered) - 1, int(p * len(ordered)))] for p in (0.5, 0.9, 0.99)]
+        print(f"  {leg}: p50 {q[0]:.1f}, p90 {q[1]:.1f}, p99 {q[2]:.1f}, max {ordered[-1]:.1f}")
+    for b in sorted(bins):
+        worst = max(bins[b])
+        if worst > args.slow:
+            print(f"  {b * BIN_S:6.2f} s: slowest {worst:.0f} ms of {len(bins[b])}")
+
+
+if __name__ == "__main__":
+    main()
