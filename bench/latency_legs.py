@@ -6,10 +6,12 @@ DURATION seconds (benchlib.publish_recorded, in this process), waits until the
 gateway has handled every message, and reads each telemetry row back with
 ``received_at`` (the gateway's clock when the message arrived) and
 ``WRITETIME`` (the driver's clock when the write was sent). Prints the
-percentiles of both legs, and the quarter-seconds whose slowest message took
-over --slow ms (a periodic stall shows as a pattern there).
+percentiles of both legs, the share of messages acknowledged within each
+bound of ``gateway_write_latency_seconds`` (publish → durable PUBACK, from the
+gateway's /metrics just before it stops), and the quarter-seconds whose
+slowest message took over --slow ms (a periodic stall shows as a pattern there).
 
-Usage: .venv/bin/python bench/latency_legs.py [--rate 3000] [--duration 20]
+Usage: .venv/bin/python bench/latency_legs.py [--rate 3000] [--duration 20] [--api-port 9199]
        [--gateway-env GATEWAY_PIPELINE__LINGER=0s]
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import urllib.request
 import uuid
 
 from benchlib import (
@@ -40,11 +43,13 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=20)
     parser.add_argument("--devices", type=int, default=1000)
     parser.add_argument("--slow", type=float, default=100, help="ms; default 100")
+    parser.add_argument("--api-port", type=int, default=9199, help="the gateway's /metrics")
     parser.add_argument("--gateway-env", action="append", default=[], metavar="GATEWAY_X__Y=V")
     args = parser.parse_args()
     apply_schema()
     client_id = f"bench-legs-{uuid.uuid4().hex[:8]}"
-    env = gateway_env(client_id, ROOT) | dict(a.split("=", 1) for a in args.gateway_env)
+    env = gateway_env(client_id, ROOT, API__PORT=str(args.api_port))
+    env |= dict(a.split("=", 1) for a in args.gateway_env)
     log = f"/tmp/{client_id}.log"
     tenant = f"legs{uuid.uuid4().hex[:6]}"
     db = BenchDb()
@@ -55,6 +60,7 @@ def main() -> None:
         spec = fleet_spec(tenant, args.devices, args.rate, root=ROOT)
         stats, sent = publish_recorded(spec, duration=args.duration)
         wait_written(proc, log, stats.sent)
+        acked = ack_shares(args.api_port)
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
     finally:
@@ -89,10 +95,29 @@ def main() -> None:
         ordered = sorted(values)
         q = [ordered[min(len(ordered) - 1, int(p * len(ordered)))] for p in (0.5, 0.9, 0.99)]
         print(f"  {leg}: p50 {q[0]:.1f}, p90 {q[1]:.1f}, p99 {q[2]:.1f}, max {ordered[-1]:.1f}")
+    print(f"  publish → durable ack: {acked}")
     for b in sorted(bins):
         worst = max(bins[b])
         if worst > args.slow:
             print(f"  {b * BIN_S:6.2f} s: slowest {worst:.0f} ms of {len(bins[b])}")
+
+
+def ack_shares(port: int) -> str:
+    """The cumulative shares of gateway_write_latency_seconds, up to where it reaches 100%."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    buckets = [
+        (line.split('le="')[1].split('"')[0], float(line.split()[-1]))
+        for line in text.splitlines()
+        if line.startswith("gateway_write_latency_seconds_bucket")
+    ]
+    total = buckets[-1][1] or 1.0
+    shares: list[str] = []
+    for le, count in buckets:
+        shares.append(f"≤ {le} s {count / total:.1%}")
+        if count >= total:
+            break
+    return ", ".join(shares)
 
 
 if __name__ == "__main__":
