@@ -155,10 +155,13 @@ start_node() {
     local jamm; jamm="$(ls "$lib"/jamm-*.jar | head -n1)"
     local -a jvm17; mapfile -t jvm17 < <(grep -v '^\s*#' "$here/jvm17-server.options" | sed '/^\s*$/d' | tr ' ' '\n')
     # Heap fixed at about 1 GB: the box is small and shared with the gateway and tests.
+    # Every GC pause goes to $logdir/gc.log (3 files of 5 MB at most): a latency
+    # tail is checked against it first (README, "The load generator").
     setsid java \
         -Xms"$CASSANDRA_HEAP" -Xmx"$CASSANDRA_HEAP" -Xss256k \
         -XX:+UseG1GC -XX:+ParallelRefProcEnabled -XX:MaxTenuringThreshold=1 \
         -XX:G1HeapRegionSize=16m -XX:G1RSetUpdatingPauseTimePercent=5 -XX:MaxGCPauseMillis=300 \
+        -Xlog:gc:file="$logdir/gc.log":time,uptime:filecount=3,filesize=5m \
         -XX:InitiatingHeapOccupancyPercent=70 -XX:+UseTLAB -XX:+ResizeTLAB -XX:+PerfDisableSharedMem \
         -XX:+HeapDumpOnOutOfMemoryError -XX:+ExitOnOutOfMemoryError -XX:HeapDumpPath="$storage" \
         -ea -da:net.openhft... -Djava.net.preferIPv4Stack=true \
