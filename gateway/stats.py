@@ -130,6 +130,7 @@ class Stats:
     rollup_windows: int = 0  # 1-minute windows recomputed from their raw rows
     rollup_failures: int = 0  # roll-up worker passes that failed (retried; marks stay)
     rollup_lag_s: float = 0.0  # how far the roll-up worker is behind its due minutes
+    rollup_paced_s: float = 0.0  # time the worker waited to spread a minute (rollups.spread)
     metadata_writes: int = 0  # new metadata entries written (store/metadata.py)
     metadata_capped: int = 0  # new entries not written: tenant at metadata.max_per_tenant
     metadata_reads: int = 0  # metadata entries not in the LRU, looked up in Cassandra

@@ -339,6 +339,51 @@ async def test_the_worker_waits_while_writes_are_being_retried(session: WriteSes
     assert await w.catch_up() >= 1
 
 
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_minute_on_time_is_spread_and_a_late_one_is_not(session: WriteSession) -> None:
+    """recompute() spaces its groups of GROUP windows evenly over ``spread``;
+    catch_up() spreads a minute that came due on time, and goes at full speed
+    through one later than the spread (a restart, an outage)."""
+    stats = Stats()
+    w = RollupWorker(session, make_config(), stats, name=f"test-{uuid.uuid4().hex[:8]}")
+    await w.start()
+    tenant = f"spread-{uuid.uuid4().hex[:8]}"
+    start = minute_now() - 10 * MINUTE_MS
+    windows = {(tenant, f"d{i:04d}", start) for i in range(2 * rollups.GROUP + 1)}  # 3 groups
+
+    began = time.monotonic()
+    await w.recompute(windows, spread=3.0)
+    took = time.monotonic() - began
+    # Six groups are counted: three of windows, and at most three of hours
+    # (one hour per device). These windows have no raw rows, so no hour is
+    # merged. Group k starts no sooner than k/6 of 3 s: the third at 1 s.
+    assert took >= 0.99, took
+    assert stats.rollup_paced_s > 0.5
+    paced = stats.rollup_paced_s
+    await w.recompute(windows)  # spread 0: no waiting
+    assert stats.rollup_paced_s == paced
+
+    seen: list[float] = []
+
+    async def record(minute_ms: int, spread: float = 0.0) -> None:
+        seen.append(spread)
+
+    config = make_config(GATEWAY_ROLLUPS__GRACE="1s", GATEWAY_ROLLUPS__SPREAD="20s")
+    now = [0.0]
+    clocked = RollupWorker(
+        session, config, Stats(), name=f"test-{uuid.uuid4().hex[:8]}", clock=lambda: now[0]
+    )
+    first = minute_now() - 5 * MINUTE_MS
+    now[0] = (first + MINUTE_MS + 1000 + 5000) / 1000  # the first minute, due 5 s ago
+    await clocked.start(first)
+    clocked.process_minute = record  # type: ignore[method-assign]
+    assert await clocked.catch_up() == 1
+    # Three minutes later: the next two are 125 s and 65 s late, the third 5 s.
+    now[0] += 3 * 60
+    assert await clocked.catch_up() == 3
+    assert seen == [20.0, 0.0, 0.0, 20.0]
+
+
 async def test_rollup_ttls_are_the_tenants_own(
     db: Database, session: WriteSession, tenant: str, gateway: RunningGateway
 ) -> None:

@@ -29,6 +29,11 @@ How, and why this way (the tsdb-cassandra README's "re-write the window"):
   minute's mark partitions, recomputes each marked 1-minute window, then each
   touched hour from its 1-minute rows (a merge: counts and sums add, min and
   max and the newest ``last`` carry over), and only then moves the cursor on.
+  A minute that came due on time is spread over ``rollups.spread`` (its
+  groups evenly spaced): done in one burst, its reads of every raw row of the
+  minute held up the ingest writes beside them for hundreds of milliseconds,
+  once a minute. A later minute (after a restart or an outage) goes at full
+  speed; ``rollup_paced_seconds_total`` counts the waiting.
   A crash in between repeats the minute at the next start; recomputing twice
   writes the same rows. Marks left by an earlier run are picked up from the
   cursor.
@@ -214,6 +219,7 @@ class RollupWorker:
         self._grace_ms = int(config.rollups.grace * 1000)
         self._interval = config.rollups.interval
         self._slots = asyncio.Semaphore(config.rollups.concurrency)
+        self._spread = config.rollups.spread
         self._cursor = 0
         self._retries_seen = stats.retries
         self._quiet_since = time.monotonic()
@@ -323,27 +329,50 @@ class RollupWorker:
             stats.rollup_lag_s = max(0.0, (now_ms - due_at) / 1000)
             if due_at > now_ms:
                 return done
-            await self.process_minute(self._cursor)
+            # On time: spread the minute's work (module docstring). Late by
+            # more than the spread (a restart, an outage): at full speed.
+            on_time = now_ms - due_at < self._spread * 1000
+            await self.process_minute(self._cursor, spread=self._spread if on_time else 0.0)
             self._cursor += MINUTE_MS
             await self._execute(self._write_cursor, (self._name, self._cursor))
             done += 1
 
-    async def process_minute(self, minute_ms: int) -> None:
-        """Recompute every window marked in ``minute_ms``, then their hours."""
+    async def process_minute(self, minute_ms: int, spread: float = 0.0) -> None:
+        """Recompute every window marked in ``minute_ms``, then their hours,
+        spread over ``spread`` seconds (:meth:`recompute`)."""
         parts = await asyncio.gather(
             *(self._session.read(self._read_marks, (minute_ms, s)) for s in range(MARK_SHARDS))
         )
         windows = {(r["tenant"], r["device_id"], r["window_ms"]) for rows in parts for r in rows}
-        await self.recompute(windows)
+        await self.recompute(windows, spread)
 
-    async def recompute(self, windows: set[tuple[str, str, int]]) -> None:
+    async def recompute(self, windows: set[tuple[str, str, int]], spread: float = 0.0) -> None:
         """Recompute these 1-minute windows from the raw rows, then the hours
         they belong to from their minutes; GROUP windows at a time, their
         reads READ_IN devices to a request (``device_id IN (...)``), their
-        writes packed PACK_WINDOWS windows to a request."""
+        writes packed PACK_WINDOWS windows to a request. With ``spread`` > 0
+        the groups, the hours' included, are spaced evenly over that many
+        seconds: group k of n is not started before k/n of it has passed."""
         ordered = sorted(windows)
         hours: dict[tuple[str, str, int], set[str]] = {}
+        # The hours' groups are paced too: late in an hour, re-merging it
+        # reads more rows (its minutes so far) than the minute's raw rows.
+        at_most_hours = len({(t, d, start - start % HOUR_MS) for t, d, start in ordered})
+        groups = math.ceil(len(ordered) / GROUP) + math.ceil(at_most_hours / GROUP)
+        began = time.monotonic()
+        paced = 0
+
+        async def pace() -> None:
+            nonlocal paced
+            if spread > 0 and paced < groups:
+                wait = began + spread * paced / groups - time.monotonic()
+                if wait > 0:
+                    self._stats.rollup_paced_s += wait
+                    await asyncio.sleep(wait)
+            paced += 1
+
         for first in range(0, len(ordered), GROUP):
+            await pace()
             group = ordered[first : first + GROUP]
             read_at = time.time()  # before any of the group's reads began
             raw = await self._raw(group)
@@ -359,6 +388,7 @@ class RollupWorker:
             self._stats.rollup_windows += len(group)
         hourly = sorted(hours.items())
         for first in range(0, len(hourly), GROUP):
+            await pace()
             await self._hours(dict(hourly[first : first + GROUP]))
 
     @staticmethod

@@ -202,6 +202,11 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
         "1-minute windows recomputed from their raw rows.",
     ),
     (
+        "gateway_rollup_paced_seconds_total",
+        "rollup_paced_s",
+        "Time the roll-up worker waited to spread a minute's work over rollups.spread.",
+    ),
+    (
         "gateway_rollup_failures_total",
         "rollup_failures",
         "Roll-up worker passes that failed (retried; the marks stay in Cassandra).",
