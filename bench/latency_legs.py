@@ -6,7 +6,8 @@ DURATION seconds (benchlib.publish_recorded, in this process), waits until the
 gateway has handled every message, and reads each telemetry row back with
 ``received_at`` (the gateway's clock when the message arrived) and
 ``WRITETIME`` (the driver's clock when the write was sent). Prints the
-percentiles of both legs, the share of messages acknowledged within each
+percentiles of both legs and of their sum (publish → write sent, what
+bench/run.py's latency runs measure), the share of messages acknowledged within each
 bound of ``gateway_write_latency_seconds`` (publish → durable PUBACK, from the
 gateway's /metrics just before it stops), and the quarter-seconds whose
 slowest message took over --slow ms (a periodic stall shows as a pattern there).
@@ -80,6 +81,7 @@ def main() -> None:
     )
     arrive: list[float] = []
     write: list[float] = []
+    total: list[float] = []  # publish → write sent: what bench/run.py's latency runs measure
     bins: dict[int, list[float]] = {}
     for device in sorted({s.device_id for s in sent}):
         # Each partition once: two bucket sizes can share a bucket_start (a
@@ -93,10 +95,16 @@ def main() -> None:
                     continue
                 arrive.append(row.received - at)
                 write.append(row.written / 1000 - row.received)
+                total.append(row.written / 1000 - at)
                 bins.setdefault(int((at - t0) / 1000 / BIN_S), []).append(row.written / 1000 - at)
     db.close()
     print(f"{len(write)} of {stats.sent} messages at {stats.rate:.0f} msg/s; ms:")
-    for leg, values in (("publish → received", arrive), ("received → write sent", write)):
+    legs = (
+        ("publish → received", arrive),
+        ("received → write sent", write),
+        ("publish → write sent", total),
+    )
+    for leg, values in legs:
         ordered = sorted(values)
         q = [ordered[min(len(ordered) - 1, int(p * len(ordered)))] for p in (0.5, 0.9, 0.99)]
         print(f"  {leg}: p50 {q[0]:.1f}, p90 {q[1]:.1f}, p99 {q[2]:.1f}, max {ordered[-1]:.1f}")
