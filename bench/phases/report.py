@@ -247,6 +247,13 @@ def markdown(results: dict[str, Any], plots: list[str]) -> Iterator[str]:
     yield ""
     for note in NOTES:
         yield f"- {note}"
+    warm = results.get("cassandra_warm_up")
+    if warm:
+        yield (
+            f"- Before anything was measured, {warm['events']:,} events' rows were written "
+            f"through the ceiling writer, unmeasured, in {warm['seconds']} s: a Cassandra "
+            "started minutes before is not yet compiled (its JIT), and measures slow."
+        )
     rtt = results.get("cassandra_write_rtt_ms") or {}
     if rtt.get("p50") is not None:
         yield (
