@@ -465,7 +465,7 @@ class RollupsConfig(_Model):
     interval: Annotated[float, BeforeValidator(parse_duration), Field(gt=0, le=600)] = 5.0
     # A minute that comes due on time is recomputed over this long, its groups
     # of 100 windows evenly spaced, not in one burst: the burst's reads slowed
-    # the writes beside it (p99 to write sent 134 ms against 27 ms with
+    # the writes beside it (p99 receipt to write sent 134 ms against 27 ms with
     # roll-ups off at 3,000 msg/s; README, "The load generator"). A minute
     # later than this is done at full speed. "0s" turns the spreading off.
     spread: Annotated[float, BeforeValidator(parse_duration), Field(ge=0, le=50)] = 20.0
