@@ -39,7 +39,7 @@ import ssl
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TypeVar, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from mqtt5 import (
     ConnAckPacket,
@@ -59,6 +59,9 @@ from mqtt5 import (
 )
 
 from ..errors import BrokerError
+
+if TYPE_CHECKING:
+    from ..config import MqttConfig
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +86,30 @@ class ConnectOptions:
     max_packet_size: int | None = None
     username: str | None = None
     password: bytes | None = None
+
+    @classmethod
+    def for_broker(
+        cls,
+        cfg: MqttConfig,
+        *,
+        client_id: str,
+        clean_start: bool,
+        session_expiry: int,
+        receive_maximum: int = 65535,
+        max_packet_size: int | None = None,
+    ) -> ConnectOptions:
+        """The CONNECT for the configured broker: its keepalive and credentials
+        (the receiver's session and ``gateway simulate``'s alike)."""
+        return cls(
+            client_id=client_id,
+            clean_start=clean_start,
+            session_expiry=session_expiry,
+            keepalive=cfg.keepalive,
+            receive_maximum=receive_maximum,
+            max_packet_size=max_packet_size,
+            username=cfg.username,
+            password=cfg.password.get_secret_value().encode() if cfg.password else None,
+        )
 
 
 class Connection(asyncio.Protocol):

@@ -201,15 +201,13 @@ class Receiver:
 
     def _options(self) -> ConnectOptions:
         cfg = self._config
-        return ConnectOptions(
+        return ConnectOptions.for_broker(
+            cfg,
             client_id=cfg.client_id,
             clean_start=False,
             session_expiry=int(cfg.session_expiry),
-            keepalive=cfg.keepalive,
             receive_maximum=cfg.receive_maximum,
             max_packet_size=self._max_packet_size,
-            username=cfg.username,
-            password=cfg.password.get_secret_value().encode() if cfg.password else None,
         )
 
     # -- socket reading, pausable ------------------------------------------

@@ -30,7 +30,7 @@ def mqtt_client(
     """An MQTT v5 client for the configured broker: address, credentials, TLS.
 
     One place for what the tools' connections share; the password is only
-    read here and in the receiver's ConnectOptions.
+    read here and in ConnectOptions.for_broker (gateway/ingest/connection.py).
     """
     props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
     if session_expiry is not None:

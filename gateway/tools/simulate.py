@@ -312,13 +312,11 @@ async def publish(
             on_sent(topic, event)
 
     conn = Connection(_unexpected_publish, None, on_puback=on_puback)
-    options = ConnectOptions(
+    options = ConnectOptions.for_broker(
+        cfg,
         client_id=client_id or f"gateway-simulate-{uuid.uuid4().hex[:12]}",
         clean_start=True,
         session_expiry=0,
-        keepalive=cfg.keepalive,
-        username=cfg.username,
-        password=cfg.password.get_secret_value().encode() if cfg.password else None,
     )
     connack = await connect(conn, cfg.host, cfg.port, options, tls=cfg.tls.context())
     window = min(concurrency, connack.receive_max or 65535)
