@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import re
@@ -283,6 +284,41 @@ def apply_schema() -> None:
     )
 
 
+def ceiling_command(prefix: str, devices: int, count: int, levels: str, out: Path) -> list[str]:
+    """bench/ceiling.py's command line: ``count`` events' rows of ``devices``
+    devices at each concurrency level of ``levels``, into tenants named from
+    ``prefix``, its report to ``out``."""
+    return [
+        *(sys.executable, str(BENCH / "ceiling.py"), "--prefix", prefix),
+        *("--devices", str(devices), "--count", str(count)),
+        *("--levels", levels, "--out", str(out)),
+    ]
+
+
+def add_gateway_env(parser: argparse.ArgumentParser, help: str) -> None:
+    """The bench tools' ``--gateway-env GATEWAY_X__Y=V`` (repeatable); read
+    it with :func:`gateway_settings`."""
+    parser.add_argument(
+        "--gateway-env",
+        action="append",
+        default=[],
+        type=_setting,
+        metavar="GATEWAY_X__Y=V",
+        help=help,
+    )
+
+
+def _setting(text: str) -> str:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE")
+    return text
+
+
+def gateway_settings(items: Iterable[str]) -> dict[str, str]:
+    """``--gateway-env``'s NAME=VALUE items as environment variables."""
+    return dict(item.split("=", 1) for item in items)
+
+
 def gateway_env(client_id: str, root: str = "gwbench", **settings: str) -> dict[str, str]:
     """The environment of a `gateway run` under test: this process's without
     any GATEWAY_ setting, the bench keyspace, the bench tree under ``root`` (a
@@ -547,8 +583,10 @@ def percentiles(values: Sequence[float]) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p99": None, "max": None, "n": 0}
     ordered = sorted(values)
+    q = quantile
+    return {"p50": q(ordered, 0.5), "p99": q(ordered, 0.99), "max": ordered[-1], "n": len(ordered)}
 
-    def q(p: float) -> float:
-        return ordered[min(len(ordered) - 1, max(0, round(p * (len(ordered) - 1))))]
 
-    return {"p50": q(0.5), "p99": q(0.99), "max": ordered[-1], "n": len(ordered)}
+def quantile(ordered: Sequence[float], p: float) -> float:
+    """The ``p`` quantile (0 to 1) of values sorted ascending, nearest rank."""
+    return ordered[min(len(ordered) - 1, max(0, round(p * (len(ordered) - 1))))]

@@ -26,14 +26,18 @@ from datetime import UTC, datetime
 
 from benchlib import (
     BenchDb,
+    add_gateway_env,
     apply_schema,
     clear_session,
     fleet_spec,
     gateway_env,
+    gateway_settings,
     publish_recorded,
+    quantile,
 )
 from drain import gateway, wait_line
 from live_cpu import wait_written
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = "gwlegs"
 BIN_S = 0.25
@@ -46,12 +50,12 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1000)
     parser.add_argument("--slow", type=float, default=100, help="ms; default 100")
     parser.add_argument("--api-port", type=int, default=9199, help="the gateway's /metrics")
-    parser.add_argument("--gateway-env", action="append", default=[], metavar="GATEWAY_X__Y=V")
+    add_gateway_env(parser, "a setting for the gateway (repeatable)")
     args = parser.parse_args()
     apply_schema()
     client_id = f"bench-legs-{uuid.uuid4().hex[:8]}"
     env = gateway_env(client_id, ROOT, API__PORT=str(args.api_port))
-    env |= dict(a.split("=", 1) for a in args.gateway_env)
+    env |= gateway_settings(args.gateway_env)
     log = f"/tmp/{client_id}.log"
     tenant = f"legs{uuid.uuid4().hex[:6]}"
     db = BenchDb()
@@ -93,10 +97,11 @@ def main() -> None:
                 at = sent_at.get((device, row.ts))
                 if at is None:
                     continue
+                whole = row.written / 1000 - at
                 arrive.append(row.received - at)
                 write.append(row.written / 1000 - row.received)
-                total.append(row.written / 1000 - at)
-                bins.setdefault(int((at - t0) / 1000 / BIN_S), []).append(row.written / 1000 - at)
+                total.append(whole)
+                bins.setdefault(int((at - t0) / 1000 / BIN_S), []).append(whole)
     db.close()
     print(f"{len(write)} of {stats.sent} messages at {stats.rate:.0f} msg/s; ms:")
     legs = (
@@ -106,7 +111,7 @@ def main() -> None:
     )
     for leg, values in legs:
         ordered = sorted(values)
-        q = [ordered[min(len(ordered) - 1, int(p * len(ordered)))] for p in (0.5, 0.9, 0.99)]
+        q = [quantile(ordered, p) for p in (0.5, 0.9, 0.99)]
         print(f"  {leg}: p50 {q[0]:.1f}, p90 {q[1]:.1f}, p99 {q[2]:.1f}, max {ordered[-1]:.1f}")
     print(f"  publish → durable ack: {acked}")
     for b in sorted(bins):
@@ -121,9 +126,11 @@ def ack_shares(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
         text = answer.read().decode()
     buckets = [
-        (line.split('le="')[1].split('"')[0], float(line.split()[-1]))
-        for line in text.splitlines()
-        if line.startswith("gateway_write_latency_seconds_bucket")
+        (sample.labels["le"], sample.value)
+        for family in text_string_to_metric_families(text)
+        if family.name == "gateway_write_latency_seconds"
+        for sample in family.samples
+        if sample.name.endswith("_bucket")
     ]
     total = buckets[-1][1] or 1.0
     shares: list[str] = []

@@ -24,7 +24,15 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
-from benchlib import HANDLED, apply_schema, clear_session, fleet_spec, gateway_env
+from benchlib import (
+    HANDLED,
+    add_gateway_env,
+    apply_schema,
+    clear_session,
+    fleet_spec,
+    gateway_env,
+    gateway_settings,
+)
 from drain import follow, gateway, thread_cpu, wait_line
 
 from gateway.tools.simulate import publish
@@ -38,15 +46,9 @@ def main() -> None:
     parser.add_argument("--rates", default="500,1000,2000", help="msg/s, comma-separated")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds per rate")
     parser.add_argument("--devices", type=int, default=1000)
-    parser.add_argument(
-        "--gateway-env",
-        action="append",
-        default=[],
-        metavar="GATEWAY_X__Y=V",
-        help="a setting for the gateway (repeatable)",
-    )
+    add_gateway_env(parser, "a setting for the gateway (repeatable)")
     args = parser.parse_args()
-    extra = dict(item.split("=", 1) for item in args.gateway_env)
+    extra = gateway_settings(args.gateway_env)
     apply_schema()
     print(
         "rate msg/s | achieved | CPU us/msg | event loop | other threads | msgs/chunk"

@@ -48,6 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchlib import add_gateway_env
 from harness import RESULTS, SYSTEMS, Bench, Stopped
 from phases import overload, report, scaling, setup, states
 from systems import broker, cassandra, gateway, naive, nodered
@@ -135,13 +136,7 @@ def main() -> None:
     parser.add_argument("--state-devices", type=_ints, default=[1_000, 10_000, 100_000])
     parser.add_argument("--state-buckets", type=_ints, default=[1, 8, 32])
     parser.add_argument("--state-runs", type=int, default=5)
-    parser.add_argument(
-        "--gateway-env",
-        action="append",
-        default=[],
-        metavar="GATEWAY_X__Y=V",
-        help="extra gateway setting (repeatable); the default run uses none",
-    )
+    add_gateway_env(parser, "extra gateway setting (repeatable); the default run uses none")
     parser.add_argument("--skip", type=lambda t: set(t.split(",")), default=set())
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()

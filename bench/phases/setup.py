@@ -10,14 +10,20 @@ import platform
 import re
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import rows
-from benchlib import BENCH, BenchDb, apply_schema, broker_store_mb, percentiles
+from benchlib import (
+    BENCH,
+    BenchDb,
+    apply_schema,
+    broker_store_mb,
+    ceiling_command,
+    percentiles,
+)
 from harness import LOGS, Bench
 
 from cassandra import __version__ as cassandra_driver_version
@@ -46,9 +52,8 @@ def warm_up(bench: Bench) -> dict[str, float]:
     (README, Performance)."""
     bench.say(f"warming Cassandra up: {WARM_UP_EVENTS:,} events' rows, not measured")
     began = time.monotonic()
-    cmd = [sys.executable, str(BENCH / "ceiling.py"), "--prefix", bench.tenant("warm")]
-    cmd += ["--devices", str(bench.args.devices), "--count", str(WARM_UP_EVENTS)]
-    cmd += ["--levels", "128", "--out", str(LOGS / "warm_up.json")]
+    out = LOGS / "warm_up.json"
+    cmd = ceiling_command(bench.tenant("warm"), bench.args.devices, WARM_UP_EVENTS, "128", out)
     with bench.log("warm-up").open("w") as log:
         subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True)
     return {"events": WARM_UP_EVENTS, "seconds": round(time.monotonic() - began, 1)}

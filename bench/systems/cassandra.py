@@ -8,19 +8,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import time
 from typing import Any
 
-from benchlib import BENCH, Proc, ProcError, Sent
+from benchlib import Proc, ProcError, Sent, ceiling_command
 from harness import LOGS, Bench
 
 
 def run(bench: Bench) -> None:
     out = LOGS / "ceiling.json"
-    cmd = [sys.executable, str(BENCH / "ceiling.py"), "--prefix", bench.tenant("")]
-    cmd += ["--devices", str(bench.args.devices), "--count", str(bench.args.ceiling_count)]
-    cmd += ["--levels", bench.args.levels, "--out", str(out)]
+    args = bench.args
+    cmd = ceiling_command(bench.tenant(""), args.devices, args.ceiling_count, args.levels, out)
     proc = bench.proc(
         Proc("ceiling", cmd, dict(os.environ), bench.log("ceiling"), [], re.compile(r"^$"))
     )

@@ -8,7 +8,7 @@ import re
 import sys
 
 import rows
-from benchlib import Proc
+from benchlib import Proc, gateway_settings
 from harness import Bench
 from phases.sustained import drain, scaling_row
 
@@ -27,7 +27,7 @@ def proc(bench: Bench, cid: str, name: str = "gateway") -> Proc:
     if "api" in Config.model_fields:
         # Its metrics endpoint on any free port: several gateways may run at once.
         env["GATEWAY_API__PORT"] = "0"
-    env |= dict(item.split("=", 1) for item in bench.args.gateway_env)
+    env |= gateway_settings(bench.args.gateway_env)
     return Proc(
         name,
         [sys.executable, "-m", "gateway", "run"],
