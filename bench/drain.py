@@ -26,9 +26,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import aiomqtt
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
+from benchlib import clear_session, run_tool
 
 from gateway.tools.simulate import FleetSpec, publish
 
@@ -62,20 +60,6 @@ def wait_line(proc: subprocess.Popen[bytes], log: str, pattern: str) -> None:
             return
 
 
-async def clear_session(client_id: str) -> None:
-    props = Properties(PacketTypes.CONNECT)
-    props.SessionExpiryInterval = 0
-    async with aiomqtt.Client(
-        "127.0.0.1",
-        1883,
-        identifier=client_id,
-        clean_start=True,
-        protocol=aiomqtt.ProtocolVersion.V5,
-        properties=props,
-    ):
-        pass
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, default=1000)
@@ -102,7 +86,7 @@ def main() -> None:
         # subscribed to the whole fleet's tree and queues every later bench
         # publish until it expires, growing the broker's store (whose
         # autosaves then stall every client: publish_acks.py).
-        asyncio.run(clear_session(client_id))
+        clear_session(client_id)
 
 
 def drain(args: argparse.Namespace, env: dict[str, str], log: str) -> None:
@@ -206,4 +190,4 @@ def _rss_mb(pid: int) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

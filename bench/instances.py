@@ -48,6 +48,7 @@ from benchlib import (
     fleet_spec,
     peak_rss_mb,
     publish_recorded,
+    run_tool,
 )
 
 RESULTS = BENCH / "results"
@@ -262,4 +263,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

@@ -34,6 +34,7 @@ from benchlib import (
     gateway_settings,
     publish_recorded,
     quantile,
+    run_tool,
 )
 from drain import gateway, wait_line
 from live_cpu import wait_written
@@ -142,4 +143,4 @@ def ack_shares(port: int) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

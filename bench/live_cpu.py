@@ -32,6 +32,7 @@ from benchlib import (
     fleet_spec,
     gateway_env,
     gateway_settings,
+    run_tool,
 )
 from drain import follow, gateway, thread_cpu, wait_line
 
@@ -114,4 +115,4 @@ def report(
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

@@ -57,6 +57,7 @@ from benchlib import (
     fleet_spec,
     gateway_env,
     publish_recorded,
+    run_tool,
 )
 
 RESULTS = BENCH / "results"
@@ -298,4 +299,4 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--render"]:
         render(Path(sys.argv[2]))
         sys.exit(0)
-    main()
+    run_tool(main)

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from drain import STATUS, clear_session, follow, gateway, wait_line
+from benchlib import clear_session, run_tool
+from drain import STATUS, follow, gateway, wait_line
 
 from gateway.tools.simulate import FleetSpec, publish
 
@@ -114,38 +115,43 @@ def one_run(mode: str, args: argparse.Namespace) -> Run:
     cql(f"DELETE FROM {KEYSPACE}.rollup_progress WHERE name = 'default'")
     log = f"/tmp/{client_id}.log"
     proc = gateway(env, log)
-    wait_line(proc, log, "subscribed to")
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(30)
-    tenant = f"b{uuid.uuid4().hex[:8]}"
-    spec = FleetSpec(devices=args.devices, rate=1e9, tenant=tenant, topic_template=TOPIC)
-    asyncio.run(publish(spec, count=args.count, status_every=3600))
-    proc = gateway(env, log)
-    start = time.monotonic()
-    cpu0 = 0.0
-    for line in follow(proc, log):
-        if "subscribed to" in line:
-            start, cpu0 = time.monotonic(), cpu(proc.pid)
-        m = STATUS.search(line)
-        if m and "status:" in line and int(m.group(1)) + int(m.group(2)) >= args.count:
-            break
-    ingest_s, ingest_cpu = time.monotonic() - start, cpu(proc.pid) - cpu0
-    # Every mark is in a minute that is over, plus the grace, plus a pass.
-    settle_start, cpu1 = time.monotonic(), cpu(proc.pid)
-    due = (time.time() // 60 + 1) * 60 + 1 + 2
-    time.sleep(max(0.0, due - time.time()))
-    last = -1.0
-    while True:
-        metrics = scrape(port)
-        windows = metrics.get("gateway_rollup_windows_total", 0.0)
-        if windows == last and metrics.get("gateway_rollup_lag_seconds", 0.0) == 0:
-            break
-        last = windows
-        time.sleep(2)
-    settle_s, settle_cpu = time.monotonic() - settle_start, cpu(proc.pid) - cpu1
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(30)
-    asyncio.run(clear_session(client_id))
+    try:
+        wait_line(proc, log, "subscribed to")
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        tenant = f"b{uuid.uuid4().hex[:8]}"
+        spec = FleetSpec(devices=args.devices, rate=1e9, tenant=tenant, topic_template=TOPIC)
+        asyncio.run(publish(spec, count=args.count, status_every=3600))
+        proc = gateway(env, log)
+        start = time.monotonic()
+        cpu0 = 0.0
+        for line in follow(proc, log):
+            if "subscribed to" in line:
+                start, cpu0 = time.monotonic(), cpu(proc.pid)
+            m = STATUS.search(line)
+            if m and "status:" in line and int(m.group(1)) + int(m.group(2)) >= args.count:
+                break
+        ingest_s, ingest_cpu = time.monotonic() - start, cpu(proc.pid) - cpu0
+        # Every mark is in a minute that is over, plus the grace, plus a pass.
+        settle_start, cpu1 = time.monotonic(), cpu(proc.pid)
+        due = (time.time() // 60 + 1) * 60 + 1 + 2
+        time.sleep(max(0.0, due - time.time()))
+        last = -1.0
+        while True:
+            metrics = scrape(port)
+            windows = metrics.get("gateway_rollup_windows_total", 0.0)
+            if windows == last and metrics.get("gateway_rollup_lag_seconds", 0.0) == 0:
+                break
+            last = windows
+            time.sleep(2)
+        settle_s, settle_cpu = time.monotonic() - settle_start, cpu(proc.pid) - cpu1
+    finally:
+        # Also on an error or a SIGTERM (benchlib.run_tool): no
+        # gateway or session is left behind.
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+        clear_session(client_id)
     return Run(
         mode,
         args.count,
@@ -246,4 +252,4 @@ def report(runs: list[Run], args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

@@ -55,6 +55,7 @@ from benchlib import (
     create_session,
     fleet_spec,
     publish_recorded,
+    run_tool,
 )
 from cassandra.cluster import Session
 
@@ -316,4 +317,4 @@ def save(run: Run, out: str) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

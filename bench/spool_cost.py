@@ -56,6 +56,7 @@ from benchlib import (
     gateway_env,
     percentiles,
     publish_recorded,
+    run_tool,
     write_bytes,
 )
 
@@ -311,4 +312,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

@@ -27,7 +27,7 @@ def run(
     rate = rate if rate is not None else result.rate / 2
     tenant = bench.tenant(f"{key}lat{int(rate) if fixed else ''}")
     bench.cdb.register_states([tenant])
-    base = proc.count
+    base, base_sampled = proc.count, proc.sampled_out
     bench.say(f"latency run: {rate:.0f} msg/s for {bench.args.latency_seconds:.0f} s")
     stats, sent = publish_recorded(
         fleet_spec(tenant, devices, rate=rate), duration=bench.args.latency_seconds
@@ -40,7 +40,7 @@ def run(
         "complete": done,
     }
     if has_db:
-        check = bench.cdb.check(tenant, sent)
+        check = bench.cdb.check(tenant, sent, sampled_out=proc.sampled_out - base_sampled)
         p["check"] = check.summary() | {"text": check.text()}
         values = check.latency_ms
     else:

@@ -49,7 +49,10 @@ def drain(
         if not done:
             result.extra["status"] = f"stalled at {proc.count}/{count}"
         if has_db:
-            result.check = bench.cdb.check(tenant, sent, latest=latest)
+            # This process has handled the backlog's tenant alone so far.
+            result.check = bench.cdb.check(
+                tenant, sent, latest=latest, sampled_out=proc.sampled_out
+            )
             result.rate = result.check.span_rate()
             bench.say(f"stored: {result.check.text()}")
         else:
