@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from benchlib import clear_session, run_tool
+from benchlib import add_warm_up, clear_session, maybe_warm_up, run_tool
 
 from gateway.tools.simulate import FleetSpec, publish
 
@@ -69,7 +69,9 @@ def main() -> None:
     parser.add_argument(
         "--profile", metavar="FILE", help="py-spy the gateway during the drain (collapsed stacks)"
     )
+    add_warm_up(parser)
     args = parser.parse_args()
+    maybe_warm_up(args.warm_up, args.devices)
     client_id = f"bench-{uuid.uuid4().hex[:8]}"
     env = dict(
         os.environ,

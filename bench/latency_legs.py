@@ -27,11 +27,13 @@ from datetime import UTC, datetime
 from benchlib import (
     BenchDb,
     add_gateway_env,
+    add_warm_up,
     apply_schema,
     clear_session,
     fleet_spec,
     gateway_env,
     gateway_settings,
+    maybe_warm_up,
     publish_recorded,
     quantile,
     run_tool,
@@ -52,7 +54,9 @@ def main() -> None:
     parser.add_argument("--slow", type=float, default=100, help="ms; default 100")
     parser.add_argument("--api-port", type=int, default=9199, help="the gateway's /metrics")
     add_gateway_env(parser, "a setting for the gateway (repeatable)")
+    add_warm_up(parser)
     args = parser.parse_args()
+    maybe_warm_up(args.warm_up, args.devices)
     apply_schema()
     client_id = f"bench-legs-{uuid.uuid4().hex[:8]}"
     env = gateway_env(client_id, ROOT, API__PORT=str(args.api_port))

@@ -27,11 +27,13 @@ from pathlib import Path
 from benchlib import (
     HANDLED,
     add_gateway_env,
+    add_warm_up,
     apply_schema,
     clear_session,
     fleet_spec,
     gateway_env,
     gateway_settings,
+    maybe_warm_up,
     run_tool,
 )
 from drain import follow, gateway, thread_cpu, wait_line
@@ -48,7 +50,9 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=20.0, help="seconds per rate")
     parser.add_argument("--devices", type=int, default=1000)
     add_gateway_env(parser, "a setting for the gateway (repeatable)")
+    add_warm_up(parser)
     args = parser.parse_args()
+    maybe_warm_up(args.warm_up, args.devices)
     extra = gateway_settings(args.gateway_env)
     apply_schema()
     print(

@@ -283,7 +283,7 @@ NOTES = [
     "newest event, in exactly one state partition. Events the gateway reports it sampled "
     "out (a device over sampling.noisy_above, its status line's sampled_out) are counted, "
     "not identified: stored + sampled out must equal published, shown as "
-    "\"stored + N sampled out/published\".",
+    '"stored + N sampled out/published".',
     "Latency: a second, live run at half the sustained rate; latency = WRITETIME of the "
     "telemetry row - sent_at in the payload. The drivers stamp writes client-side when "
     "they send them, so this is publish → write sent to Cassandra; the write's round trip "

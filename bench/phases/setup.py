@@ -18,11 +18,12 @@ from typing import Any
 import rows
 from benchlib import (
     BENCH,
+    WARM_UP_EVENTS,
     BenchDb,
     apply_schema,
     broker_store_mb,
-    ceiling_command,
     percentiles,
+    warm_up_cassandra,
 )
 from harness import LOGS, Bench
 
@@ -41,22 +42,14 @@ def run(bench: Bench) -> None:
     bench.results["cassandra_write_rtt_ms"] = write_rtt(bench.cdb)
 
 
-WARM_UP_EVENTS = 120_000
-
-
 def warm_up(bench: Bench) -> dict[str, float]:
-    """Write WARM_UP_EVENTS events' rows through ceiling.py, unmeasured, before
-    anything is measured. `make bench` starts Cassandra if it is not running,
-    and a JVM a minute old is not yet compiled: one run that began a minute
-    after a restart gave the ceiling 8,181 msg/s against about 15,000 warm
-    (README, Performance)."""
+    """Warm Cassandra up (benchlib.warm_up_cassandra) before anything is
+    measured, always: `make bench` starts Cassandra if it is not running."""
     bench.say(f"warming Cassandra up: {WARM_UP_EVENTS:,} events' rows, not measured")
-    began = time.monotonic()
-    out = LOGS / "warm_up.json"
-    cmd = ceiling_command(bench.tenant("warm"), bench.args.devices, WARM_UP_EVENTS, "128", out)
-    with bench.log("warm-up").open("w") as log:
-        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True)
-    return {"events": WARM_UP_EVENTS, "seconds": round(time.monotonic() - began, 1)}
+    seconds = warm_up_cassandra(
+        bench.tenant("warm"), bench.args.devices, LOGS / "warm_up.json", bench.log("warm-up")
+    )
+    return {"events": WARM_UP_EVENTS, "seconds": round(seconds, 1)}
 
 
 def write_rtt(db: BenchDb, n: int = 300) -> dict[str, float | None]:
