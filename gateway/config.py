@@ -463,11 +463,13 @@ class RollupsConfig(_Model):
     worker: bool = True
     # How often the worker looks for minutes that came due.
     interval: Annotated[float, BeforeValidator(parse_duration), Field(gt=0, le=600)] = 5.0
-    # A minute that comes due on time is recomputed over this long, its groups
-    # of 100 windows evenly spaced, not in one burst: the burst's reads slowed
-    # the writes beside it (p99 receipt to write sent 134 ms against 27 ms with
+    # A minute that comes due is recomputed over this long, its groups of 100
+    # windows evenly spaced, not in one burst: the burst's reads slowed the
+    # writes beside it (p99 receipt to write sent 134 ms against 27 ms with
     # roll-ups off at 3,000 msg/s; README, "The load generator"). A minute
-    # later than this is done at full speed. "0s" turns the spreading off.
+    # found late (a restart) gets what is left before the next one comes due,
+    # if that is less; once the next is due too (an outage), full speed. 50 s
+    # measured no better than 20. "0s" turns the spreading off.
     spread: Annotated[float, BeforeValidator(parse_duration), Field(ge=0, le=50)] = 20.0
     # (device, window, minute) marks this process remembers as written (LRU);
     # past it one is forgotten, which costs one more idempotent mark write.

@@ -340,10 +340,14 @@ async def test_the_worker_waits_while_writes_are_being_retried(session: WriteSes
 
 
 @pytest.mark.asyncio(loop_scope="session")
-async def test_a_minute_on_time_is_spread_and_a_late_one_is_not(session: WriteSession) -> None:
+async def test_a_minute_is_spread_over_what_is_left_before_the_next_is_due(
+    session: WriteSession,
+) -> None:
     """recompute() spaces its groups of GROUP windows evenly over ``spread``;
-    catch_up() spreads a minute that came due on time, and goes at full speed
-    through one later than the spread (a restart, an outage)."""
+    catch_up() spreads a minute that came due on time over ``rollups.spread``,
+    one found late (a restart) over what is left before the next minute comes
+    due if that is less, and goes at full speed through a minute once the next
+    one is due too (an outage)."""
     stats = Stats()
     w = RollupWorker(session, make_config(), stats, name=f"test-{uuid.uuid4().hex[:8]}")
     await w.start()
@@ -378,10 +382,16 @@ async def test_a_minute_on_time_is_spread_and_a_late_one_is_not(session: WriteSe
     await clocked.start(first)
     clocked.process_minute = record  # type: ignore[method-assign]
     assert await clocked.catch_up() == 1
-    # Three minutes later: the next two are 125 s and 65 s late, the third 5 s.
+    # Three minutes later: the next two are 125 s and 65 s late (the minute
+    # after each is due too), the third 5 s (55 s left: the whole 20 s).
     now[0] += 3 * 60
     assert await clocked.catch_up() == 3
     assert seen == [20.0, 0.0, 0.0, 20.0]
+    # 108 s later the next is 53 s late (a restart): 7 s left before the one
+    # after it comes due, so 7 s, not 20 and not full speed.
+    now[0] += 108
+    assert await clocked.catch_up() == 1
+    assert seen[-1] == pytest.approx(7.0)
 
 
 async def test_rollup_ttls_are_the_tenants_own(

@@ -26,7 +26,15 @@ from gateway.errors import BrokerError
 from gateway.tools import simulate
 from gateway.tools.simulate import Fleet, FleetSpec, PublishStats, noisy_device_ids, publish
 
-from .helpers import MQTT_HOST, MQTT_PORT, base_env, free_port, reachable, run_cli
+from .helpers import (
+    MQTT_HOST,
+    MQTT_PORT,
+    base_env,
+    free_port,
+    reachable,
+    run_cli,
+    wait_until_blocking,
+)
 from .scripted_broker import ScriptedBroker
 
 NOW_MS = 1_700_000_000_000
@@ -354,15 +362,10 @@ def mosquitto_on(port: int, tmp_path: Path, extra: str = "") -> Iterator[None]:
     conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\nuser {user}\n{extra}")
     broker = subprocess.Popen(["mosquitto", "-c", str(conf)], stderr=subprocess.DEVNULL)
     try:
-        wait_until_listening(port)
+        wait_until_blocking(
+            lambda: reachable(port), 10, f"a test Mosquitto listening on {port}", interval=0.05
+        )
         yield
     finally:
         broker.terminate()
         broker.wait(10)
-
-
-def wait_until_listening(port: int, seconds: float = 10) -> None:
-    deadline = time.monotonic() + seconds
-    while not reachable(port):
-        assert time.monotonic() < deadline, f"nothing listens on {port}"
-        time.sleep(0.05)

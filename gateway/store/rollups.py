@@ -29,11 +29,13 @@ How, and why this way (the tsdb-cassandra README's "re-write the window"):
   minute's mark partitions, recomputes each marked 1-minute window, then each
   touched hour from its 1-minute rows (a merge: counts and sums add, min and
   max and the newest ``last`` carry over), and only then moves the cursor on.
-  A minute that came due on time is spread over ``rollups.spread`` (its
-  groups evenly spaced): done in one burst, its reads of every raw row of the
-  minute held up the ingest writes beside them for hundreds of milliseconds,
-  once a minute. A later minute (after a restart or an outage) goes at full
-  speed; ``rollup_paced_seconds_total`` counts the waiting.
+  A minute's work is spread over ``rollups.spread`` (its groups evenly
+  spaced): done in one burst, its reads of every raw row of the minute held
+  up the ingest writes beside them for hundreds of milliseconds, once a
+  minute. A minute found late (after a restart, or a pass that ran long) is
+  spread over what is left before the next minute comes due, if that is
+  less; once the next minute is due too (an outage), the worker goes at full
+  speed. ``rollup_paced_seconds_total`` counts the waiting.
   A crash in between repeats the minute at the next start; recomputing twice
   writes the same rows. Marks left by an earlier run are picked up from the
   cursor.
@@ -329,13 +331,19 @@ class RollupWorker:
             stats.rollup_lag_s = max(0.0, (now_ms - due_at) / 1000)
             if due_at > now_ms:
                 return done
-            # On time: spread the minute's work (module docstring). Late by
-            # more than the spread (a restart, an outage): at full speed.
-            on_time = now_ms - due_at < self._spread * 1000
-            await self.process_minute(self._cursor, spread=self._spread if on_time else 0.0)
+            await self.process_minute(self._cursor, spread=self._pace(now_ms - due_at))
             self._cursor += MINUTE_MS
             await self._execute(self._write_cursor, (self._name, self._cursor))
             done += 1
+
+    def _pace(self, late_ms: int) -> float:
+        """Seconds to spread a minute found ``late_ms`` after it came due over
+        (module docstring): ``rollups.spread``, or less when the next minute
+        comes due sooner (found late, after a restart or a pass that ran
+        long), so a minute's work is done before the next one's begins; none
+        when the next minute is already due (an outage): full speed."""
+        left = (MINUTE_MS - late_ms) / 1000
+        return min(self._spread, max(0.0, left))
 
     async def process_minute(self, minute_ms: int, spread: float = 0.0) -> None:
         """Recompute every window marked in ``minute_ms``, then their hours,
