@@ -180,7 +180,8 @@ class Proc:
                 if count >= self.count:
                     self.count = count
                     self.last_progress_line = line
-                    self.sampled_out = int(m.groupdict().get("sampled_out") or 0)
+                    sampled = SAMPLED_OUT.search(line)
+                    self.sampled_out = int(sampled.group(1)) if sampled else 0
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -444,7 +445,10 @@ def gateway_env(client_id: str, root: str = "gwbench", **settings: str) -> dict[
 
 # Messages a gateway has finished with: written, rejected or sampled out. In
 # spool mode "acked" counts spool commits, so it is no measure of writes.
-HANDLED = re.compile(r"status: .*written=(\d+) .*rejected=(\d+) sampled_out=(?P<sampled_out>\d+)")
+HANDLED = re.compile(r"status: .*written=(\d+) .*rejected=(\d+) sampled_out=(\d+)")
+# Read from whichever progress line a Proc accepts (Proc.sampled_out): the
+# gateway's status lines carry it, other systems' lines don't (0).
+SAMPLED_OUT = re.compile(r"\bsampled_out=(\d+)")
 READY = re.compile(r"connected to mqtt://")
 
 

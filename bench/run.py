@@ -56,12 +56,12 @@ from systems import broker, cassandra, gateway, naive, nodered
 # name -> (estimated seconds on the 2-core reference box, the phase), in the
 # order they run; the report comes last, whatever failed.
 PHASES: dict[str, tuple[float, Callable[[Bench], None]]] = {
-    "setup": (5, setup.run),
-    "broker": (20, broker.run),
+    "setup": (25, setup.run),
+    "broker": (70, broker.run),
     "ceiling": (55, cassandra.run),
-    "naive": (75, naive.run),
-    "nodered": (35, nodered.run),
-    "gateway": (80, gateway.run),
+    "naive": (125, naive.run),
+    "nodered": (85, nodered.run),
+    "gateway": (130, gateway.run),
     "scaling": (50, scaling.run),
     "overload": (220, overload.run),
     "states": (30, states.run),
@@ -121,7 +121,19 @@ def main() -> None:
     parser.add_argument("--nodered-count", type=int, help="backlog for Node-RED")
     parser.add_argument("--ceiling-count", type=int, help="events per concurrency level")
     parser.add_argument("--levels", default="32,64,128,256", help="ceiling concurrency levels")
-    parser.add_argument("--latency-seconds", type=float, default=10.0)
+    parser.add_argument(
+        "--latency-seconds",
+        type=float,
+        default=60.0,
+        help="the latency run at half the sustained rate (60 s: a whole minute, so it "
+        "holds one minute's roll-up work whatever second it starts at)",
+    )
+    parser.add_argument(
+        "--fixed-latency-seconds",
+        type=float,
+        default=10.0,
+        help="each of the gateway's latency runs at --latency-rates",
+    )
     parser.add_argument(
         "--latency-rates",
         type=_ints,

@@ -9,6 +9,7 @@ lists it twice. The check once read it twice and reported
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Iterator
 from types import ModuleType
@@ -126,3 +127,7 @@ def test_the_gateway_status_line_gives_handled_and_sampled_out(
     proc = benchlib.Proc("gateway", ["true"], {}, log, [], progress=benchlib.HANDLED)
     proc.poll()
     assert (proc.count, proc.sampled_out) == (100, 7)
+    # make bench follows the gateway by its acked count (bench/systems/gateway.py).
+    acked = benchlib.Proc("gateway", ["true"], {}, log, [], progress=re.compile(r"acked=(\d+)"))
+    acked.poll()
+    assert (acked.count, acked.sampled_out) == (100, 7)

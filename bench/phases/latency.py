@@ -28,10 +28,9 @@ def run(
     tenant = bench.tenant(f"{key}lat{int(rate) if fixed else ''}")
     bench.cdb.register_states([tenant])
     base, base_sampled = proc.count, proc.sampled_out
-    bench.say(f"latency run: {rate:.0f} msg/s for {bench.args.latency_seconds:.0f} s")
-    stats, sent = publish_recorded(
-        fleet_spec(tenant, devices, rate=rate), duration=bench.args.latency_seconds
-    )
+    seconds = bench.args.fixed_latency_seconds if fixed else bench.args.latency_seconds
+    bench.say(f"latency run: {rate:.0f} msg/s for {seconds:.0f} s")
+    stats, sent = publish_recorded(fleet_spec(tenant, devices, rate=rate), duration=seconds)
     done = bench.wait(proc, base + stats.sent, timeout=120, what="latency run written")
     p: dict[str, Any] = {
         "offered_msg_per_s": rate,

@@ -247,6 +247,15 @@ def markdown(results: dict[str, Any], plots: list[str]) -> Iterator[str]:
     yield ""
     for note in NOTES:
         yield f"- {note}"
+    half, fixed = p.get("latency_seconds"), p.get("fixed_latency_seconds")
+    if half and fixed:
+        yield (
+            f"- Latency runs lasted {half:.0f} s at half the sustained rate and {fixed:.0f} s "
+            "at each fixed rate. The gateway's roll-up worker recomputes each minute over "
+            "20 s, starting 30 s after it ends (rollups.spread, rollups.grace): a 60 s run "
+            "holds one minute's share of that work whatever second it starts at, a 10 s run "
+            "all of it or none, by chance."
+        )
     warm = results.get("cassandra_warm_up")
     if warm:
         yield (
