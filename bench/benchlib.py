@@ -227,6 +227,7 @@ class Proc:
         if self.popen is None:
             return None
         if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGCONT)  # one frozen (instances.py) can't act
             self.popen.send_signal(signal.SIGTERM)
             try:
                 self.popen.wait(timeout)
@@ -262,26 +263,35 @@ async def _clear_session(client_id: str) -> None:
         pass
 
 
+# Sessions create_session made and clear_session has not cleared yet: what
+# run_tool clears when a tool ends, whichever way it ends.
+_OPEN_SESSIONS: set[str] = set()
+
+
 def create_session(client_id: str, root: str = "gwbench") -> None:
     """A fresh persistent session subscribed to the bench tree (the broker queues for it);
     ``root``: its first level (a tree of one's own: see :func:`gateway_env`)."""
+    _OPEN_SESSIONS.add(client_id)
     asyncio.run(_create_session(client_id, SUBSCRIPTION.replace("gwbench", root, 1)))
 
 
 def clear_session(client_id: str) -> None:
     """Drop a persistent session and whatever the broker still queues for it."""
     asyncio.run(_clear_session(client_id))
+    _OPEN_SESSIONS.discard(client_id)
 
 
 def run_tool(main: Callable[[], None]) -> None:
     """Run a bench tool's ``main``. SIGTERM (``kill``, ``timeout``) ends it as
-    Ctrl-C does, with a KeyboardInterrupt, so its ``finally`` blocks run: it
-    stops the processes it started and clears the MQTT sessions it made,
-    then exits 130 with one line instead of a traceback. Killed outright, a
-    tool left its session behind, subscribed to the bench tree; the broker
-    queued every later bench publish for it until it expired, and its store
-    grew to hundreds of MB, whose autosaves stall every client (README,
-    Performance)."""
+    Ctrl-C does, with a KeyboardInterrupt (raised, not passed on as SIGINT: a
+    tool started in the background by a script ignores SIGINT), so its
+    ``finally`` blocks run and stop the processes it started; then every session that
+    :func:`create_session` made and nothing cleared is cleared, and a
+    stopped tool exits 130 with one line instead of a traceback. Killed
+    outright, a tool left its session behind, subscribed to the bench tree;
+    the broker queued every later bench publish for it until it expired,
+    and its store grew to hundreds of MB, whose autosaves stall every client
+    (README, Performance)."""
 
     def stop(_signum: int, _frame: object) -> None:
         raise KeyboardInterrupt
@@ -290,9 +300,14 @@ def run_tool(main: Callable[[], None]) -> None:
     try:
         main()
     except KeyboardInterrupt:
-        name = Path(sys.argv[0]).name
-        print(f"{name}: stopped; its processes and MQTT sessions cleaned up", file=sys.stderr)
+        print(f"{Path(sys.argv[0]).name}: stopped", file=sys.stderr)
         sys.exit(130)
+    finally:
+        for client_id in sorted(_OPEN_SESSIONS):
+            try:
+                clear_session(client_id)
+            except Exception as exc:
+                print(f"could not clear MQTT session {client_id}: {exc}", file=sys.stderr)
 
 
 @dataclass(frozen=True, slots=True)

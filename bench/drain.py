@@ -93,9 +93,11 @@ def main() -> None:
 
 def drain(args: argparse.Namespace, env: dict[str, str], log: str) -> None:
     proc = gateway(env, log)
-    wait_line(proc, log, "subscribed to")
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(30)
+    try:
+        wait_line(proc, log, "subscribed to")  # its session exists
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
     tenant = f"bench{uuid.uuid4().hex[:6]}"
     spec = FleetSpec(
         devices=args.devices, rate=1e9, fmt=args.format, noisy=args.noisy, tenant=tenant

@@ -247,14 +247,16 @@ def markdown(results: dict[str, Any], plots: list[str]) -> Iterator[str]:
     yield ""
     for note in NOTES:
         yield f"- {note}"
-    half, fixed = p.get("latency_seconds"), p.get("fixed_latency_seconds")
-    if half and fixed:
+    half = p.get("latency_seconds")
+    if half:
+        fixed = p.get("fixed_latency_seconds")
+        at_rates = f" and {fixed:.0f} s at each fixed rate" if p.get("latency_rates") else ""
         yield (
-            f"- Latency runs lasted {half:.0f} s at half the sustained rate and {fixed:.0f} s "
-            "at each fixed rate. The gateway's roll-up worker recomputes each minute over "
-            "20 s, starting 30 s after it ends (rollups.spread, rollups.grace): a 60 s run "
-            "holds one minute's share of that work whatever second it starts at, a 10 s run "
-            "all of it or none, by chance."
+            f"- Latency runs lasted {half:.0f} s at half the sustained rate{at_rates}. The "
+            "gateway's roll-up worker recomputes each minute over rollups.spread (20 s by "
+            "default), starting rollups.grace (30 s) after it ends: a run of 60 s holds one "
+            "minute's share of that work whatever second it starts at, a 10 s run all of it "
+            "or none, by chance."
         )
     warm = results.get("cassandra_warm_up")
     if warm:
@@ -292,7 +294,8 @@ NOTES = [
     "newest event, in exactly one state partition. Events the gateway reports it sampled "
     "out (a device over sampling.noisy_above, its status line's sampled_out) are counted, "
     "not identified: stored + sampled out must equal published, shown as "
-    '"stored + N sampled out/published".',
+    '"stored + N sampled out/published". The sustained rate counts stored rows only, so '
+    "a drain the sampler thinned reads lower than the messages it handled.",
     "Latency: a second, live run at half the sustained rate; latency = WRITETIME of the "
     "telemetry row - sent_at in the payload. The drivers stamp writes client-side when "
     "they send them, so this is publish → write sent to Cassandra; the write's round trip "
