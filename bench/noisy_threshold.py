@@ -11,11 +11,13 @@ Why: the estimate fluctuates with the spacing of the messages, and once it
 has crossed noisy_above a device stays noisy until it has been under
 quiet_below for quiet_for (README, Known limits).
 
-Usage: .venv/bin/python bench/noisy_threshold.py
+Usage: .venv/bin/python bench/noisy_threshold.py [--noisy-for 10s]
+(sampling.noisy_for: how long the estimate must stay over noisy_above first)
 """
 
 from __future__ import annotations
 
+import argparse
 import random
 
 from gateway.config import SamplingConfig
@@ -26,9 +28,9 @@ RATES = (2.5, 3.0, 3.5, 4.0, 4.4, 5.2)
 START = 1_700_000_000.0
 
 
-def run(rate: float, seconds: float, rng: random.Random) -> tuple[float, float]:
+def run(rate: float, seconds: float, rng: random.Random, noisy_for: str) -> tuple[float, float]:
     """(share of devices noisy at the end, share of events thinned)."""
-    sampler = Sampler(SamplingConfig())
+    sampler = Sampler(SamplingConfig(noisy_for=noisy_for))
     kept = total = noisy = 0
     for d in range(DEVICES):
         device, t, last = f"d{d}", START, None
@@ -45,12 +47,18 @@ def run(rate: float, seconds: float, rng: random.Random) -> tuple[float, float]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--noisy-for", default="0s", help="sampling.noisy_for (default 0s)")
+    args = parser.parse_args()
     rng = random.Random(1)
-    print(f"{DEVICES} devices per rate, Poisson arrivals, sampler defaults")
+    print(
+        f"{DEVICES} devices per rate, Poisson arrivals, sampler defaults "
+        f"but noisy_for {args.noisy_for}"
+    )
     for rate in RATES:
         cells = []
         for seconds in (60.0, 600.0):
-            noisy, thinned = run(rate, seconds, rng)
+            noisy, thinned = run(rate, seconds, rng, args.noisy_for)
             cells.append(f"{seconds:3.0f} s: {noisy:6.1%} noisy, {thinned:5.1%} thinned")
         print(f"{rate:3.1f} msg/s   " + ";  ".join(cells))
 

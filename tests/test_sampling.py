@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 import tracemalloc
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -233,6 +234,45 @@ def test_transition_to_noisy_and_back_each_kept_once() -> None:
 
 # --- hysteresis -------------------------------------------------------------
 # A short half-life makes the estimate follow a change within a few seconds,
+def _random_arrivals(sampler: Sampler, clock: FakeClock, rate: float, seconds: float) -> None:
+    """One device whose messages arrive at random (Poisson) at a steady ``rate``."""
+    rng = random.Random(7)
+    end = clock.now + seconds
+    while True:
+        clock.now += rng.expovariate(rate)
+        if clock.now > end:
+            return
+        sampler.decide(TENANT, "d1", _topic(TENANT, "d1"), "on", {}, int(clock.now * 1000))
+
+
+def test_noisy_for_keeps_an_irregular_device_under_noisy_above_whole() -> None:
+    """At a steady 4 msg/s with random spacing, the estimate crosses noisy_above
+    (5) now and then; at noisy_for 0 one crossing makes the device noisy for
+    good (quiet_below 2 is never reached). With noisy_for "10s" it must stay
+    above for 10 s, which this device never does in ten minutes."""
+    at_once, patient = FakeClock(), FakeClock()
+    eager = _sampler(at_once)
+    _random_arrivals(eager, at_once, 4.0, 600)
+    assert [d.device_id for d in eager.noisy(TENANT)] == ["d1"]
+
+    waiting = _sampler(patient, noisy_for="10s")
+    _random_arrivals(waiting, patient, 4.0, 600)
+    assert waiting.noisy(TENANT) == []
+
+
+def test_noisy_for_delays_a_noisy_device_by_that_long() -> None:
+    """A device at 20 msg/s: noisy as soon as its estimate passes 5 msg/s at
+    noisy_for 0, and 10 s after that (to the event) at "10s"."""
+    firsts = []
+    for noisy_for in ("0s", "10s"):
+        clock = FakeClock()
+        verdicts = _feed(_sampler(clock, noisy_for=noisy_for), clock, 20, 30)
+        firsts.append(next(t for t, v in verdicts if v.reason == "transition"))
+    crossed, after = firsts
+    assert crossed < 1002.5  # 20 (1 - 2^(-t/5)) passes 5 msg/s at t = 2.08 s
+    assert 10.0 <= after - crossed <= 10.0 + 1 / 20
+
+
 # so the quiet_for period dominates and can be checked to the second.
 
 

@@ -11,7 +11,8 @@ How it decides:
 
 * Each device's message rate is estimated continuously with an exponentially
   decayed counter (``half_life``). A device whose estimate goes above
-  ``noisy_above`` (per tenant, or per topic pattern) becomes *noisy*; its raw
+  ``noisy_above`` (per tenant, or per topic pattern), and with ``noisy_for`` >
+  0 stays above it that long, becomes *noisy*; its raw
   telemetry is then thinned to ``target_rate``: an event is kept when it is the
   first one in a new slot of ``1/target_rate`` seconds counted from the moment
   the device became noisy. Kept events are therefore spread evenly over time,
@@ -157,6 +158,7 @@ class _Device:
         "kept_acc",
         "last",
         "latest_at",
+        "loud_since",
         "newest_ts",
         "noisy",
         "noisy_above",
@@ -180,6 +182,7 @@ class _Device:
         self.kept_acc = 0.0
         self.last = now
         self.latest_at = -math.inf
+        self.loud_since: float | None = None  # estimate over noisy_above since (not yet noisy)
         self.state: str | None = None  # that of the newest state-bearing event
         self.state_ts = -1  # its write timestamp
         self.newest_ts = -1  # the newest event's write timestamp
@@ -202,6 +205,7 @@ class Sampler:
         self._half_lam = self._lam / 2
         self._quiet_below = config.quiet_below
         self._quiet_for = config.quiet_for
+        self._noisy_for = config.noisy_for
         self._latest_interval = config.latest_interval
         self._rules = tuple(
             (
@@ -369,7 +373,10 @@ class Sampler:
                     # Re-registered each time: the tenant's entry may have been
                     # evicted and recreated since the device became noisy.
                     ten.noisy[device_id] = dev
-            elif est > dev.noisy_above:
+            elif est > dev.noisy_above and (
+                now - (now if dev.loud_since is None else dev.loud_since) >= self._noisy_for
+            ):
+                dev.loud_since = None
                 dev.noisy = True
                 dev.since = now
                 dev.slot = 0
@@ -377,6 +384,11 @@ class Sampler:
                 dev.quiet_since = None
                 transition = True
                 ten.noisy[device_id] = dev
+            elif est > dev.noisy_above:
+                if dev.loud_since is None:
+                    dev.loud_since = now  # over, but not yet for noisy_for
+            else:
+                dev.loud_since = None
 
         important = False
         rules = self._rules
