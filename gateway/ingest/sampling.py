@@ -373,20 +373,18 @@ class Sampler:
                     # Re-registered each time: the tenant's entry may have been
                     # evicted and recreated since the device became noisy.
                     ten.noisy[device_id] = dev
-            elif est > dev.noisy_above and (
-                now - (now if dev.loud_since is None else dev.loud_since) >= self._noisy_for
-            ):
-                dev.loud_since = None
-                dev.noisy = True
-                dev.since = now
-                dev.slot = 0
-                dev.sampled_out = 0
-                dev.quiet_since = None
-                transition = True
-                ten.noisy[device_id] = dev
             elif est > dev.noisy_above:
                 if dev.loud_since is None:
-                    dev.loud_since = now  # over, but not yet for noisy_for
+                    dev.loud_since = now
+                if now - dev.loud_since >= self._noisy_for:
+                    dev.loud_since = None
+                    dev.noisy = True
+                    dev.since = now
+                    dev.slot = 0
+                    dev.sampled_out = 0
+                    dev.quiet_since = None
+                    transition = True
+                    ten.noisy[device_id] = dev
             else:
                 dev.loud_since = None
 
