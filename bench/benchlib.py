@@ -393,17 +393,16 @@ def add_warm_up(parser: argparse.ArgumentParser) -> None:
 def maybe_warm_up(choice: str, devices: int) -> None:
     """Warm Cassandra up as ``--warm-up`` says, and say what was decided."""
     age = cassandra_age_s()
-    if choice == "no" or (choice == "auto" and (age is None or age >= COLD_FOR_S)):
-        why = (
-            "--warm-up no"
-            if choice == "no"
-            else (
-                "no local Cassandra of ours to judge"
-                if age is None
-                else f"up for {age / 60:.0f} min"
-            )
-        )
-        print(f"Cassandra warm-up skipped ({why})", flush=True)
+    if choice == "no":
+        skip = "--warm-up no"
+    elif choice == "auto" and age is None:
+        skip = "no local Cassandra of ours to judge"
+    elif choice == "auto" and age is not None and age >= COLD_FOR_S:
+        skip = f"up for {age / 60:.0f} min"
+    else:
+        skip = ""
+    if skip:
+        print(f"Cassandra warm-up skipped ({skip})", flush=True)
         return
     why = "--warm-up yes" if choice == "yes" else f"started {age:.0f} s ago"
     print(
@@ -521,6 +520,7 @@ class Stored:
     ts: int  # epoch ms
     event_id: int
     write_us: int  # WRITETIME(received_at): when the writer's driver sent it
+    received_ms: int  # received_at: when the system under test got the message
 
 
 async def read_back(
@@ -529,9 +529,11 @@ async def read_back(
     """The devices' raw telemetry, as ``gateway history`` reads it: the
     partitions of queries.history_partitions (a partition that two bucket
     sizes share is read once) and one copy per (ts, event_id)
-    (queries.unique_events), plus each row's write time, which history leaves out."""
+    (queries.unique_events), plus each row's receive and write times, which
+    history leaves out."""
     rows_of = await db.prepared(
-        "SELECT ts, event_id, WRITETIME(received_at) AS wt FROM {keyspace}.telemetry "
+        "SELECT ts, event_id, toUnixTimestamp(received_at) AS received_ms, "
+        "WRITETIME(received_at) AS wt FROM {keyspace}.telemetry "
         "WHERE tenant = ? AND device_id = ? AND bucket_start = ? AND shard = ?"
     )
     limit = asyncio.Semaphore(in_flight)
@@ -540,7 +542,10 @@ async def read_back(
         async with limit:
             wanted = await history_partitions(db, tenant, device, *ALL_TIME)
             parts = [await db.execute(rows_of, (tenant, device, *p)) for p in wanted]
-        return [Stored(device, epoch_ms(r.ts), r.event_id, r.wt) for r in unique_events(parts)]
+        return [
+            Stored(device, epoch_ms(r.ts), r.event_id, r.wt, r.received_ms)
+            for r in unique_events(parts)
+        ]
 
     found = await asyncio.gather(*(one(d) for d in devices))
     return [row for rows in found for row in rows]

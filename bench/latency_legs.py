@@ -80,33 +80,20 @@ def main() -> None:
         clear_session(client_id)
     sent_at = {(s.device_id, s.ts): s.sent_at for s in sent}
     t0 = min(s.sent_at for s in sent if s.sent_at is not None)
-    partitions = db.session.prepare(
-        "SELECT bucket_start, shard FROM telemetry_partitions WHERE tenant = ? AND device_id = ?"
-    )
-    rows = db.session.prepare(
-        "SELECT toUnixTimestamp(ts) AS ts, toUnixTimestamp(received_at) AS received,"
-        " WRITETIME(received_at) AS written FROM telemetry"
-        " WHERE tenant = ? AND device_id = ? AND bucket_start = ? AND shard = ?"
-    )
     arrive: list[float] = []
     write: list[float] = []
     total: list[float] = []  # publish → write sent: what bench/run.py's latency runs measure
     bins: dict[int, list[float]] = {}
-    for device in sorted({s.device_id for s in sent}):
-        # Each partition once: two bucket sizes can share a bucket_start (a
-        # device that changed rate class), as gateway history reads them.
-        found = db.session.execute(partitions, (tenant, device))
-        parts = {(p.bucket_start, p.shard) for p in found}
-        for bucket_start, shard in sorted(parts):
-            for row in db.session.execute(rows, (tenant, device, bucket_start, shard)):
-                at = sent_at.get((device, row.ts))
-                if at is None:
-                    continue
-                whole = row.written / 1000 - at
-                arrive.append(row.received - at)
-                write.append(row.written / 1000 - row.received)
-                total.append(whole)
-                bins.setdefault(int((at - t0) / 1000 / BIN_S), []).append(whole)
+    # Read back as gateway history reads them (benchlib.read_back).
+    for row in db.read_back(tenant, sorted({s.device_id for s in sent})):
+        at = sent_at.get((row.device_id, row.ts))
+        if at is None:
+            continue
+        written = row.write_us / 1000
+        arrive.append(row.received_ms - at)
+        write.append(written - row.received_ms)
+        total.append(written - at)
+        bins.setdefault(int((at - t0) / 1000 / BIN_S), []).append(written - at)
     db.close()
     print(f"{len(write)} of {stats.sent} messages at {stats.rate:.0f} msg/s; ms:")
     legs = (
