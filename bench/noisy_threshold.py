@@ -11,8 +11,9 @@ Why: the estimate fluctuates with the spacing of the messages, and once it
 has crossed noisy_above a device stays noisy until it has been under
 quiet_below for quiet_for (README, Known limits).
 
-Usage: .venv/bin/python bench/noisy_threshold.py [--noisy-for 10s]
-(sampling.noisy_for: how long the estimate must stay over noisy_above first)
+Usage: .venv/bin/python bench/noisy_threshold.py [--noisy-for 0s]
+(sampling.noisy_for, default 10s: how long the estimate must stay over
+noisy_above first; 0s was the default before)
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def run(rate: float, seconds: float, rng: random.Random, noisy_for: str) -> tupl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--noisy-for", default="0s", help="sampling.noisy_for (default 0s)")
+    parser.add_argument("--noisy-for", default="10s", help="sampling.noisy_for (default 10s)")
     args = parser.parse_args()
     rng = random.Random(1)
     print(

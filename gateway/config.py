@@ -594,9 +594,9 @@ class SamplingConfig(_Model):
     # noisy (0: at once). The estimate fluctuates with the spacing of the
     # messages: devices whose messages arrive at random, at a steady 4 msg/s,
     # were all noisy within 10 minutes at 0 and 3% of them at "10s"; a device
-    # that really is noisy is then stored whole that much longer (README,
-    # Known limits; bench/noisy_threshold.py).
-    noisy_for: Seconds = 0.0
+    # that really is noisy is stored whole that much longer (README, Known
+    # limits; bench/noisy_threshold.py).
+    noisy_for: Seconds = 10.0
     target_rate: Rate = 1.0
     quiet_below: Rate = 2.0
     quiet_for: Seconds = 30.0

@@ -55,6 +55,9 @@ async def test_noisy_devices_are_sampled_and_every_state_change_is_kept(
         GATEWAY_SAMPLING__NOISY_ABOVE="5",
         GATEWAY_SAMPLING__TARGET_RATE="1",
         GATEWAY_SAMPLING__QUIET_BELOW="2",
+        # Noisy as soon as the estimate passes noisy_above: the default waits
+        # 10 s more, most of this 12 s run (test_sampling covers noisy_for).
+        GATEWAY_SAMPLING__NOISY_FOR="0s",
     )
     duration = 12.0
     async with running_gateway(config) as gw:
@@ -101,7 +104,12 @@ async def test_noisy_devices_are_sampled_and_every_state_change_is_kept(
 
 
 async def test_noisy_command_lists_noisy_devices(tenant: str) -> None:
-    config = make_config(GATEWAY_API__PORT="19108", GATEWAY_SAMPLING__NOISY_ABOVE="5")
+    # 300 messages arrive within a second: noisy only with noisy_for 0.
+    config = make_config(
+        GATEWAY_API__PORT="19108",
+        GATEWAY_SAMPLING__NOISY_ABOVE="5",
+        GATEWAY_SAMPLING__NOISY_FOR="0s",
+    )
     now = int(time.time() * 1000)
     async with running_gateway(config) as gw:
         await _publish_json(

@@ -65,7 +65,9 @@ async def test_noisy_device_late_event_does_not_hide_the_newest(db: Database, te
         msg(tenant, "lamp", ts=n + 50, state="on"),  # late
         msg(tenant, "lamp", ts=n + 200, state="on"),  # the newest
     ]
-    async with running_gateway(make_config()) as gw:  # default sampling
+    # Noisy as soon as the estimate passes noisy_above (the default waits
+    # noisy_for, 10 s, longer than this burst lasts).
+    async with running_gateway(make_config(GATEWAY_SAMPLING__NOISY_FOR="0s")) as gw:
         await publish(burst)
         await gw.wait_handled(60)
         assert gw.stats.sampled_out > 0, "the burst should have made the device noisy"
@@ -90,7 +92,13 @@ async def test_spool_backlog_keeps_its_arrival_rate(
         records.append((received, topic_, None, payload))
     async with Spool(path, 10_000, 10**8) as spool:
         await spool.append(records)
-    config = make_config(GATEWAY_SPOOL__ENABLED="true", GATEWAY_SPOOL__PATH=str(path))
+    # noisy_for 0: judged at the drain's pace, the backlog would be noisy at
+    # once; with the default 10 s it could not be within a drain this short.
+    config = make_config(
+        GATEWAY_SPOOL__ENABLED="true",
+        GATEWAY_SPOOL__PATH=str(path),
+        GATEWAY_SAMPLING__NOISY_FOR="0s",
+    )
     async with running_gateway(config) as gw:
         assert gw.stats.spool is not None
         await gw.wait_for(lambda s: s.spool.depth == 0 and s.in_flight == 0, deadline=60)
