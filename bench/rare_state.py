@@ -83,6 +83,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from benchlib import run_tool
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 LOGS = BENCH / ".logs" / "rare_state"
@@ -1654,4 +1656,7 @@ def finish(results: dict[str, Any], out: Path) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # SIGTERM runs the finally blocks too: the gateway is stopped, its MQTT
+    # session forgotten and the results so far written (the publishers use
+    # clean sessions and are daemonic).
+    run_tool(lambda: sys.exit(main()))
