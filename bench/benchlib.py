@@ -578,6 +578,27 @@ class Check:
             and self.state_ok in (None, self.devices)
         )
 
+    @classmethod
+    def together(cls, checks: Sequence[Check], sampled_out: int) -> Check:
+        """The checks of several tenants as one, with ``sampled_out`` for all
+        of them: a gateway subscribed to several tenants reports one count in
+        its status line."""
+
+        def total(counts: list[int | None]) -> int | None:
+            return None if None in counts else sum(c or 0 for c in counts)
+
+        return cls(
+            published=sum(c.published for c in checks),
+            stored=sum(c.stored for c in checks),
+            matched=sum(c.matched for c in checks),
+            devices=sum(c.devices for c in checks),
+            sampled_out=sampled_out,
+            latest_ok=total([c.latest_ok for c in checks]),
+            state_ok=total([c.state_ok for c in checks]),
+            write_us=[w for c in checks for w in c.write_us],
+            latency_ms=[x for c in checks for x in c.latency_ms],
+        )
+
     def span_rate(self) -> float | None:
         """Rows/s between the first and the last write (WRITETIME of telemetry rows)."""
         if len(self.write_us) < 2:

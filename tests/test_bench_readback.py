@@ -131,3 +131,21 @@ def test_the_gateway_status_line_gives_handled_and_sampled_out(
     acked = benchlib.Proc("gateway", ["true"], {}, log, [], progress=re.compile(r"acked=(\d+)"))
     acked.poll()
     assert (acked.count, acked.sampled_out) == (100, 7)
+
+
+def test_one_instance_with_two_tenants_is_checked_with_its_one_sampled_out_count(
+    benchlib: ModuleType,
+) -> None:
+    """bench/instances.py: a gateway subscribed to two tenants reports one
+    sampled_out count; each tenant alone cannot be checked against it, the two
+    together must add up."""
+    a = benchlib.Check(published=10, stored=7, matched=7, devices=2, latest_ok=2, state_ok=2)
+    b = benchlib.Check(published=10, stored=9, matched=9, devices=3, latest_ok=3, state_ok=3)
+    assert not a.ok and not b.ok  # each alone: 3 and 1 events unaccounted for
+    both = benchlib.Check.together([a, b], sampled_out=4)
+    assert both.ok, both.text()
+    assert both.text() == "16 + 4 sampled out/20 ok (latest tables match)"
+    assert not benchlib.Check.together([a, b], sampled_out=3).ok
+    wrong_latest = benchlib.Check(published=10, stored=10, matched=10, devices=3, latest_ok=2)
+    assert not benchlib.Check.together([a, wrong_latest], sampled_out=3).ok
+    assert benchlib.Check.together([a, b], 4).latest_ok == 5
