@@ -141,7 +141,9 @@ def test_one_instance_with_two_tenants_is_checked_with_its_one_sampled_out_count
     together must add up."""
     a = benchlib.Check(published=10, stored=7, matched=7, devices=2, latest_ok=2, state_ok=2)
     b = benchlib.Check(published=10, stored=9, matched=9, devices=3, latest_ok=3, state_ok=3)
-    assert not a.ok and not b.ok  # each alone: 3 and 1 events unaccounted for
+    # Each alone: 3 and 1 events unaccounted for.
+    assert not a.ok
+    assert not b.ok
     both = benchlib.Check.together([a, b], sampled_out=4)
     assert both.ok, both.text()
     assert both.text() == "16 + 4 sampled out/20 ok (latest tables match)"
