@@ -151,3 +151,15 @@ def test_one_instance_with_two_tenants_is_checked_with_its_one_sampled_out_count
     wrong_latest = benchlib.Check(published=10, stored=10, matched=10, devices=3, latest_ok=2)
     assert not benchlib.Check.together([a, wrong_latest], sampled_out=3).ok
     assert benchlib.Check.together([a, b], 4).latest_ok == 5
+
+
+def test_the_sustained_rate_counts_the_messages_sampled_out_too(benchlib: ModuleType) -> None:
+    """A drain the sampler thinned handled every message it acknowledged; the
+    rate used to count stored rows only and read low."""
+    writes = [0, 250_000, 500_000, 750_000, 1_000_000]  # five rows over one second
+    stored = benchlib.Check(published=5, stored=5, matched=5, devices=1, write_us=writes)
+    assert stored.span_rate() == 4.0
+    thinned = benchlib.Check(
+        published=10, stored=5, matched=5, devices=1, sampled_out=5, write_us=writes
+    )
+    assert thinned.span_rate() == 9.0

@@ -284,18 +284,17 @@ def _load(value: Any) -> str:
 
 NOTES = [
     "Sustained msg/s: a backlog is published while the system is away (its persistent "
-    "session holds it), then the system starts and drains it; the rate is stored rows "
-    "over the span between the first and the last WRITETIME of the telemetry rows (the "
-    "broker ceiling: first to last message received; the Cassandra ceiling: its own clock "
-    "around the writes).",
+    "session holds it), then the system starts and drains it; the rate is the messages "
+    "handled (stored rows, plus those the gateway sampled out) over the span between the "
+    "first and the last WRITETIME of the telemetry rows (the broker ceiling: first to last "
+    "message received; the Cassandra ceiling: its own clock around the writes).",
     "Stored = published: the run's telemetry rows are read back as `gateway history` "
     "reads them (telemetry_partitions → each partition once, one copy per event) and "
     "matched to the published (device, ts); the latest tables must hold each device's "
     "newest event, in exactly one state partition. Events the gateway reports it sampled "
     "out (a device over sampling.noisy_above, its status line's sampled_out) are counted, "
     "not identified: stored + sampled out must equal published, shown as "
-    '"stored + N sampled out/published". The sustained rate counts stored rows only, so '
-    "a drain the sampler thinned reads lower than the messages it handled.",
+    '"stored + N sampled out/published".',
     "Latency: a second, live run at half the sustained rate; latency = WRITETIME of the "
     "telemetry row - sent_at in the payload. The drivers stamp writes client-side when "
     "they send them, so this is publish → write sent to Cassandra; the write's round trip "
