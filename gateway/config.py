@@ -552,6 +552,7 @@ class Override(_Model):
 
     topic_filter: str = Field(min_length=1, max_length=1024)
     noisy_above: Rate | None = None
+    noisy_for: Seconds | None = None
     target_rate: Rate | None = None
 
     @field_validator("topic_filter")
@@ -562,9 +563,10 @@ class Override(_Model):
 
     @model_validator(mode="after")
     def _check(self) -> Override:
-        if self.noisy_above is None and self.target_rate is None:
+        if self.noisy_above is None and self.noisy_for is None and self.target_rate is None:
             raise ValueError(
-                f"override for {self.topic_filter!r} sets neither noisy_above nor target_rate"
+                f"override for {self.topic_filter!r} sets none of noisy_above, noisy_for "
+                "and target_rate"
             )
         return self
 
@@ -576,6 +578,7 @@ class TenantSampling(_Model):
     """
 
     noisy_above: Rate | None = None
+    noisy_for: Seconds | None = None
     target_rate: Rate | None = None
     max_rate: Rate | None = None
     # Tokens the bucket holds; defaults to one second of max_rate (at least 1).

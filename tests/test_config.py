@@ -150,6 +150,34 @@ def test_example_file_lists_every_key_of_every_table() -> None:
     assert missing == [], f"not in gateway.example.toml: {missing}"
 
 
+def test_example_file_commented_tables_load(tmp_path: Path) -> None:
+    """Each commented-out example table ("# [[sampling.overrides]]" and the
+    "# key = value" lines under it), uncommented alone, is a valid config: a
+    user who copies one gets no error. Files named in it are made readable
+    here. It once showed the topic filter "pump-+", which the loader refuses."""
+    header = re.compile(r"^# (\[\[?[a-z_.]+\]\]?)")
+    key = re.compile(r"^# ([a-z_]+) = ")
+    blocks: list[list[str]] = []
+    current: list[str] | None = None
+    for line in (ROOT / "gateway.example.toml").read_text().splitlines():
+        if header.match(line):
+            current = [line[2:]]
+            blocks.append(current)
+        elif current is not None and key.match(line):
+            value = line[2:]
+            if re.match(r"[a-z_]+_file = ", value):  # ca_file, cert_file, key_file
+                path = tmp_path / f"{len(blocks)}-{value.split()[0]}"
+                path.write_text("-")
+                value = f'{value.split()[0]} = "{path}"'
+            current.append(value)
+        else:
+            current = None
+    assert len(blocks) >= 7, [b[0] for b in blocks]
+    for block in blocks:
+        path = _write(tmp_path, "\n".join(block) + "\n")
+        load_config(path, {})  # raises, naming the key, if the example is wrong
+
+
 def test_contact_points_from_env_are_comma_separated() -> None:
     config = load_config(None, {"GATEWAY_CASSANDRA__CONTACT_POINTS": "10.0.0.5, 10.0.0.6 ,cass-3,"})
     assert config.cassandra.contact_points == ["10.0.0.5", "10.0.0.6", "cass-3"]

@@ -390,6 +390,34 @@ def test_topic_overrides_first_match_wins() -> None:
     assert {d.device_id for d in sampler.noisy(TENANT)} == {"pump7", "cam"}
 
 
+def test_noisy_for_per_tenant_and_per_topic() -> None:
+    """noisy_for follows noisy_above's precedence: a topic override, then the
+    tenant's section, then [sampling]. Each device at 250 msg/s: noisy once
+    its estimate has passed 5 msg/s (after 0.14 s) and stayed over for that long."""
+    clock = FakeClock()
+    sampler = _sampler(
+        clock,
+        noisy_for="10s",
+        tenants={"patient": {"noisy_for": "30s"}, "eager": {"noisy_for": "0s"}},
+        overrides=[{"topic_filter": "tenants/patient/devices/pump-1/#", "noisy_for": "2s"}],
+    )
+
+    def noisy_after(tenant: str, device: str) -> float:
+        start = clock.now
+        for t in _ticks(start, 250, 60):
+            clock.now = t
+            if sampler.decide(tenant, device, _topic(tenant, device), "on", {}).reason == (
+                "transition"
+            ):
+                return t - start
+        raise AssertionError(f"{tenant}/{device} not noisy in 60 s")
+
+    assert noisy_after("eager", "d1") < 0.2
+    assert 2.0 <= noisy_after("patient", "pump-1") < 2.2  # the override
+    assert 30.0 <= noisy_after("patient", "d1") < 30.2  # the tenant's section
+    assert 10.0 <= noisy_after("other", "d1") < 10.2  # [sampling]
+
+
 def test_topic_filter_matching() -> None:
     def match(topic_filter: str, topic: str) -> bool:
         return topic_matches(filter_levels(topic_filter), topic)
@@ -672,7 +700,10 @@ def test_durations_accept_units() -> None:
         ({"overrides": [{"topic_filter": "a/#", "noisy_above": 2.0}]}, "overrides[0].noisy_above"),
         ({"overrides": [{"topic_filter": "a/#/b", "target_rate": 2}]}, "must be the last level"),
         ({"overrides": [{"topic_filter": "a/b+", "target_rate": 2}]}, "must stand alone"),
-        ({"overrides": [{"topic_filter": "a"}]}, "sets neither noisy_above nor target_rate"),
+        (
+            {"overrides": [{"topic_filter": "a"}]},
+            "sets none of noisy_above, noisy_for and target_rate",
+        ),
         ({"important": [{"metric": "t"}]}, "needs above or below"),
         ({"important": [{"metric": "t", "above": 1, "below": 2}]}, "must be less than above"),
         ({"important": [{"metric": "t", "above": math.inf}]}, "finite"),

@@ -11,8 +11,8 @@ How it decides:
 
 * Each device's message rate is estimated continuously with an exponentially
   decayed counter (``half_life``). A device whose estimate goes above
-  ``noisy_above`` (per tenant, or per topic pattern), and with ``noisy_for`` >
-  0 stays above it that long, becomes *noisy*; its raw
+  ``noisy_above`` and stays above it for ``noisy_for`` (both per tenant, or
+  per topic pattern) becomes *noisy*; its raw
   telemetry is then thinned to ``target_rate``: an event is kept when it is the
   first one in a new slot of ``1/target_rate`` seconds counted from the moment
   the device became noisy. Kept events are therefore spread evenly over time,
@@ -112,6 +112,7 @@ _TENANT_RATE = (Verdict(False, False, "tenant_rate"), Verdict(False, True, "tena
 @dataclass(frozen=True, slots=True)
 class _TenantParams:
     noisy_above: float
+    noisy_for: float
     target_rate: float
     max_rate: float | None
     burst: float
@@ -162,6 +163,7 @@ class _Device:
         "newest_ts",
         "noisy",
         "noisy_above",
+        "noisy_for",
         "quiet_since",
         "sampled_out",
         "since",
@@ -172,9 +174,12 @@ class _Device:
         "topic",
     )
 
-    def __init__(self, topic: str, noisy_above: float, target: float, now: float) -> None:
+    def __init__(
+        self, topic: str, noisy_above: float, noisy_for: float, target: float, now: float
+    ) -> None:
         self.topic = topic
         self.noisy_above = noisy_above
+        self.noisy_for = noisy_for
         self.target = target
         # Decayed event counter scaled to msg/s: acc(t) = λ Σ exp(-λ (t - t_i)).
         # Its time average is exactly the rate; it only decays between events.
@@ -205,7 +210,6 @@ class Sampler:
         self._half_lam = self._lam / 2
         self._quiet_below = config.quiet_below
         self._quiet_for = config.quiet_for
-        self._noisy_for = config.noisy_for
         self._latest_interval = config.latest_interval
         self._rules = tuple(
             (
@@ -217,7 +221,8 @@ class Sampler:
             for i, rule in enumerate(config.important)
         )
         self._overrides = tuple(
-            (filter_levels(o.topic_filter), o.noisy_above, o.target_rate) for o in config.overrides
+            (filter_levels(o.topic_filter), o.noisy_above, o.noisy_for, o.target_rate)
+            for o in config.overrides
         )
         sections = {
             name: self._params(section)
@@ -240,6 +245,7 @@ class Sampler:
             burst = max(1.0, max_rate) if max_rate is not None else 1.0
         return _TenantParams(
             noisy_above=section.noisy_above if section.noisy_above is not None else c.noisy_above,
+            noisy_for=section.noisy_for if section.noisy_for is not None else c.noisy_for,
             target_rate=section.target_rate if section.target_rate is not None else c.target_rate,
             max_rate=max_rate,
             burst=burst,
@@ -265,15 +271,19 @@ class Sampler:
         return ten
 
     def _resolve(self, dev: _Device, params: _TenantParams, topic: str) -> None:
-        noisy_above, target = params.noisy_above, params.target_rate
-        for levels, o_noisy, o_target in self._overrides:
+        noisy_above, noisy_for = params.noisy_above, params.noisy_for
+        target = params.target_rate
+        for levels, o_noisy, o_for, o_target in self._overrides:
             if topic_matches(levels, topic):
                 if o_noisy is not None:
                     noisy_above = o_noisy
+                if o_for is not None:
+                    noisy_for = o_for
                 if o_target is not None:
                     target = o_target
                 break
-        dev.topic, dev.noisy_above, dev.target = topic, noisy_above, target
+        dev.topic, dev.target = topic, target
+        dev.noisy_above, dev.noisy_for = noisy_above, noisy_for
 
     def decide(
         self,
@@ -309,7 +319,7 @@ class Sampler:
                     ten.quota_rejected += 1
                     return _QUOTA
                 known.add(device_id)
-            dev = _Device(topic, 0.0, 0.0, now)
+            dev = _Device(topic, 0.0, 0.0, 0.0, now)
             self._resolve(dev, ten.params, topic)
             evicted = devices.put(key, dev)
             if evicted is not None:
@@ -376,7 +386,7 @@ class Sampler:
             elif est > dev.noisy_above:
                 if dev.loud_since is None:
                     dev.loud_since = now
-                if now - dev.loud_since >= self._noisy_for:
+                if now - dev.loud_since >= dev.noisy_for:
                     dev.loud_since = None
                     dev.noisy = True
                     dev.since = now
