@@ -243,10 +243,11 @@ def test_important_rules_keep_beyond_and_back() -> None:
 def test_transition_to_noisy_and_back_each_kept_once() -> None:
     clock = FakeClock()
     sampler = _sampler(clock, half_life=1.0, quiet_for=10.0)
-    noisy = _feed(sampler, clock, 250, 10)
+    noisy = _feed(sampler, clock, 250, 12)  # noisy after noisy_for (10 s)
     quiet = _feed(sampler, clock, 0.5, 60)
     transitions = [(t, v) for t, v in noisy + quiet if v.reason == "transition"]
     assert len(transitions) == 2
+    assert transitions[0][0] < quiet[0][0] <= transitions[1][0]
     assert all(v.keep_raw and v.update_latest for _, v in transitions)
     back = transitions[1][0]
     assert all(v.reason == "normal" for t, v in quiet if t > back)
@@ -399,7 +400,10 @@ def test_noisy_for_per_tenant_and_per_topic() -> None:
         clock,
         noisy_for="10s",
         tenants={"patient": {"noisy_for": "30s"}, "eager": {"noisy_for": "0s"}},
-        overrides=[{"topic_filter": "tenants/patient/devices/pump-1/#", "noisy_for": "2s"}],
+        overrides=[
+            {"topic_filter": "tenants/patient/devices/pump-1/#", "noisy_for": "2s"},
+            {"topic_filter": "tenants/patient/devices/valve-1/#", "target_rate": 3.0},
+        ],
     )
 
     def noisy_after(tenant: str, device: str) -> float:
@@ -415,7 +419,33 @@ def test_noisy_for_per_tenant_and_per_topic() -> None:
     assert noisy_after("eager", "d1") < 0.2
     assert 2.0 <= noisy_after("patient", "pump-1") < 2.2  # the override
     assert 30.0 <= noisy_after("patient", "d1") < 30.2  # the tenant's section
+    # An override that does not set it: the tenant's section's.
+    assert 30.0 <= noisy_after("patient", "valve-1") < 30.2
     assert 10.0 <= noisy_after("other", "d1") < 10.2  # [sampling]
+
+
+def test_a_noisy_device_that_changes_topic_is_kept_at_its_new_target() -> None:
+    """The slot counter of a noisy device was left at the old target's count:
+    noisy for 100 s at a target of 10 msg/s, then moved to a topic with target
+    1, it kept nothing until 1,000 s after it became noisy."""
+    clock = FakeClock()
+    sampler = _sampler(clock, overrides=[{"topic_filter": "fast/#", "target_rate": 10.0}])
+
+    def feed(topic: str, seconds: float) -> list[float]:
+        kept = []
+        for t in _ticks(clock.now, 250, seconds):
+            clock.now = t
+            if sampler.decide(TENANT, "d1", topic, "on", {}).keep_raw:
+                kept.append(t)
+        clock.now += 1 / 250
+        return kept
+
+    fast = feed("fast/d1", 110)  # whole until noisy (2,500 in 10 s), then 10 a second
+    assert 2500 + 990 <= len(fast) <= 2500 + 1040
+    slow = feed(_topic(TENANT, "d1"), 60)  # [sampling]'s target: 1 a second
+    assert 59 <= len(slow) <= 61, len(slow)
+    gaps = [b - a for a, b in itertools.pairwise(slow)]
+    assert max(gaps) <= 1.01
 
 
 def test_topic_filter_matching() -> None:

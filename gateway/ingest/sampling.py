@@ -270,7 +270,7 @@ class Sampler:
         self._tenants.put(name, ten)
         return ten
 
-    def _resolve(self, dev: _Device, params: _TenantParams, topic: str) -> None:
+    def _resolve(self, dev: _Device, params: _TenantParams, topic: str, now: float) -> None:
         noisy_above, noisy_for = params.noisy_above, params.noisy_for
         target = params.target_rate
         for levels, o_noisy, o_for, o_target in self._overrides:
@@ -282,6 +282,10 @@ class Sampler:
                 if o_target is not None:
                     target = o_target
                 break
+        if dev.noisy and target != dev.target:
+            # Its slots were counted at the old target: recount them at the new
+            # one, or a lower target would keep nothing until it caught up.
+            dev.slot = int((now - dev.since) * target)
         dev.topic, dev.target = topic, target
         dev.noisy_above, dev.noisy_for = noisy_above, noisy_for
 
@@ -320,7 +324,7 @@ class Sampler:
                     return _QUOTA
                 known.add(device_id)
             dev = _Device(topic, 0.0, 0.0, 0.0, now)
-            self._resolve(dev, ten.params, topic)
+            self._resolve(dev, ten.params, topic, now)
             evicted = devices.put(key, dev)
             if evicted is not None:
                 self._forget(*evicted)
@@ -331,7 +335,7 @@ class Sampler:
                 ts = 0
         else:
             if topic != dev.topic:
-                self._resolve(dev, ten.params, topic)
+                self._resolve(dev, ten.params, topic, now)
             if ts is None:
                 ts = dev.newest_ts + 1
             late = ts < dev.newest_ts
