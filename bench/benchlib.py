@@ -582,10 +582,14 @@ class Check:
     def together(cls, checks: Sequence[Check], sampled_out: int) -> Check:
         """The checks of several tenants as one, with ``sampled_out`` for all
         of them: a gateway subscribed to several tenants reports one count in
-        its status line."""
+        its status line. A latest-table count is None only when no tenant's
+        was checked; an unchecked tenant's devices count as found, so that a
+        checked tenant's misses still show."""
 
-        def total(counts: list[int | None]) -> int | None:
-            return None if None in counts else sum(c or 0 for c in counts)
+        def total(counts: list[tuple[int | None, int]]) -> int | None:
+            if all(found is None for found, _ in counts):
+                return None
+            return sum(devices if found is None else found for found, devices in counts)
 
         return cls(
             published=sum(c.published for c in checks),
@@ -593,8 +597,8 @@ class Check:
             matched=sum(c.matched for c in checks),
             devices=sum(c.devices for c in checks),
             sampled_out=sampled_out,
-            latest_ok=total([c.latest_ok for c in checks]),
-            state_ok=total([c.state_ok for c in checks]),
+            latest_ok=total([(c.latest_ok, c.devices) for c in checks]),
+            state_ok=total([(c.state_ok, c.devices) for c in checks]),
             write_us=[w for c in checks for w in c.write_us],
             latency_ms=[x for c in checks for x in c.latency_ms],
         )
@@ -603,8 +607,9 @@ class Check:
         """Messages handled per second between the first and the last write
         (WRITETIME of telemetry rows): the stored rows, and the events the
         system sampled out, which it received, decided and acknowledged as
-        well (they arrive among the stored ones: a device's first event, and
-        its first as a noisy device, are always stored)."""
+        well. Approximate: they arrive among the stored ones (a device's first
+        event, and its first as a noisy device, are always stored), but those
+        decided after the last stored row's write count without their time."""
         if len(self.write_us) < 2:
             return None
         span = (max(self.write_us) - min(self.write_us)) / 1e6

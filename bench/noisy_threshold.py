@@ -8,8 +8,9 @@ events thinned. No broker or database: the sampler's own decisions, at the
 receive times given. Seeded, so a run repeats exactly.
 
 Why: the estimate fluctuates with the spacing of the messages, and once it
-has crossed noisy_above a device stays noisy until it has been under
-quiet_below for quiet_for (README, Known limits).
+has stayed over noisy_above for noisy_for (at 0 s, once it has crossed it)
+a device stays noisy until it has been under quiet_below for quiet_for
+(README, Known limits).
 
 Usage: .venv/bin/python bench/noisy_threshold.py [--noisy-for 0s]
 (sampling.noisy_for, default 10s: how long the estimate must stay over

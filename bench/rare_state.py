@@ -83,8 +83,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchlib import run_tool
-
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 LOGS = BENCH / ".logs" / "rare_state"
@@ -1596,6 +1594,7 @@ def main() -> int:
         if base["devices"] != args.devices:
             parser.error(f"--add-to: {args.out} has {base['devices']} devices, not {args.devices}")
     failed = False
+    out = args.out
     try:
         bench.schema()
         durations: list[float] = []
@@ -1613,6 +1612,7 @@ def main() -> int:
                     continue
             bench.say(f"run {name}: {LABELS[name]}")
             t0 = time.monotonic()
+            results["runs"][name] = {"run": name, "error": "interrupted"}  # until it returns
             try:
                 results["runs"][name] = bench.run(name)
             except BenchFailure as exc:
@@ -1625,14 +1625,20 @@ def main() -> int:
                 failed = True
                 bench.say(f"run {name}: the check FAILED; stopping")
                 break
+    except KeyboardInterrupt:
+        # Ctrl-C or SIGTERM (benchlib.run_tool): what was measured goes beside
+        # --out, which keeps the last complete results.
+        failed = True
+        out = args.out.with_name(f"{args.out.stem}.interrupted.json")
+        raise
     finally:
         results["load_end"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
         results["minutes"] = round((time.monotonic() - bench.started) / 60, 1)
         if base is not None:
             results = merge(base, results)
-        if not finish(results, args.out):
+        if not finish(results, out):
             failed = True
-        bench.say(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+        bench.say(f"wrote {out} and {out.with_suffix('.md')}")
     return 1 if failed else 0
 
 
@@ -1656,7 +1662,12 @@ def finish(results: dict[str, Any], out: Path) -> bool:
 
 
 if __name__ == "__main__":
+    # Imported here, not at the top: the publishers are spawned processes,
+    # which import this module's top level, and benchlib's imports (the
+    # drivers, aiomqtt, the gateway) cost each of them a second and 40 MB.
+    from benchlib import run_tool
+
     # SIGTERM runs the finally blocks too: the gateway is stopped, its MQTT
-    # session forgotten and the results so far written (the publishers use
-    # clean sessions and are daemonic).
+    # session forgotten and the runs so far written beside --out (the
+    # publishers use clean sessions and are daemonic).
     run_tool(lambda: sys.exit(main()))

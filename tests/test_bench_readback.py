@@ -151,6 +151,11 @@ def test_one_instance_with_two_tenants_is_checked_with_its_one_sampled_out_count
     wrong_latest = benchlib.Check(published=10, stored=10, matched=10, devices=3, latest_ok=2)
     assert not benchlib.Check.together([a, wrong_latest], sampled_out=3).ok
     assert benchlib.Check.together([a, b], 4).latest_ok == 5
+    # A tenant whose latest tables were not read does not hide one whose were wrong.
+    unread = benchlib.Check(published=10, stored=10, matched=10, devices=3)
+    assert not benchlib.Check.together([unread, wrong_latest], sampled_out=0).ok
+    assert benchlib.Check.together([unread, b], sampled_out=1).ok
+    assert benchlib.Check.together([unread, unread], sampled_out=0).latest_ok is None
 
 
 def test_the_sustained_rate_counts_the_messages_sampled_out_too(benchlib: ModuleType) -> None:
