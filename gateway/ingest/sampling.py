@@ -41,11 +41,15 @@ Promises:
 * With ``enabled = false`` device sampling is off and every event is kept;
   tenant quotas (rate and device count) still apply.
 * Bounded memory: at most ``max_devices`` devices are tracked (LRU; evictions
-  are counted). A forgotten device is simply new again, so the only cost of
-  forgetting is one more kept event. Tenants without a section of their own
-  are tracked in an LRU of ``max_tenants``; tenants with a section are always
+  are counted). A forgotten device is simply new again: the cost of
+  forgetting is more kept events, never fewer (a noisy one is stored whole
+  until it is noisy again, ``noisy_for`` later). Tenants without a section
+  of their own are tracked in an LRU of ``max_tenants``; tenants with a section are always
   tracked. The per-tenant set of admitted devices exists only for tenants with
   a device quota and never holds more than the quota.
+* Receive times that go back (a clock stepped back; a backlog received
+  before a restart) are taken as no time passing: neither a noisy device's
+  slots nor a tenant's token bucket wait for the clock to catch up.
 * ``decide`` is O(1) amortized (O(number of important rules) per event, and a
   topic-pattern lookup only when a device first appears or changes topic).
 """
@@ -157,6 +161,7 @@ class _Device:
         "acc",
         "beyond",
         "kept_acc",
+        "kept_at",
         "last",
         "latest_at",
         "loud_since",
@@ -195,6 +200,7 @@ class _Device:
         self.since = 0.0
         self.quiet_since: float | None = None
         self.slot = 0
+        self.kept_at = 0.0  # when its last slot was kept (or it became noisy)
         self.sampled_out = 0
         self.beyond = 0  # bit i: rule i's metric was beyond its threshold last time
 
@@ -284,8 +290,10 @@ class Sampler:
                 break
         if dev.noisy and target != dev.target:
             # Its slots were counted at the old target: recount them at the new
-            # one, or a lower target would keep nothing until it caught up.
-            dev.slot = int((now - dev.since) * target)
+            # one from the last kept event (from now, a device alternating
+            # between two targets would find its slot taken every time; at the
+            # old count, a lower target would keep nothing until it caught up).
+            dev.slot = int((dev.kept_at - dev.since) * target)
         dev.topic, dev.target = topic, target
         dev.noisy_above, dev.noisy_for = noisy_above, noisy_for
 
@@ -342,9 +350,14 @@ class Sampler:
             # Against the newest state-bearing event, by event time. A late event
             # in another state is a real transition seen out of order: its raw
             # row is kept (its latest-table writes are skipped as stale).
-            changed = state is not None and state != dev.state and ts != dev.state_ts
-            # A clock may step back: treat that as simultaneous.
-            dt = max(now - dev.last, 0.0)
+            # The same timestamp in another state is a change too (which of the
+            # two the latest tables show is their tie-break's business).
+            changed = state is not None and state != dev.state
+            if now < dev.last:
+                # A clock stepped back (receive times are wall-clock times): the
+                # device's own times step back with it, as if no time had passed.
+                _shift(dev, now - dev.last)
+            dt = now - dev.last
 
         lam = self._lam
         prev_acc = dev.acc
@@ -393,7 +406,7 @@ class Sampler:
                 if now - dev.loud_since >= dev.noisy_for:
                     dev.loud_since = None
                     dev.noisy = True
-                    dev.since = now
+                    dev.since = dev.kept_at = now
                     dev.slot = 0
                     dev.sampled_out = 0
                     dev.quiet_since = None
@@ -454,7 +467,9 @@ class Sampler:
     def _take_token(self, ten: _Tenant, now: float) -> bool:
         """Refill, then take a token if there is one; False if the bucket is empty."""
         assert ten.max_rate is not None
-        tokens = ten.tokens + (now - ten.refilled) * ten.max_rate
+        # Never a negative refill: receive times older than the last (a backlog
+        # from before a restart, a clock stepped back) start the count afresh.
+        tokens = ten.tokens + max(now - ten.refilled, 0.0) * ten.max_rate
         ten.refilled = now
         tokens = min(tokens, ten.burst)
         if tokens >= 1.0:
@@ -472,6 +487,7 @@ class Sampler:
             keep = slot > dev.slot
             if keep:
                 dev.slot = slot
+                dev.kept_at = now
             if keep and ten.max_rate is not None and not self._take_token(ten, now):
                 ten.tenant_rate_sampled += 1
                 return _TENANT_RATE[self._latest_due(dev, now)]
@@ -559,3 +575,15 @@ class Sampler:
                 "tenant_rate_sampled": ten.tenant_rate_sampled,
             }
         return out
+
+
+def _shift(dev: _Device, delta: float) -> None:
+    """Move a device's remembered times by ``delta`` seconds (a clock step)."""
+    dev.last += delta
+    dev.since += delta
+    dev.kept_at += delta
+    dev.latest_at += delta  # -inf stays -inf
+    if dev.loud_since is not None:
+        dev.loud_since += delta
+    if dev.quiet_since is not None:
+        dev.quiet_since += delta
