@@ -79,10 +79,14 @@ async def test_noisy_device_late_event_does_not_hide_the_newest(db: Database, te
     assert as_ms(row.ts) == n + 200
 
 
+@pytest.mark.parametrize("tenant_rate", [False, True], ids=["no_tenant_rate", "tenant_rate"])
 async def test_spool_backlog_keeps_its_arrival_rate(
-    db: Database, tenant: str, tmp_path: Path
+    db: Database, tenant: str, tmp_path: Path, tenant_rate: bool
 ) -> None:
-    """Case 3: a quiet device's spooled backlog, drained in a burst, is not sampled out."""
+    """Case 3: a quiet device's spooled backlog, drained in a burst, is not sampled out.
+    Also when its tenant has a max_rate of its own (2 msg/s, twice the
+    backlog's): that tenant's token bucket was stamped with the start time, and
+    the backlog, received before it, found it empty."""
     path = tmp_path / "spool.sqlite"
     start = int(time.time() * 1000) - 120_000
     records = []
@@ -98,6 +102,9 @@ async def test_spool_backlog_keeps_its_arrival_rate(
         GATEWAY_SPOOL__ENABLED="true",
         GATEWAY_SPOOL__PATH=str(path),
         GATEWAY_SAMPLING__NOISY_FOR="0s",
+        **(
+            {f"GATEWAY_SAMPLING__TENANTS__{tenant.upper()}__MAX_RATE": "2"} if tenant_rate else {}
+        ),
     )
     async with running_gateway(config) as gw:
         assert gw.stats.spool is not None
