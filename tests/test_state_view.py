@@ -102,9 +102,7 @@ async def test_spool_backlog_keeps_its_arrival_rate(
         GATEWAY_SPOOL__ENABLED="true",
         GATEWAY_SPOOL__PATH=str(path),
         GATEWAY_SAMPLING__NOISY_FOR="0s",
-        **(
-            {f"GATEWAY_SAMPLING__TENANTS__{tenant.upper()}__MAX_RATE": "2"} if tenant_rate else {}
-        ),
+        **({f"GATEWAY_SAMPLING__TENANTS__{tenant.upper()}__MAX_RATE": "2"} if tenant_rate else {}),
     )
     async with running_gateway(config) as gw:
         assert gw.stats.spool is not None
