@@ -186,6 +186,15 @@ class MqttConfig(_Model):
 MAX_TEMPLATE_TENANTS = 1000
 
 
+def _check_tenant_level(key: str, name: str) -> None:
+    """A tenant named in config must be one topic level, as topics carry it."""
+    if not name or any(ch in name for ch in "/+#") or has_control(name):
+        raise ValueError(
+            f"{key}: {name!r} is not a topic level (empty, or holds '/', '+', '#' "
+            "or a control character)"
+        )
+
+
 class TopicTemplate(_Model):
     template: str = DEFAULT_TEMPLATE
     # Fixed tenant for a tree without a {tenant} level, e.g. site/{device_id}/events.
@@ -195,15 +204,18 @@ class TopicTemplate(_Model):
     # how an instance takes its shard of the tenants (README, "Scaling out").
     tenants: list[str] = Field(default_factory=list, max_length=MAX_TEMPLATE_TENANTS)
 
+    @field_validator("tenant")
+    @classmethod
+    def _tenant_name(cls, value: str | None) -> str | None:
+        if value is not None:
+            _check_tenant_level("tenant", value)
+        return value
+
     @field_validator("tenants")
     @classmethod
     def _tenant_names(cls, value: list[str]) -> list[str]:
         for name in value:
-            if not name or any(ch in name for ch in "/+#") or has_control(name):
-                raise ValueError(
-                    f"tenants: {name!r} is not a topic level (empty, or holds '/', '+', '#' "
-                    "or a control character)"
-                )
+            _check_tenant_level("tenants", name)
         if len(set(value)) != len(value):
             dupes = sorted({name for name in value if value.count(name) > 1})
             raise ValueError(f"tenants: {', '.join(map(repr, dupes))} listed twice")
@@ -682,11 +694,17 @@ class Config(_Model):
             )
         longest = self.limits.max_topic_level_length
         for i, template in enumerate(self.topics):
-            for name in template.tenants:
+            fixed = [template.tenant] if template.tenant is not None else []
+            for name in [*template.tenants, *fixed]:
                 if len(name) > longest:
+                    key, why = (
+                        ("tenant", "a tenant name must fit it")
+                        if name in fixed
+                        else ("tenants", "no topic would match it")
+                    )
                     raise ValueError(
-                        f"topics.{i}.tenants: {name[:32]!r}... is longer than "
-                        f"limits.max_topic_level_length ({longest}): no topic would match it"
+                        f"topics.{i}.{key}: {name[:32]!r}... is longer than "
+                        f"limits.max_topic_level_length ({longest}): {why}"
                     )
         return self
 

@@ -22,7 +22,10 @@ def parse_duration(value: object) -> float:
     if isinstance(value, bool):
         raise ValueError(_EXPECTED)
     if isinstance(value, int | float):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int beyond a float's range
+            raise ValueError(f"expected a finite duration, got {value}") from None
     elif isinstance(value, str) and (match := _DURATION.match(value)):
         seconds = float(match.group(1)) * _UNITS[match.group(2)]
     else:

@@ -454,6 +454,10 @@ def test_a_shard_of_tenants_loads(tmp_path: Path) -> None:
         ('template = "t/{tenant}/{device_id}"\ntenants = ["+"]', "'+' is not a topic level"),
         ('template = "t/{tenant}/{device_id}"\ntenants = [""]', "'' is not a topic level"),
         ('template = "t/{tenant}/{device_id}"\ntenants = ["a", "a"]', "'a' listed twice"),
+        # A fixed tenant too: events were stored under it, and no token could read them.
+        ('template = "site/{device_id}/events"\ntenant = "a/x"', "'a/x' is not a topic level"),
+        ('template = "site/{device_id}/events"\ntenant = "#"', "'#' is not a topic level"),
+        ('template = "site/{device_id}/events"\ntenant = "a\\u0007"', "is not a topic level"),
         (
             'template = "$share/g/t/{tenant}/{device_id}"',
             "a shared subscription is not a template level; set mqtt.share_group instead",
@@ -477,6 +481,21 @@ def test_a_shard_tenant_longer_than_a_topic_level_may_be(tmp_path: Path) -> None
     message = _error(path)
     assert "topics.0.tenants: 'far-too-long'... is longer than" in message
     assert "limits.max_topic_level_length (8)" in message
+    fixed = _write(
+        tmp_path,
+        "[limits]\nmax_topic_level_length = 8\n"
+        + _topics_toml('template = "site/{device_id}/events"\ntenant = "far-too-long"'),
+        name="fixed.toml",
+    )
+    message = _error(fixed)
+    assert "topics.0.tenant: 'far-too-long'... is longer than" in message
+
+
+def test_a_duration_too_large_for_a_float_is_a_config_error() -> None:
+    """It raised OverflowError out of load_config, which promises ConfigError."""
+    message = _error(env={"GATEWAY_LIMITS__MAX_FUTURE_SKEW": "1" + "0" * 400})
+    assert "limits.max_future_skew (from GATEWAY_LIMITS__MAX_FUTURE_SKEW)" in message
+    assert "finite duration" in message
 
 
 def test_share_group(tmp_path: Path) -> None:

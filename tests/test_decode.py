@@ -183,6 +183,26 @@ def test_detection_json_array_and_string() -> None:
     reject(b"not json", "invalid_msgpack")
 
 
+def test_json_with_a_byte_order_mark_is_told_so_without_a_content_type() -> None:
+    """It was tried as MessagePack ("received extra data")."""
+    detail = reject(b'\xef\xbb\xbf{"value": 1}', "invalid_json")
+    assert "byte order mark" in detail
+
+
+def test_a_ts_text_too_long_is_told_so() -> None:
+    """The reason said it expected epoch milliseconds or an RFC 3339 string,
+    "got text", for a string that was one, only too long."""
+    detail = reject(_json({"ts": "2023-11-14T22:13:20." + "0" * 50 + "Z"}), "invalid_ts")
+    assert "at most 64 characters" in detail
+    assert "got text" not in detail
+
+
+def test_an_integer_beyond_64_bits_is_not_called_a_float() -> None:
+    detail = reject(b'{"ts": 18446744073709551616}', "invalid_ts")
+    assert "a number beyond 64-bit integers" in detail
+    assert "a float" not in detail
+
+
 # --- timestamps ------------------------------------------------------------------
 
 

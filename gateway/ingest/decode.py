@@ -311,8 +311,9 @@ def _kind(payload: bytes, content_type: str | None) -> str:
         )
     first = payload[0]
     # A JSON object starts with '{' (maybe after whitespace); anything else is
-    # tried as MessagePack, whose maps start with 0x80-0x8f, 0xde or 0xdf.
-    if first in b'{ \t\r\n["':
+    # tried as MessagePack, whose maps start with 0x80-0x8f, 0xde or 0xdf. A
+    # UTF-8 byte order mark is JSON too, so that the reason names it.
+    if first in b'{ \t\r\n["' or payload.startswith(b"\xef\xbb\xbf"):
         return "json"
     return "msgpack"
 
@@ -334,6 +335,11 @@ def _reason(exc: ValidationError) -> DecodeError:
     if err["type"] == "extra_forbidden":
         return DecodeError("unknown_field", f"unknown field {field!r}")
     same_field = [e for e in errors if _clean_loc(e["loc"]) == parts]
+    # A union member of the right type that failed on a limit (text too long)
+    # says more than the members of other types.
+    fitting = [e for e in same_field if not e["type"].endswith("_type")]
+    if len(same_field) > 1 and fitting:
+        err = fitting[0]
     value = err.get("input")
     if any(e["type"] == "finite_number" for e in same_field):
         value = next(e["input"] for e in same_field if e["type"] == "finite_number")
@@ -370,4 +376,7 @@ def _type_name(value: object) -> str:
         dict: "an object",
         type(None): "null",
     }
+    if type(value) is float and value.is_integer() and abs(value) >= 2**63:
+        # JSON parsers hand an integer beyond 64 bits over as a float.
+        return "a number beyond 64-bit integers"
     return names.get(type(value), type(value).__name__)
