@@ -236,6 +236,64 @@ async def test_tenants_are_isolated(db: Database, tenant: str, tokens: TokenStor
         assert fresh.verify(mine) is None
 
 
+async def test_history_pages_through_many_events_of_one_millisecond(
+    db: Database, tenant: str, tokens: TokenStore
+) -> None:
+    """30 events in one millisecond, 8 to a page: the cursor carried the ids of
+    every event of that millisecond given out so far, outgrew the 512
+    characters the API takes for a parameter, and page 4 was a 400."""
+    ts = 1_700_000_000_000
+    messages = [topic(tenant, "burst")] * 30
+    async with running_gateway(make_config()) as gw:
+        await publish(
+            [
+                (t, orjson.dumps({"ts": ts, "state": "on", "value": i}))
+                for i, t in enumerate(messages)
+            ]
+        )
+        await gw.wait_handled(30)
+    since = "since=2023-11-14T00:00:00Z&until=2023-11-15T00:00:00Z"
+    values: list[float] = []
+    cursor = ""
+    async with client(db, make_config(), tokens, tenant) as api:
+        for _ in range(6):
+            status, body, _ = await api.get(
+                f"/api/v1/tenants/{tenant}/devices/burst/history?{since}&limit=8{cursor}"
+            )
+            assert status == 200, body
+            values += [e["value"] for e in body["events"]]
+            if body["next_cursor"] is None:
+                break
+            assert len(body["next_cursor"]) <= 512
+            cursor = f"&cursor={body['next_cursor']}"
+    assert sorted(values) == list(range(30))  # each once
+
+
+async def test_a_device_cursor_with_the_longest_device_id_is_taken_back(
+    db: Database, tenant: str, tokens: TokenStore
+) -> None:
+    """A device id of 128 characters (limits.max_topic_level_length), 3 bytes
+    each in UTF-8: the cursor naming it was 530 characters, and the API
+    refused its own cursor as longer than 512."""
+    long_ids = ["設" * 127 + "1", "設" * 127 + "2"]
+    async with running_gateway(make_config()) as gw:
+        await publish([(topic(tenant, d), orjson.dumps({"state": "on"})) for d in long_ids])
+        await gw.wait_handled(2)
+    listed: list[str] = []
+    cursor = ""
+    async with client(db, make_config(), tokens, tenant) as api:
+        for _ in range(4):
+            status, body, _ = await api.get(
+                f"/api/v1/tenants/{tenant}/states/on/devices?limit=1{cursor}"
+            )
+            assert status == 200, body
+            listed += [d["device_id"] for d in body["devices"]]
+            if body["next_cursor"] is None:
+                break
+            cursor = f"&cursor={body['next_cursor']}"
+    assert sorted(listed) == long_ids
+
+
 @pytest.mark.parametrize(
     ("query", "parameter"),
     [
@@ -250,6 +308,10 @@ async def test_tenants_are_isolated(db: Database, tenant: str, tokens: TokenStor
         (f"devices/{D1}/history?since=1h&until=2h", "since"),
         (f"devices/{D1}/history?cursor=%%%", "cursor"),
         ("rejected?since=soon", "since"),
+        # Before year 1: the date arithmetic overflowed, a 500.
+        (f"devices/{D1}/history?since=1000000d", "since"),
+        (f"devices/{D1}/history?since=99999999999d", "since"),
+        ("rejected?since=1000000d", "since"),
     ],
 )
 async def test_bad_parameters_are_400_naming_the_parameter(

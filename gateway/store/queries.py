@@ -514,35 +514,64 @@ async def history_page(
     cursor: str | None = None,
 ) -> HistoryPage:
     """One page of :func:`history`, newest first. The cursor holds the time
-    of the page's last event and the ids of the events at that millisecond
-    already given out, so the next page neither skips nor repeats one."""
+    of the page's last event and which events at that millisecond were given
+    out already, so the next page neither skips nor repeats one: their ids,
+    or past CURSOR_IDS of them (a flood in one millisecond) their count.
+    Events of one millisecond come in the same order on every read, so the
+    count is exact too, unless another event lands in that millisecond
+    between two pages."""
     if not 1 <= limit <= MAX_PAGE:
         raise bad_parameter("limit", f"must be between 1 and {MAX_PAGE} (got {limit})")
     seen: set[int] = set()
+    skip = 0
     if cursor:
         try:
-            last_ms, ids = _unpack(cursor)
-            seen = {int(i) for i in ids}
+            last_ms, given = _unpack(cursor)
+            if isinstance(given, list):
+                seen = {int(i) for i in given}
+            else:
+                skip = int(given)
             until = datetime.fromtimestamp(0, UTC) + timedelta(milliseconds=int(last_ms))
+            if skip < 0:
+                raise ValueError(skip)
         except (ValueError, TypeError, OverflowError):
             raise bad_parameter("cursor", "not a cursor this server gave out") from None
-    rows = await history(db, tenant, device_id, since, until, limit + len(seen))
+    rows = await history(db, tenant, device_id, since, until, limit + len(seen) + skip)
     last = epoch_ms(until)
-    page = [r for r in rows if not (epoch_ms(r.ts) == last and r.event_id in seen)][:limit]
+    at_last = [r for r in rows if epoch_ms(r.ts) == last]
+    given_out = {id(r) for r in at_last[:skip]} | {id(r) for r in at_last if r.event_id in seen}
+    page = [r for r in rows if id(r) not in given_out][:limit]
     if len(page) < limit:
         return HistoryPage(page, None)
     end = epoch_ms(page[-1].ts)
-    ids = {r.event_id for r in page if epoch_ms(r.ts) == end} | (seen if end == last else set())
-    return HistoryPage(page, _pack([end, sorted(ids)]))
+    here = [r for r in page if epoch_ms(r.ts) == end]
+    if end == last:
+        ids = {r.event_id for r in here} | seen
+        count = len(here) + len(seen) + skip
+    else:
+        ids, count = {r.event_id for r in here}, len(here)
+    if not skip and len(ids) <= CURSOR_IDS:
+        return HistoryPage(page, _pack([end, sorted(ids)]))
+    return HistoryPage(page, _pack([end, count]))
+
+
+# Event ids a history cursor carries at most (about 20 characters each); past
+# that it carries their count.
+CURSOR_IDS = 16
 
 
 def parse_time(parameter: str, text: str, now: datetime | None = None) -> datetime:
     """An RFC 3339 time, or a duration ago such as ``2h`` or ``30m``."""
     now = now or datetime.now(UTC)
     try:
-        return now - timedelta(seconds=parse_duration(text))
+        seconds = parse_duration(text)
     except ValueError:
         pass
+    else:
+        try:
+            return now - timedelta(seconds=seconds)
+        except OverflowError:  # ago beyond year 1
+            raise bad_parameter(parameter, f"{text!r} reaches back before year 1") from None
     try:
         parsed = datetime.fromisoformat(text)
     except ValueError:

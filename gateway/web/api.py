@@ -69,7 +69,10 @@ log = logging.getLogger(__name__)
 PREFIX = "/api/v1"
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 500
-MAX_PARAM = 512  # characters in any query parameter
+MAX_PARAM = 512  # characters in any query parameter but a cursor
+# A cursor the server gave out: a device cursor holds a device id (up to
+# limits.max_topic_level_length characters, 3 bytes each in UTF-8, then base64).
+MAX_CURSOR = 6000
 LIST_TTL = 0.5
 COUNTS_TTL = 1.0
 SLOW_COUNTS_TTL = 10.0
@@ -126,8 +129,9 @@ class ReadApi:
         async def run(request: web.Request) -> web.StreamResponse:
             try:
                 for name, value in request.query.items():
-                    if len(value) > MAX_PARAM:
-                        raise queries.bad_parameter(name, f"longer than {MAX_PARAM} characters")
+                    most = MAX_CURSOR if name == "cursor" else MAX_PARAM
+                    if len(value) > most:
+                        raise queries.bad_parameter(name, f"longer than {most} characters")
                 answer = await handler(request)
             except _ApiError as exc:
                 headers = [("WWW-Authenticate", "Bearer")] if exc.status == 401 else []

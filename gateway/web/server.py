@@ -48,8 +48,9 @@ whatever it adds. Dependencies go in through closures, never module globals.
   queries), not idle sockets: those are bounded in time by
   ``keepalive_timeout``, in number only by the OS.
 * Logs: aiohttp's protocol errors (bad requests) and failing handlers log
-  through ``gateway.web.http``, at most one record per message per 10 s. The
-  per-request access log is off.
+  through ``gateway.web.http``, at most one record per message per 10 s,
+  with any token's secret masked (a parser error quotes the header line).
+  The per-request access log is off.
 * Stopping (aiohttp's ``AppRunner.cleanup``): the listener closes first, idle
   connections are closed, requests under way get ``shutdown_timeout`` (2 s)
   to finish and are then cancelled.
@@ -73,6 +74,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from ..errors import ConfigError
 from .metrics import METRICS_CONTENT_TYPE
+from .tokens import mask_secrets
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +123,21 @@ class _OncePer(logging.Filter):
         return True
 
 
+class _MaskTokens(logging.Filter):
+    """No token's secret in a record: aiohttp's parser errors quote the
+    request's header lines (a token with a stray CR is a bad header line)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = mask_secrets(record.getMessage()), None
+        if record.exc_info:
+            text = logging.Formatter().formatException(record.exc_info)
+            record.exc_text = mask_secrets(text)
+        return True
+
+
 http_log = logging.getLogger(f"{__package__}.http")
 http_log.addFilter(_OncePer(10.0))
+http_log.addFilter(_MaskTokens())
 
 
 # --------------------------------------------------------------------------

@@ -65,9 +65,17 @@ _MAX_TOKEN_LENGTH = 256
 # A record is well under this; a longer line is not one we wrote.
 _MAX_LINE_BYTES = 4096
 _ID_RE = re.compile(r"[0-9a-f]{8,32}")
+# A token anywhere in a text (a log line quoting a request's header).
+_TOKEN_IN_TEXT = re.compile(rf"({PREFIX}_[0-9a-f]{{8,32}}_)[A-Za-z0-9_-]+")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _ID_BYTES = 4  # 8 hex digits: ids are for typing, uniqueness is checked
 _SECRET_BYTES = 32
+
+
+def mask_secrets(text: str) -> str:
+    """``text`` with every token's secret replaced by ``...`` (its public id
+    stays, so the log still says which token it was)."""
+    return _TOKEN_IN_TEXT.sub(r"\1...", text)
 
 
 class TokenError(GatewayError):
@@ -496,4 +504,4 @@ def _check_keys(keys: Iterable[str]) -> None:
         raise ValueError("missing key 'tenant' (or \"admin\": true)")
     unknown = sorted(present - _KEYS - {"tenant", "admin"})
     if unknown:
-        raise ValueError(f"unknown key {unknown[0]!r}")
+        raise ValueError(f"unknown key {mask_secrets(unknown[0])!r}")
