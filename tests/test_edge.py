@@ -387,6 +387,32 @@ def test_check_says_what_is_wrong_in_its_first_line(driver: str) -> None:
     )
 
 
+def test_check_finds_a_spool_full_by_its_bytes(tmp_path: Path) -> None:
+    """check compared the spool with spool.max_records only, and called a spool
+    full by spool.max_bytes "ok" while the gateway held acknowledgements."""
+    from gateway.ingest.spool import Spool  # noqa: PLC0415
+
+    path = tmp_path / "spool.sqlite"
+
+    async def fill() -> None:
+        async with Spool(path, 1000, 2048) as spool:
+            await spool.append([(1, "t/1", None, b"x" * 3000)])
+            assert spool.full
+
+    asyncio.run(fill())
+    env = base_env(
+        GATEWAY_SPOOL__ENABLED="true",
+        GATEWAY_SPOOL__PATH=str(path),
+        GATEWAY_SPOOL__MAX_BYTES="2048",
+    )
+    result = run_cli("check", env=env, timeout=60)
+    assert result.returncode == 1, result.stdout
+    assert result.stdout.splitlines()[0] == (
+        "the spool is full (3000 bytes, spool.max_bytes): acknowledgements paused"
+    )
+    assert "spool: FULL (acknowledgements paused), 1 messages (3000 bytes) waiting" in result.stdout
+
+
 def test_init_writes_the_example_config_and_keeps_an_existing_file(tmp_path: Path) -> None:
     path = tmp_path / "gateway.toml"
     result = run_cli("init", str(path))

@@ -11,8 +11,12 @@ import time
 from pathlib import Path
 
 import orjson
+import pytest
 
-from gateway.ingest.spool import Spool
+from gateway.errors import SpoolError
+from gateway.ingest.receive import Delivery
+from gateway.ingest.spool import Appended, Spool, SpoolSource
+from gateway.stats import Stats
 from gateway.store.database import Database
 
 from .helpers import device_row, make_config, proxy, publish, running_gateway, telemetry_keys, topic
@@ -31,6 +35,73 @@ async def test_append_read_delete_in_order_and_reopen(tmp_path: Path) -> None:
         assert (spool.depth, spool.bytes) == (6, 45)
         rest = await spool.read(0, 100)
         assert [r.topic for r in rest] == [f"t/{i}" for i in range(5, 11)]
+
+
+class _Acks:
+    """Deliveries' acknowledgements, in the order they came."""
+
+    def __init__(self) -> None:
+        self.done: list[str] = []
+
+    def of(self, topic: str) -> _Ack:
+        return _Ack(self.done, topic)
+
+
+class _Ack:
+    def __init__(self, done: list[str], topic: str) -> None:
+        self._done, self._topic = done, topic
+
+    def done(self) -> None:
+        self._done.append(self._topic)
+
+
+class _NoPipeline:
+    async def put(self, delivery: Delivery) -> None:
+        raise AssertionError("not fed in this test")
+
+
+class _NoFlow:
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+class _SlowSpool(Spool):
+    """A disk whose fsync takes 0.3 s (an SD card)."""
+
+    async def append(self, records: list[Appended]) -> list[int]:
+        await asyncio.sleep(0.3)
+        return await super().append(records)
+
+
+async def test_closing_during_a_commit_with_a_delivery_behind_it_does_not_hang(
+    tmp_path: Path,
+) -> None:
+    """close() while a slow commit was under way and another delivery had come
+    in: append() committed that one too, then waited for ever, close()'s
+    wake-up used up; the gateway never left spool mode, nor stopped."""
+    acks = _Acks()
+    async with _SlowSpool(tmp_path / "s.sqlite", 1000, 10**6) as spool:
+        source = SpoolSource(spool, _NoPipeline(), _NoFlow(), Stats(), 100, 100)
+        task = asyncio.create_task(source.append())
+        source.accept(Delivery("t/0", b"0", None, 1000, acks.of("t/0")))
+        await asyncio.sleep(0.1)  # its commit is under way
+        source.accept(Delivery("t/1", b"1", None, 1001, acks.of("t/1")))
+        source.close()
+        async with asyncio.timeout(5):
+            await task
+        assert acks.done == ["t/0", "t/1"]
+        assert spool.depth == 2
+
+
+async def test_a_spool_folder_that_cannot_be_made_is_a_spool_error(tmp_path: Path) -> None:
+    """It was a PermissionError traceback (or NotADirectoryError, as here)."""
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SpoolError, match="opening it failed"):
+        async with Spool(tmp_path / "file" / "sub" / "s.sqlite", 10, 10**6):
+            pass
 
 
 async def test_full_spool_waits_for_room(tmp_path: Path) -> None:

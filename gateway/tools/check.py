@@ -76,17 +76,26 @@ def _spool(config: Config) -> Result:
         return True, f"spool: empty ({path} not created yet)", ""
     try:
         with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
-            depth, oldest = db.execute("SELECT count(*), min(received_ms) FROM spool").fetchone()
+            depth, size, oldest = db.execute(
+                "SELECT count(*), coalesce(sum(length(payload)), 0), min(received_ms) FROM spool"
+            ).fetchone()
     except sqlite3.Error as exc:
         return False, f"spool: cannot read {path}: {exc}", f"cannot read the spool {path}: {exc}"
     age = 0.0 if oldest is None else max(0.0, time.time() - oldest / 1000)
-    full = depth >= config.spool.max_records
-    state = "FULL (acknowledgements paused)" if full else "ok"
+    # The bounds as the gateway applies them (ingest/spool.py, Spool.full).
+    bound = (
+        f"{depth} messages, spool.max_records"
+        if depth >= config.spool.max_records
+        else f"{size} bytes, spool.max_bytes"
+        if size >= config.spool.max_bytes
+        else None
+    )
+    state = "FULL (acknowledgements paused)" if bound else "ok"
     return (
-        not full,
-        f"spool: {state}, {depth} messages waiting, oldest {age:.0f} s "
+        bound is None,
+        f"spool: {state}, {depth} messages ({size} bytes) waiting, oldest {age:.0f} s "
         f"({path}; drain rate: gateway_spool_drained_total in /metrics)",
-        f"the spool is full ({depth} messages, spool.max_records): acknowledgements paused",
+        f"the spool is full ({bound}): acknowledgements paused",
     )
 
 
