@@ -198,6 +198,46 @@ async def assert_rollups_match_raw(db: Database, tenant: str, device: str) -> No
                 assert math.isclose(g[3], total, rel_tol=1e-9, abs_tol=1e-6), (metric, step)
 
 
+def test_sums_near_the_range_of_a_double_neither_raise_nor_lie() -> None:
+    """math.fsum raised OverflowError when a partial sum passed the largest
+    double, even for a sum that fits; the worker's pass failed on that minute
+    again and again, and no roll-up of any device was written after it."""
+    big = 1.7e308
+    fits = rollups.aggregate([(1, 1, big), (2, 2, big), (3, 3, -big)])
+    assert (fits.count, fits.sum, fits.last) == (3, big, -big)
+    beyond = rollups.aggregate([(1, 1, 1e308), (2, 2, 1e308)])
+    assert (beyond.count, beyond.min, beyond.max, beyond.sum) == (2, 1e308, 1e308, None)
+    assert rollups.merge([beyond, rollups.aggregate([(60_001, 3, 1.0)])]).sum is None
+    hour = rollups.merge([rollups.aggregate([(1, 1, 1e308)]), rollups.aggregate([(2, 2, 1e308)])])
+    assert (hour.count, hour.sum) == (2, None)
+
+
+async def test_a_device_sending_values_near_1e308_stops_no_roll_up(
+    db: Database, gateway: RunningGateway, worker: RollupWorker, tenant: str
+) -> None:
+    """Against the real services: two values of 1e308 in one minute of one
+    device, one ordinary value of another device in the same minute. Both
+    minutes are written; the huge one's sum is null, shown as out of range."""
+    minute = BASE - 10 * MINUTE_MS
+    first_minute = minute_now()
+    await publish_and_wait(
+        gateway,
+        [
+            (topic(tenant, "huge"), orjson.dumps({"ts": minute + 1000, "value": 1e308})),
+            (topic(tenant, "huge"), orjson.dumps({"ts": minute + 2000, "value": 1e308})),
+            (topic(tenant, "plain"), orjson.dumps({"ts": minute + 3000, "value": 2.5})),
+        ],
+    )
+    await settle(worker, first_minute)  # no exception: it used to raise OverflowError
+    since = datetime.fromtimestamp(minute / 1000, UTC)
+    until = since + timedelta(minutes=1)
+    (huge,) = await queries.rollups(db, tenant, "huge", "value", 60, since, until)
+    assert (huge.count, huge.max, huge.sum) == (2, 1e308, None)
+    assert huge.as_json()["sum"] is None
+    (plain,) = await queries.rollups(db, tenant, "plain", "value", 60, since, until)
+    assert (plain.count, plain.sum) == (1, 2.5)
+
+
 @settings(
     max_examples=10,
     deadline=None,

@@ -634,7 +634,9 @@ async def rejected(
 ROLLUP_STEPS = {"1m": 60, "1h": 3600}
 # Rows of one step share a partition per bucket of this span (schema/005_rollups.cql).
 ROLLUP_BUCKET_MS = {60: 86_400_000, 3600: 64 * 86_400_000}
-# Windows one roll-up read may return: a week of minutes, over a year of hours.
+# How long a range one roll-up read may cover, in windows: a week of minutes,
+# over a year of hours. The window holding `since` is read too, so a range of
+# exactly this length that starts inside a window returns one more.
 MAX_ROLLUP_WINDOWS = 10_080
 
 
@@ -649,7 +651,7 @@ class RollupRow:
     count: int
     min: float
     max: float
-    sum: float
+    sum: float | None  # None: beyond the range of a double
     last: float
 
     def as_json(self) -> dict[str, Any]:
@@ -694,8 +696,9 @@ async def rollups(
     since: datetime,
     until: datetime,
 ) -> list[RollupRow]:
-    """The ``step`` windows of ``metric`` that start in [since, until), oldest
-    first; windows without stored raw rows are absent."""
+    """The ``step`` windows of ``metric`` from the one holding ``since`` to
+    the last that starts before ``until``, oldest first; windows without
+    stored raw rows are absent."""
     first, until_ms = check_rollup_range(step, since, until)
     stmt = await db.prepared(
         f"SELECT start, count, min, max, sum, last FROM {db.keyspace}.rollups "

@@ -63,7 +63,9 @@ five requests of its own (6 to 8 ms of CPU per window through the Python
 driver, the worker's cost for a device that sends once a minute). When it
 falls behind, marks wait in Cassandra and ``rollup_lag_seconds`` grows. Sums
 are ``math.fsum`` of the window's values (exactly rounded, whatever order the
-rows come in); an hour's sum adds its minutes' sums.
+rows come in); an hour's sum adds its minutes' sums. A sum beyond the range
+of a double (values near 1e308 added up) is stored as null, its window's
+count, min, max and last as usual (:func:`exact_sum`).
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ import zlib
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from fractions import Fraction
 from typing import Any
 
 import orjson
@@ -174,7 +177,7 @@ class Aggregate:
     count: int
     min: float
     max: float
-    sum: float
+    sum: float | None  # None: beyond the range of a double
     last: float
     last_ts: int  # epoch ms of the newest raw row
     last_id: int  # its event id (ties in ts go to the larger)
@@ -184,8 +187,23 @@ def aggregate(samples: list[tuple[int, int, float]]) -> Aggregate:
     """(ts ms, event id, value) samples, in any order, to their aggregate."""
     values = [v for _, _, v in samples]
     last_ts, last_id, last = max(samples)
-    total = math.fsum(values)
+    total = exact_sum(values)
     return Aggregate(len(values), min(values), max(values), total, last, last_ts, last_id)
+
+
+def exact_sum(values: list[float]) -> float | None:
+    """The exactly rounded sum of finite values, whatever their order; None
+    when it is beyond the range of a double. (``math.fsum`` alone raised
+    OverflowError when a partial sum passed it, even for a sum that fits: a
+    device sending values near 1e308 stopped every roll-up, for good.)"""
+    try:
+        return math.fsum(values)
+    except OverflowError:
+        exact = sum(map(Fraction, values), Fraction(0))
+        try:
+            return float(exact)
+        except OverflowError:
+            return None
 
 
 def merge(parts: list[Aggregate]) -> Aggregate:
@@ -194,11 +212,16 @@ def merge(parts: list[Aggregate]) -> Aggregate:
         sum(a.count for a in parts),
         min(a.min for a in parts),
         max(a.max for a in parts),
-        math.fsum(a.sum for a in parts),
+        _sum_of_sums([a.sum for a in parts]),
         newest.last,
         newest.last_ts,
         newest.last_id,
     )
+
+
+def _sum_of_sums(sums: list[float | None]) -> float | None:
+    known = [s for s in sums if s is not None]
+    return exact_sum(known) if len(known) == len(sums) else None
 
 
 class RollupWorker:

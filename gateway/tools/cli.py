@@ -578,9 +578,10 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
         for r in rows:
             # 12 significant digits: a sum of 0.1 and 0.2 reads 0.3 (--json
             # keeps every digit of the stored double).
+            total = "out-of-range" if r.sum is None else f"{r.sum:.12g}"
             print(
                 f"{queries.iso(r.start)}\tcount={r.count}\tmin={r.min:.12g}\tmax={r.max:.12g}"
-                f"\tsum={r.sum:.12g}\tlast={r.last:.12g}"
+                f"\tsum={total}\tlast={r.last:.12g}"
             )
         print(summary, file=sys.stderr)
     return 0
