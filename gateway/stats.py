@@ -127,6 +127,7 @@ class Stats:
     overflow: int = 0  # messages read after a pause took effect (held, never dropped)
     rollup_marks: int = 0  # dirty-window marks written (store/rollups.py)
     rollup_mark_evictions: int = 0  # marks forgotten at rollups.mark_cache_size (rewritten if seen)
+    metadata_cache_evictions: int = 0  # metadata entries forgotten at metadata.cache_size
     rollup_windows: int = 0  # 1-minute windows recomputed from their raw rows
     rollup_failures: int = 0  # roll-up worker passes that failed (retried; marks stay)
     rollup_lag_s: float = 0.0  # how far the roll-up worker is behind its due minutes

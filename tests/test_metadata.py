@@ -218,6 +218,9 @@ async def test_past_the_cache_bound_an_entry_is_read_again_not_written_or_counte
         await publish(first)
         await gw.wait_handled(len(first))
         assert gw.stats.metadata_writes == 2 + 60 + 60
+        # 122 entries remembered in a cache of 100: 22 forgotten, and counted
+        # (gateway_metadata_cache_evictions_total; it was not anywhere).
+        assert gw.stats.metadata_cache_evictions == 22
         reads = gw.stats.metadata_reads
         # d0's value and device pair were among the oldest, so forgotten.
         await publish(first[:1])

@@ -63,7 +63,7 @@ from collections.abc import Iterator
 
 from ..config import Config
 from ..event import Event
-from ..lru import LRU
+from ..lru import LRU, K, V
 from ..stats import Stats
 from .requests import Requests
 from .rollups import VALUE_METRIC
@@ -182,8 +182,14 @@ class Metadata:
             capped[entry] = False
         if capped:
             return self._rows(event, pending, capped)
-        self._shapes.put(device, (has_value, frozenset(event.metrics), event.tags))
+        self._remember(self._shapes, device, (has_value, frozenset(event.metrics), event.tags))
         return []
+
+    def _remember(self, cache: LRU[K, V], key: K, value: V) -> None:
+        """Put, counting what the cache's bound pushes out (an entry forgotten
+        is looked up, and written if missing, when seen again)."""
+        if cache.put(key, value) is not None:
+            self._stats.metadata_cache_evictions += 1
 
     def _at_cap(self, tenant: str) -> bool:
         """Whether the tenant is known to have reached metadata.max_per_tenant."""
@@ -270,7 +276,7 @@ class Metadata:
         absent: list[Entry] = []
         for entry in wanted:
             if entry in present:
-                self._seen.put(entry, True)
+                self._remember(self._seen, entry, True)
             else:
                 absent.append(entry)
         return absent
@@ -306,7 +312,7 @@ class Metadata:
             reserved = row.get("reserved")
             known = None if reserved is None else int(reserved)
         if known is not None:
-            self._counts.put(tenant, known)
+            self._remember(self._counts, tenant, known)
         wanted.sort(key=lambda e: _PRIORITY[e[0]])
         for index, entry in enumerate(wanted):
             chunk[entry] = index < granted
@@ -321,7 +327,7 @@ class Metadata:
                 seen.touch(entry)  # stored already (or written earlier in this chunk)
             elif verdict:
                 del chunk[entry]
-                seen.put(entry, True)
+                self._remember(seen, entry, True)
                 stats.metadata_writes += 1
                 kind, values = entry[0], entry[1:]
                 out.append(Write(("meta", kind, *values[:-1]), self._insert[kind], values, pending))

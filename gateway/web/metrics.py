@@ -197,6 +197,12 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
         "Written marks forgotten at rollups.mark_cache_size (written again when seen again).",
     ),
     (
+        "gateway_metadata_cache_evictions_total",
+        "metadata_cache_evictions",
+        "Metadata entries, device shapes and tenant counts forgotten at their caches' bounds "
+        "(metadata.cache_size; looked up, and written if missing, when seen again).",
+    ),
+    (
         "gateway_rollup_windows_total",
         "rollup_windows",
         "1-minute windows recomputed from their raw rows.",
