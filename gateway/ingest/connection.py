@@ -132,7 +132,9 @@ class Connection(asyncio.Protocol):
         self._connack: asyncio.Future[ConnAckPacket] = self._loop.create_future()
         self._subacks: dict[int, asyncio.Future[SubAckPacket]] = {}
         self.closed: asyncio.Future[None] = self._loop.create_future()
-        self.malformed = False  # closed because the broker sent a malformed packet
+        # Closed because the broker sent a malformed packet, or one that MQTT
+        # or our CONNECT forbids (a topic alias, one over our maximum size).
+        self.malformed = False
         self.last_received = time.monotonic()
         self.last_sent = time.monotonic()
         self._next_id = 0
@@ -164,9 +166,15 @@ class Connection(asyncio.Protocol):
                 packet, used = read(view[pos:])
             except IndexError:  # an incomplete packet: wait for more bytes
                 break
-            except ValueError as exc:
-                self.malformed = True
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:
+                # ValueError, and what the codec raises from Rust on some bytes
+                # (invalid UTF-8 in a topic: a PanicException, a BaseException).
                 self._abort(DisconnectReasonCode.MALFORMED_PACKET, f"malformed packet: {exc}")
+                return
+            if self._max_packet_size is not None and used > self._max_packet_size:
+                self._abort(DisconnectReasonCode.PACKET_TOO_LARGE, "packet over our maximum")
                 return
             pos += used
             if isinstance(packet, PublishPacket):
@@ -177,8 +185,8 @@ class Connection(asyncio.Protocol):
                 self._on_publish(packet)
             else:
                 self._control(packet)
-            if self._transport is None:
-                return
+            if self._transport is None or self.closed.done():
+                return  # closed by that packet: what follows it is not ours to take
         if pos < end:
             rest = view[pos:]
             if self._max_packet_size is not None and len(rest) > self._max_packet_size + 5:
@@ -337,6 +345,8 @@ class Connection(asyncio.Protocol):
         raise ConnectionLost("connection closed")
 
     def _abort(self, reason: DisconnectReasonCode, detail: str) -> None:
+        if reason != DisconnectReasonCode.KEEP_ALIVE_TIMEOUT:
+            self.malformed = True  # the broker sent what MQTT or our CONNECT forbids
         log.warning("closing the MQTT connection: %s", detail)
         self._fail(ConnectionLost(detail))
         self.close(reason)

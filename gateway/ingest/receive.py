@@ -32,6 +32,7 @@ Promises:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import time
@@ -242,6 +243,12 @@ class Receiver:
                 connack = await connect(
                     conn, cfg.host, cfg.port, self._options(), tls=cfg.tls.context()
                 )
+                # Pings from the CONNACK on: paused reads (a full queue) hold
+                # the SUBACK back too, and the broker must not drop us meanwhile.
+                keepalive = connack.server_keep_alive or cfg.keepalive
+                pinger = asyncio.ensure_future(conn.keepalive(keepalive))
+                pinger.add_done_callback(_retrieve)
+                conn.closed.add_done_callback(functools.partial(_cancel, pinger))
                 if self._paused:
                     conn.pause_reading()
                 self._stats.connects += 1
@@ -260,8 +267,7 @@ class Receiver:
                     ", ".join(self._subscriptions),
                 )
                 self.connected.set()
-                keepalive = connack.server_keep_alive or cfg.keepalive
-                await _until_stopped_or_closed(conn, keepalive, stop)
+                await _until_stopped_or_closed(conn, stop)
                 # Stopping: take no more messages; let what we hold be
                 # written and acknowledged before disconnecting.
                 tracker.taking = False
@@ -279,8 +285,14 @@ class Receiver:
                 self._stats.disconnects += 1
                 if self._connection is not None and self._connection.malformed:
                     self._stats.malformed_packets += 1
+                # The connection is gone: acks that complete during the wait
+                # below are dropped (and counted so), not counted as sent.
+                if tracker is not None:
+                    tracker.close()
                 attempt += 1
-                cap = min(cfg.reconnect_max, cfg.reconnect_min * 2**attempt)
+                # 2**attempt as a float overflowed after 1,024 failed attempts
+                # (hours of outage): the receiver, and the gateway, stopped.
+                cap = min(cfg.reconnect_max, cfg.reconnect_min * 2 ** min(attempt, 32))
                 delay = random.uniform(cfg.reconnect_min, cap)
                 log.warning(
                     "MQTT connection to %s:%d lost or refused (%s); retrying in %.1f s",
@@ -342,14 +354,21 @@ class Receiver:
         return on_publish
 
 
-async def _until_stopped_or_closed(conn: Connection, keepalive: float, stop: asyncio.Event) -> None:
+def _cancel(task: asyncio.Future[None], _closed: asyncio.Future[None]) -> None:
+    task.cancel()
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    if not task.cancelled():
+        task.exception()  # the keepalive's end is the connection's; nothing to report
+
+
+async def _until_stopped_or_closed(conn: Connection, stop: asyncio.Event) -> None:
     """Return when ``stop`` is set; raise ConnectionLost when the connection drops."""
-    pinger = asyncio.ensure_future(conn.keepalive(keepalive))
     stopped = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait((conn.closed, stopped), return_when=asyncio.FIRST_COMPLETED)
     finally:
         stopped.cancel()
-        pinger.cancel()
     if conn.closed.done():
         conn.closed.result()  # raises ConnectionLost
