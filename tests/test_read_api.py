@@ -236,6 +236,21 @@ async def test_tenants_are_isolated(db: Database, tenant: str, tokens: TokenStor
         assert fresh.verify(mine) is None
 
 
+async def every_page(api: Client, path: str, key: str, pages: int) -> list[Any]:
+    """The ``key`` items of every page of ``path`` (a query without a cursor),
+    following next_cursor at most ``pages`` times: each must be taken back."""
+    items: list[Any] = []
+    cursor = ""
+    for _ in range(pages):
+        status, body, _ = await api.get(f"{path}{cursor}")
+        assert status == 200, body
+        items += body[key]
+        if body["next_cursor"] is None:
+            return items
+        cursor = f"&cursor={body['next_cursor']}"
+    raise AssertionError(f"{path}: more than {pages} pages")
+
+
 async def test_history_pages_through_many_events_of_one_millisecond(
     db: Database, tenant: str, tokens: TokenStore
 ) -> None:
@@ -253,20 +268,10 @@ async def test_history_pages_through_many_events_of_one_millisecond(
         )
         await gw.wait_handled(30)
     since = "since=2023-11-14T00:00:00Z&until=2023-11-15T00:00:00Z"
-    values: list[float] = []
-    cursor = ""
     async with client(db, make_config(), tokens, tenant) as api:
-        for _ in range(6):
-            status, body, _ = await api.get(
-                f"/api/v1/tenants/{tenant}/devices/burst/history?{since}&limit=8{cursor}"
-            )
-            assert status == 200, body
-            values += [e["value"] for e in body["events"]]
-            if body["next_cursor"] is None:
-                break
-            assert len(body["next_cursor"]) <= 512
-            cursor = f"&cursor={body['next_cursor']}"
-    assert sorted(values) == list(range(30))  # each once
+        path = f"/api/v1/tenants/{tenant}/devices/burst/history?{since}&limit=8"
+        events = await every_page(api, path, "events", pages=6)
+    assert sorted(e["value"] for e in events) == list(range(30))  # each once
 
 
 async def test_a_device_cursor_with_the_longest_device_id_is_taken_back(
@@ -279,19 +284,10 @@ async def test_a_device_cursor_with_the_longest_device_id_is_taken_back(
     async with running_gateway(make_config()) as gw:
         await publish([(topic(tenant, d), orjson.dumps({"state": "on"})) for d in long_ids])
         await gw.wait_handled(2)
-    listed: list[str] = []
-    cursor = ""
     async with client(db, make_config(), tokens, tenant) as api:
-        for _ in range(4):
-            status, body, _ = await api.get(
-                f"/api/v1/tenants/{tenant}/states/on/devices?limit=1{cursor}"
-            )
-            assert status == 200, body
-            listed += [d["device_id"] for d in body["devices"]]
-            if body["next_cursor"] is None:
-                break
-            cursor = f"&cursor={body['next_cursor']}"
-    assert sorted(listed) == long_ids
+        path = f"/api/v1/tenants/{tenant}/states/on/devices?limit=1"
+        devices = await every_page(api, path, "devices", pages=4)
+    assert sorted(d["device_id"] for d in devices) == long_ids
 
 
 @pytest.mark.parametrize(

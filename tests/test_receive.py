@@ -167,6 +167,21 @@ async def test_a_puback_to_a_receiver_that_never_publishes_is_a_protocol_error()
     assert stats.malformed_packets == 1
 
 
+async def refused_then_reconnected(first: bytes) -> ScriptedBroker:
+    """The first connection gets ``first``, which must close it, counted as
+    malformed; the next one a message, which must arrive."""
+
+    def script(writer: asyncio.StreamWriter, _s: Session, n: int) -> None:
+        writer.write(first if n == 0 else publish_packet(2))
+
+    broker = ScriptedBroker(script)
+    async with broker.running(), receiving(broker) as (got, stats, _):
+        await wait_until(lambda: len(got) == 1, 10, "the message after the reconnect")
+    assert got[0].topic.endswith("d2/events")
+    assert (stats.malformed_packets, stats.connects) == (1, 2)
+    return broker
+
+
 # The codec panics in Rust on it, with a UnicodeDecodeError pending that
 # Python reports as unraisable: the codec's noise, not ours.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -176,31 +191,15 @@ async def test_a_topic_that_is_not_utf8_is_a_malformed_packet() -> None:
     a traceback in the log."""
     topic = b"tenants/t/devices/\xff\xfe/events"
     body = len(topic).to_bytes(2, "big") + topic + (1).to_bytes(2, "big") + b"\x00{}"
-    bad = b"\x32" + bytes([len(body)]) + body
-
-    def script(writer: asyncio.StreamWriter, _s: Session, n: int) -> None:
-        writer.write(bad if n == 0 else publish_packet(2))
-
-    broker = ScriptedBroker(script)
-    async with broker.running(), receiving(broker) as (got, stats, _):
-        await wait_until(lambda: len(got) == 1, 10, "the message after the reconnect")
-    assert got[0].topic.endswith("d2/events")
-    assert (stats.malformed_packets, stats.connects) == (1, 2)
+    await refused_then_reconnected(b"\x32" + bytes([len(body)]) + body)
 
 
 async def test_a_whole_packet_over_our_maximum_is_refused_and_counted() -> None:
     """Only a partial packet was checked against the Maximum Packet Size we
     advertise: a whole one in one read was taken and acknowledged."""
-    big = publish_packet(1, b"x" * (max_packet_size(64 * 1024) + 100))
-
-    def script(writer: asyncio.StreamWriter, _s: Session, n: int) -> None:
-        writer.write(big if n == 0 else publish_packet(2))
-
-    broker = ScriptedBroker(script)
-    async with broker.running(), receiving(broker) as (got, stats, _):
-        await wait_until(lambda: len(got) == 1, 10, "the message after the reconnect")
-    assert got[0].topic.endswith("d2/events")
-    assert (stats.malformed_packets, stats.connects) == (1, 2)
+    broker = await refused_then_reconnected(
+        publish_packet(1, b"x" * (max_packet_size(64 * 1024) + 100))
+    )
     assert broker.sessions[0].pubacks == []
 
 
