@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -102,6 +103,52 @@ async def test_a_spool_folder_that_cannot_be_made_is_a_spool_error(tmp_path: Pat
     with pytest.raises(SpoolError, match="opening it failed"):
         async with Spool(tmp_path / "file" / "sub" / "s.sqlite", 10, 10**6):
             pass
+
+
+@pytest.mark.parametrize(
+    ("schema", "says"),
+    [
+        ("CREATE TABLE users (id INTEGER, name TEXT)", "it holds the tables users"),
+        ("CREATE TABLE spool (seq INTEGER, data BLOB)", "its spool table has no"),
+    ],
+)
+async def test_a_file_that_is_not_a_spool_is_refused_untouched(
+    tmp_path: Path, schema: str, says: str
+) -> None:
+    """A SQLite file of another program's (spool.path pointed at the wrong
+    file) was adopted: a spool table added beside its own, or a column added
+    to its own spool table before the open failed."""
+    path = tmp_path / "other.sqlite"
+    with sqlite3.connect(path) as db:
+        db.execute(schema)
+    before = path.read_bytes()
+    with pytest.raises(SpoolError, match=says):
+        async with Spool(path, 10, 10**6):
+            pass
+    assert path.read_bytes() == before
+
+
+def _remove(path: Path, *, replace: bool) -> None:
+    """What a cleanup job or a hand would do to the spool's files."""
+    for file in path.parent.glob(path.name + "*"):
+        file.unlink()
+    if replace:
+        path.write_bytes(b"")
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+async def test_a_spool_removed_or_replaced_while_open_fails_the_next_commit(
+    tmp_path: Path, how: str
+) -> None:
+    """SQLite went on committing into the removed file: acknowledged messages
+    were gone at the next start. Now the commit fails, before any ack."""
+    path = tmp_path / "s.sqlite"
+    async with Spool(path, 100, 10**6) as spool:
+        await spool.append([(1, "t/1", None, b"1")])
+        _remove(path, replace=how == "replaced")
+        with pytest.raises(SpoolError, match="removed or replaced while open"):
+            await spool.append([(2, "t/2", None, b"2")])
+        assert spool.depth == 1
 
 
 async def test_full_spool_waits_for_room(tmp_path: Path) -> None:

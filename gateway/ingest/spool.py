@@ -34,6 +34,13 @@ host may free room at any time, and a gateway that stays up keeps its
 session, its metrics and its health answer; a restart loop would only add
 log noise and lose nothing more.
 
+The file is ours alone: one holding other tables, or a ``spool`` table of
+another shape, is refused at open, untouched. A spool file removed or
+replaced while open (by hand, by a cleanup job) fails the next commit with a
+SpoolError, before anything of it is acknowledged: SQLite would go on
+writing to the removed file, and what it acknowledged would be gone at the
+next start.
+
 :class:`Spool` is the storage; :class:`SpoolSource` is the pipeline's source
 in spool mode (it feeds the same queue as the MQTT receiver does otherwise).
 """
@@ -43,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import sqlite3
 import time
 from collections.abc import Iterable, Sequence
@@ -80,6 +88,9 @@ CREATE TABLE IF NOT EXISTS spool (
 )
 """
 
+# What a spool table has had from the start (redelivered came later).
+_COLUMNS = frozenset({"seq", "received_ms", "topic", "content_type", "payload"})
+
 # Spools written before the DUP flag was kept get the column (false) on open.
 _ADD_REDELIVERED = "ALTER TABLE spool ADD COLUMN redelivered INTEGER NOT NULL DEFAULT 0"
 
@@ -114,6 +125,7 @@ class Spool:
         self.full_since: float | None = None
         self.disk_full_since: float | None = None
         self._db: sqlite3.Connection | None = None
+        self._inode = 0  # the file's, at open: another means it was removed or replaced
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spool")
         self._room = asyncio.Event()
         self._room.set()
@@ -127,6 +139,9 @@ class Spool:
         except OSError as exc:  # its folder cannot be made
             self._thread.shutdown(wait=True)
             raise SpoolError(f"spool {self.path}: opening it failed: {exc}") from None
+        except SpoolError:  # not a spool
+            self._thread.shutdown(wait=True)
+            raise
         self._update_room()
         return self
 
@@ -247,6 +262,7 @@ class Spool:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         try:
+            self._check_ours(db)  # before anything is written to the file
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=FULL")
             db.execute(_SCHEMA)
@@ -260,7 +276,36 @@ class Spool:
             db.close()
             raise
         self.depth, self.bytes, self._oldest_ms = count, size, oldest
+        self._inode = os.stat(self.path).st_ino
         self._db = db
+
+    def _check_ours(self, db: sqlite3.Connection) -> None:
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        others = sorted(tables - {"spool", "sqlite_sequence"})
+        if others:
+            raise SpoolError(
+                f"spool {self.path}: not a spool (it holds the tables {', '.join(others)}); "
+                "left untouched"
+            )
+        if "spool" in tables:
+            columns = {row[1] for row in db.execute("PRAGMA table_info(spool)")}
+            missing = sorted(_COLUMNS - columns)
+            if missing:
+                raise SpoolError(
+                    f"spool {self.path}: not a spool (its spool table has no "
+                    f"{', '.join(missing)}); left untouched"
+                )
+
+    def _same_file(self) -> None:
+        try:
+            inode = os.stat(self.path).st_ino
+        except OSError:
+            inode = -1
+        if inode != self._inode:
+            raise SpoolError(
+                f"spool {self.path}: the file was removed or replaced while open; "
+                "nothing more is acknowledged into it"
+            )
 
     def _close(self) -> None:
         if self._db is not None:
@@ -270,6 +315,7 @@ class Spool:
     def _append(self, records: list[Appended]) -> list[int]:
         db = self._db
         assert db is not None
+        self._same_file()
         db.execute("BEGIN IMMEDIATE")
         try:
             seqs = []
