@@ -4,6 +4,7 @@ Cassandra is away (through the cuttable proxy of helpers.py)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sqlite3
 import subprocess
@@ -126,6 +127,24 @@ async def test_a_file_that_is_not_a_spool_is_refused_untouched(
         async with Spool(path, 10, 10**6):
             pass
     assert path.read_bytes() == before
+
+
+async def test_a_spool_this_user_cannot_write_is_refused_at_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It opened (SQLite falls back to reading), the gateway said READY, and
+    the first message's commit stopped it. The tests run as root, for whom
+    every file is writable, and the interpreter is not reachable by another
+    user: os.access is made to say what it says to a user without write
+    permission (the fault injected)."""
+    path = tmp_path / "s.sqlite"
+    async with Spool(path, 10, 10**6):
+        pass
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: p != path and real(p, mode))
+    with pytest.raises(SpoolError, match="is not writable by this user"):
+        async with Spool(path, 10, 10**6):
+            pass
 
 
 def _remove(path: Path, *, replace: bool) -> None:

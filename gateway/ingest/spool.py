@@ -260,6 +260,11 @@ class Spool:
 
     def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # SQLite opens a file it may not write read-only, and the first commit
+        # (the first message, the gateway READY by then) would be refused.
+        for what in (self.path, self.path.parent):
+            if what.exists() and not os.access(what, os.W_OK):
+                raise SpoolError(f"spool {self.path}: {what} is not writable by this user")
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         try:
             self._check_ours(db)  # before anything is written to the file
