@@ -32,7 +32,6 @@ Promises:
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import random
 import time
@@ -236,6 +235,7 @@ class Receiver:
         cfg = self._config
         while not stop.is_set():
             tracker: AckTracker | None = None
+            pinger: asyncio.Future[None] | None = None
             try:
                 tracker = AckTracker(self._puback, self._stats, cfg.receive_maximum)
                 conn = Connection(self._on_publish(tracker, handler), self._max_packet_size)
@@ -247,8 +247,6 @@ class Receiver:
                 # the SUBACK back too, and the broker must not drop us meanwhile.
                 keepalive = connack.server_keep_alive or cfg.keepalive
                 pinger = asyncio.ensure_future(conn.keepalive(keepalive))
-                pinger.add_done_callback(_retrieve)
-                conn.closed.add_done_callback(functools.partial(_cancel, pinger))
                 if self._paused:
                     conn.pause_reading()
                 self._stats.connects += 1
@@ -307,6 +305,8 @@ class Receiver:
                 except TimeoutError:
                     pass
             finally:
+                if pinger is not None:
+                    pinger.cancel()
                 if self._connection is not None:
                     self._connection.close()
                 self._connection = None
@@ -352,15 +352,6 @@ class Receiver:
             )
 
         return on_publish
-
-
-def _cancel(task: asyncio.Future[None], _closed: asyncio.Future[None]) -> None:
-    task.cancel()
-
-
-def _retrieve(task: asyncio.Future[None]) -> None:
-    if not task.cancelled():
-        task.exception()  # the keepalive's end is the connection's; nothing to report
 
 
 async def _until_stopped_or_closed(conn: Connection, stop: asyncio.Event) -> None:

@@ -172,7 +172,6 @@ class _Device:
         "quiet_since",
         "sampled_out",
         "since",
-        "slot",
         "state",
         "state_ts",
         "target",
@@ -199,7 +198,6 @@ class _Device:
         self.noisy = False
         self.since = 0.0
         self.quiet_since: float | None = None
-        self.slot = 0
         self.kept_at = 0.0  # when its last slot was kept (or it became noisy)
         self.sampled_out = 0
         self.beyond = 0  # bit i: rule i's metric was beyond its threshold last time
@@ -276,7 +274,7 @@ class Sampler:
         self._tenants.put(name, ten)
         return ten
 
-    def _resolve(self, dev: _Device, params: _TenantParams, topic: str, now: float) -> None:
+    def _resolve(self, dev: _Device, params: _TenantParams, topic: str) -> None:
         noisy_above, noisy_for = params.noisy_above, params.noisy_for
         target = params.target_rate
         for levels, o_noisy, o_for, o_target in self._overrides:
@@ -288,12 +286,6 @@ class Sampler:
                 if o_target is not None:
                     target = o_target
                 break
-        if dev.noisy and target != dev.target:
-            # Its slots were counted at the old target: recount them at the new
-            # one from the last kept event (from now, a device alternating
-            # between two targets would find its slot taken every time; at the
-            # old count, a lower target would keep nothing until it caught up).
-            dev.slot = int((dev.kept_at - dev.since) * target)
         dev.topic, dev.target = topic, target
         dev.noisy_above, dev.noisy_for = noisy_above, noisy_for
 
@@ -332,7 +324,7 @@ class Sampler:
                     return _QUOTA
                 known.add(device_id)
             dev = _Device(topic, 0.0, 0.0, 0.0, now)
-            self._resolve(dev, ten.params, topic, now)
+            self._resolve(dev, ten.params, topic)
             evicted = devices.put(key, dev)
             if evicted is not None:
                 self._forget(*evicted)
@@ -343,7 +335,7 @@ class Sampler:
                 ts = 0
         else:
             if topic != dev.topic:
-                self._resolve(dev, ten.params, topic, now)
+                self._resolve(dev, ten.params, topic)
             if ts is None:
                 ts = dev.newest_ts + 1
             late = ts < dev.newest_ts
@@ -407,7 +399,6 @@ class Sampler:
                     dev.loud_since = None
                     dev.noisy = True
                     dev.since = dev.kept_at = now
-                    dev.slot = 0
                     dev.sampled_out = 0
                     dev.quiet_since = None
                     transition = True
@@ -483,10 +474,12 @@ class Sampler:
         if dev.noisy:
             # Keep the first event of each 1/target slot since the device became
             # noisy: evenly spread, at most target per second, whatever the rate.
-            slot = int((now - dev.since) * dev.target)
-            keep = slot > dev.slot
+            # The last kept event's slot is counted at the device's target now,
+            # not remembered: a topic whose target differs (one device, two
+            # topic templates) neither starves it nor lets it burst.
+            since, target = dev.since, dev.target
+            keep = int((now - since) * target) > int((dev.kept_at - since) * target)
             if keep:
-                dev.slot = slot
                 dev.kept_at = now
             if keep and ten.max_rate is not None and not self._take_token(ten, now):
                 ten.tenant_rate_sampled += 1
