@@ -344,6 +344,33 @@ def test_silent_noisy_device_is_quiet_on_its_next_event() -> None:
     assert sampler.decide(TENANT, "d1", _topic(TENANT, "d1"), "on", {}).reason == "normal"
 
 
+
+@pytest.mark.parametrize("quiet_for", [0.05, 0.2, 1.0])
+def test_the_noisy_list_says_what_the_next_event_finds(quiet_for: float) -> None:
+    """noisy() reports a silent device as its next event would find it. An
+    event counts half its own jump in the estimate (about 0.07 msg/s at the
+    default half-life), so for the 0.25 s after the estimate decays under
+    quiet_below an event still reads as loud: with quiet_for under that, the
+    list called the device quiet while its next event kept it noisy."""
+    crossing: float | None = None
+    mismatches = []
+    for step in range(80):
+        clock = FakeClock()
+        sampler = _sampler(clock, quiet_for=f"{quiet_for}s")
+        _make_noisy(sampler, clock)
+        silent_from = clock.now
+        if crossing is None:  # when the estimate falls under quiet_below
+            while sampler.rate(TENANT, "d1") >= 2.0:
+                clock.now += 0.001
+            crossing = clock.now - silent_from
+        clock.now = silent_from + crossing + step * 0.01
+        listed = [d.device_id for d in sampler.noisy(TENANT)] == ["d1"]
+        verdict = sampler.decide(TENANT, "d1", _topic(TENANT, "d1"), "on", {})
+        still_noisy = verdict.reason != "transition"
+        if listed != still_noisy:
+            mismatches.append((round(clock.now - silent_from - crossing, 2), listed))
+    assert mismatches == []
+
 # --- per-tenant and per-topic settings --------------------------------------
 
 

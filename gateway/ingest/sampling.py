@@ -511,10 +511,12 @@ class Sampler:
 
     def _still_noisy(self, dev: _Device, now: float) -> bool:
         # A noisy device that went silent is not re-evaluated until its next
-        # event; report what that event would find.
+        # event; report what that event would find. The event reads the
+        # estimate with half its own jump (decide's ``est``), so it is still
+        # loud until the decayed estimate is that much under quiet_below.
         q = self._quiet_below
         acc = dev.acc * math.exp(-self._lam * max(0.0, now - dev.last))
-        if acc >= q:
+        if acc + self._half_lam >= q:
             return True
         quiet_since = dev.quiet_since
         if quiet_since is None:
