@@ -155,9 +155,10 @@ async def raw_samples(
             rows[(as_ms(r.ts), r.event_id)] = r
     out: dict[str, list[tuple[int, int, float]]] = {}
     for (ts, event_id), r in rows.items():
-        pairs = ([("value", r.value_num)] if r.value_num is not None else []) + list(
-            (r.metrics or {}).items()
-        )
+        metrics = dict(r.metrics or {})
+        if r.value_num is not None:  # the top-level value is metric "value"
+            metrics["value"] = r.value_num
+        pairs = list(metrics.items())
         for metric, v in pairs:
             out.setdefault(metric, []).append((ts, event_id, v))
     return out
@@ -236,6 +237,38 @@ async def test_a_device_sending_values_near_1e308_stops_no_roll_up(
     assert huge.as_json()["sum"] is None
     (plain,) = await queries.rollups(db, tenant, "plain", "value", 60, since, until)
     assert (plain.count, plain.sum) == (1, 2.5)
+
+
+async def test_a_top_level_value_and_a_metric_named_value_count_once(
+    db: Database, gateway: RunningGateway, worker: RollupWorker, tenant: str
+) -> None:
+    """The top-level ``value`` is rolled up as metric ``value``; an event that
+    also carries ``metrics.value`` gave that metric two samples, so each such
+    event counted twice and its sum held both numbers. The top-level value is
+    the event's ``value``; ``metrics.value`` stays in the raw row."""
+    minute = BASE - 12 * MINUTE_MS
+    first_minute = minute_now()
+    both = {"value": 5.0, "metrics": {"value": 7.0, "a": 1.0}}
+    await publish_and_wait(
+        gateway,
+        [
+            (topic(tenant, "both"), orjson.dumps({"ts": minute + 1000, **both})),
+            (topic(tenant, "both"), orjson.dumps({"ts": minute + 2000, **both})),
+            (topic(tenant, "inner"), orjson.dumps({"ts": minute + 3000, "metrics": {"value": 7}})),
+        ],
+    )
+    await settle(worker, first_minute)
+    since = datetime.fromtimestamp(minute / 1000, UTC)
+    until = since + timedelta(minutes=1)
+    (value,) = await queries.rollups(db, tenant, "both", "value", 60, since, until)
+    assert (value.count, value.sum, value.last) == (2, 10.0, 5.0)
+    (a,) = await queries.rollups(db, tenant, "both", "a", 60, since, until)
+    assert (a.count, a.sum) == (2, 2.0)
+    # Without a top-level value, metrics.value is the event's value metric.
+    (inner,) = await queries.rollups(db, tenant, "inner", "value", 60, since, until)
+    assert (inner.count, inner.sum) == (1, 7.0)
+    (raw,) = await queries.history(db, tenant, "both", since, until, 1)
+    assert raw.metrics == {"value": 7.0, "a": 1.0}  # kept as sent
 
 
 @settings(

@@ -1,6 +1,7 @@
 """Roll-ups: 1-minute and 1-hour count/min/max/sum/last per device and numeric
 metric (the event's ``value`` when numeric, as metric ``value``, and each
-entry of ``metrics``), kept exact under shuffled, duplicated, late and
+entry of ``metrics``; beside a numeric ``value``, ``metrics.value`` is not
+rolled up), kept exact under shuffled, duplicated, late and
 back-filled events.
 
 How, and why this way (the tsdb-cassandra README's "re-write the window"):
@@ -121,10 +122,17 @@ def mark_shard(tenant: str, device_id: str) -> int:
 
 
 def numeric_metrics(value: float | None, metrics: dict[str, float]) -> Iterable[tuple[str, float]]:
-    """The (metric, value) pairs of one event that roll-ups keep."""
-    if value is not None:
-        yield VALUE_METRIC, value
-    yield from metrics.items()
+    """The (metric, value) pairs of one event that roll-ups keep: one per
+    metric. A numeric top-level ``value`` is metric ``value``; a metric of that
+    name beside it is left to the raw row (counting both made each such event
+    count twice)."""
+    if value is None:
+        yield from metrics.items()
+        return
+    yield VALUE_METRIC, value
+    for pair in metrics.items():
+        if pair[0] != VALUE_METRIC:
+            yield pair
 
 
 class RollupMarks:
