@@ -344,7 +344,6 @@ def test_silent_noisy_device_is_quiet_on_its_next_event() -> None:
     assert sampler.decide(TENANT, "d1", _topic(TENANT, "d1"), "on", {}).reason == "normal"
 
 
-
 @pytest.mark.parametrize("quiet_for", [0.05, 0.2, 1.0])
 def test_the_noisy_list_says_what_the_next_event_finds(quiet_for: float) -> None:
     """noisy() reports a silent device as its next event would find it. An
@@ -370,6 +369,7 @@ def test_the_noisy_list_says_what_the_next_event_finds(quiet_for: float) -> None
         if listed != still_noisy:
             mismatches.append((round(clock.now - silent_from - crossing, 2), listed))
     assert mismatches == []
+
 
 # --- per-tenant and per-topic settings --------------------------------------
 
