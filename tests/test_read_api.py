@@ -320,6 +320,36 @@ async def test_bad_parameters_are_400_naming_the_parameter(
     assert body["detail"].startswith(f"{parameter}:"), body
 
 
+@pytest.mark.parametrize(
+    "query",
+    [
+        "states/on/devices?limit=abc",
+        "states/on/devices?prefix=" + "x" * 600,
+        "states/on/devices?cursor=" + "c" * 7000,
+        f"devices/{D1}/history?since=yesterday",
+        "rejected?since=soon",
+    ],
+)
+async def test_the_token_is_checked_before_the_parameters(
+    db: Database, tenant: str, tokens: TokenStore, query: str
+) -> None:
+    """Without a token, a bad parameter was a 400 naming it, and a too-long
+    one a 400 before any token was looked at: who may not read a tenant
+    learns nothing about its API but 401, or 403 for another tenant's token."""
+    other = tokens.add(tenant=f"o{uuid.uuid4().hex[:12]}").token
+    async with client(db, make_config(), tokens, tenant) as api:
+        path = f"/api/v1/tenants/{tenant}/{query}"
+        status, body, response = await api.get(path, token="")
+        assert (status, body["error"]) == (401, "unauthorized"), body
+        assert response.headers["WWW-Authenticate"] == "Bearer"
+        status, body, _ = await api.get(path, token="gwt_00000000_" + "x" * 43)
+        assert (status, body["error"]) == (401, "unauthorized"), body
+        status, body, _ = await api.get(path, token=other)
+        assert (status, body["error"]) == (403, "forbidden"), body
+        status, body, _ = await api.get(path)
+        assert (status, body["error"]) == (400, "bad_parameter"), body
+
+
 async def test_unknown_paths_and_methods_are_json_errors(
     db: Database, tenant: str, tokens: TokenStore
 ) -> None:

@@ -20,8 +20,9 @@ through, so the page, curl and ``gateway devices`` always agree. Routes (all
 Promises:
 
 * **Access.** ``Authorization: Bearer <token>`` (``gateway token add``). No or
-  an unknown token: 401. A token of another tenant: 403. An admin token
-  reads every tenant. Tokens are never logged (aiohttp's access log is off).
+  an unknown token: 401. A token of another tenant: 403. Both are checked
+  before any parameter, so a caller without access gets nothing else. An
+  admin token reads every tenant. Tokens are never logged (aiohttp's access log is off).
 * **Errors** are ``{"error", "detail"}``: 400 names the bad parameter, 404
   an unknown device; Cassandra unreachable or refusing is 503, never a 500.
 * **Live pages by conditional polling.** Every answer carries an ``ETag`` (a
@@ -124,15 +125,18 @@ class ReadApi:
     # -- plumbing ---------------------------------------------------------
 
     def _handle(
-        self, handler: Callable[[web.Request], Awaitable[_Cached]]
+        self, handler: Callable[[web.Request, Grant], Awaitable[_Cached]]
     ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def run(request: web.Request) -> web.StreamResponse:
             try:
+                # The token first: who may not read the tenant learns nothing
+                # about its parameters (401 or 403, never a 400).
+                grant = self._grant(request, request.match_info.get("tenant"))
                 for name, value in request.query.items():
                     most = MAX_CURSOR if name == "cursor" else MAX_PARAM
                     if len(value) > most:
                         raise queries.bad_parameter(name, f"longer than {most} characters")
-                answer = await handler(request)
+                answer = await handler(request, grant)
             except _ApiError as exc:
                 headers = [("WWW-Authenticate", "Bearer")] if exc.status == 401 else []
                 return error_response(
@@ -205,8 +209,7 @@ class ReadApi:
 
     # -- routes -------------------------------------------------------------
 
-    async def _me(self, request: web.Request) -> _Cached:
-        grant = self._grant(request)
+    async def _me(self, request: web.Request, grant: Grant) -> _Cached:
         if grant.tenant is not None:
             return _answer({"admin": False, "tenants": [grant.tenant]})
         configured = set(self._config.tenants)
@@ -217,9 +220,8 @@ class ReadApi:
 
         return await self._cached("me:admin", COUNTS_TTL, compute)
 
-    async def _states(self, request: web.Request) -> _Cached:
+    async def _states(self, request: web.Request, grant: Grant) -> _Cached:
         tenant = request.match_info["tenant"]
-        self._grant(request, tenant)
 
         async def compute() -> tuple[Any, float]:
             started = time.monotonic()
@@ -235,9 +237,8 @@ class ReadApi:
 
         return await self._cached(f"states:{tenant}", COUNTS_TTL, compute)
 
-    async def _devices(self, request: web.Request) -> _Cached:
+    async def _devices(self, request: web.Request, grant: Grant) -> _Cached:
         tenant, state = request.match_info["tenant"], request.match_info["state"]
-        self._grant(request, tenant)
         query = request.query
         limit = _int(query, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
         cursor = query.get("cursor") or None
@@ -264,9 +265,8 @@ class ReadApi:
 
         return await self._cached(f"devices:{request.path_qs}", LIST_TTL, compute)
 
-    async def _device(self, request: web.Request) -> _Cached:
+    async def _device(self, request: web.Request, grant: Grant) -> _Cached:
         tenant, device = request.match_info["tenant"], request.match_info["device_id"]
-        self._grant(request, tenant)
 
         async def compute() -> tuple[Any, float]:
             row = await queries.latest_event(self._db, tenant, device)
@@ -279,9 +279,8 @@ class ReadApi:
             raise _ApiError(404, "not_found", f"no device {device!r} in tenant {tenant!r}")
         return answer
 
-    async def _history(self, request: web.Request) -> _Cached:
+    async def _history(self, request: web.Request, grant: Grant) -> _Cached:
         tenant, device = request.match_info["tenant"], request.match_info["device_id"]
-        self._grant(request, tenant)
         query = request.query
         since, until = _day_range(query)
         if since >= until:
@@ -298,9 +297,8 @@ class ReadApi:
             }
         )
 
-    async def _rollups(self, request: web.Request) -> _Cached:
+    async def _rollups(self, request: web.Request, grant: Grant) -> _Cached:
         tenant, device = request.match_info["tenant"], request.match_info["device_id"]
-        self._grant(request, tenant)
         query = request.query
         since, until = _day_range(query)
         step = queries.parse_step(query.get("step") or "1m")
@@ -318,9 +316,8 @@ class ReadApi:
 
         return await self._cached(f"rollups:{request.path_qs}", LIST_TTL, compute)
 
-    async def _meta(self, request: web.Request) -> _Cached:
+    async def _meta(self, request: web.Request, grant: Grant) -> _Cached:
         tenant = request.match_info["tenant"]
-        self._grant(request, tenant)
         what = request.path.rsplit("/", 1)[-1]
         db = self._db
         if what == "devices":
@@ -342,9 +339,8 @@ class ReadApi:
 
         return await self._cached(f"meta:{request.path_qs}", COUNTS_TTL, compute)
 
-    async def _rejected(self, request: web.Request) -> _Cached:
+    async def _rejected(self, request: web.Request, grant: Grant) -> _Cached:
         tenant = request.match_info["tenant"]
-        self._grant(request, tenant)
         query = request.query
         now = datetime.now(UTC)
         since = _time(query, "since", now - timedelta(hours=1), now)
