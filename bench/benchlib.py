@@ -541,7 +541,7 @@ async def read_back(
     async def one(device: str) -> list[Stored]:
         async with limit:
             wanted = await history_partitions(db, tenant, device, *ALL_TIME)
-            parts = [await db.execute(rows_of, (tenant, device, *p)) for p in wanted]
+            parts = [await db.execute(rows_of, (tenant, device, p.start, p.shard)) for p in wanted]
         return [
             Stored(device, epoch_ms(r.ts), r.event_id, r.wt, r.received_ms)
             for r in unique_events(parts)

@@ -4,7 +4,8 @@
   the default single bucket it is one partition read (Solution 3).
 * ``history`` lists the device's raw-telemetry partitions for the range from
   ``telemetry_partitions`` (whatever bucket sizes and shards were used), reads
-  each once, and merges them newest first, one copy per event
+  them newest first, at most HISTORY_READS at once and only as many as the
+  page needs, and merges them newest first, one copy per event
   (``history_partitions``, ``unique_events``; the bench's read-back check,
   bench/benchlib.py, goes through the same two).
 """
@@ -15,11 +16,12 @@ import asyncio
 import base64
 import binascii
 import heapq
+import itertools
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -418,11 +420,20 @@ async def latest_event(db: Database, tenant: str, device_id: str) -> LatestRow |
     )
 
 
+class Partition(NamedTuple):
+    """One raw-telemetry partition of a device: its key's last two parts,
+    and when the newest event it may hold ends (epoch ms, exclusive)."""
+
+    start: datetime
+    shard: int
+    end_ms: int
+
+
 async def history_partitions(
     db: Database, tenant: str, device_id: str, since: datetime, until: datetime
-) -> list[tuple[datetime, int]]:
-    """(bucket_start, shard) of each of the device's raw-telemetry partitions
-    that may hold events in [since, until], once each."""
+) -> list[Partition]:
+    """The device's raw-telemetry partitions that may hold events in
+    [since, until], once each, newest end first."""
     since_ms = epoch_ms(since)
     partitions = await db.execute(
         f"SELECT bucket_start, shard, bucket_seconds FROM {db.keyspace}.telemetry_partitions "
@@ -435,11 +446,14 @@ async def history_partitions(
     for p in partitions:
         key = (p.bucket_start, p.shard)
         longest[key] = max(longest.get(key, 0), p.bucket_seconds)
-    return [
-        (start, shard)
+    found = [
+        Partition(start, shard, epoch_ms(start) + seconds * 1000)
         for (start, shard), seconds in longest.items()
-        if epoch_ms(start) + seconds * 1000 > since_ms
     ]
+    # Ties in a fixed order: events of one millisecond in two partitions then
+    # come out in the same order on every read (history_page's cursor).
+    found.sort(key=lambda p: (-p.end_ms, -epoch_ms(p.start), p.shard))
+    return [p for p in found if p.end_ms > since_ms]
 
 
 def unique_events(parts: Iterable[Iterable[Any]]) -> Iterator[Any]:
@@ -468,6 +482,10 @@ async def history(
     until: datetime,
     limit: int,
 ) -> list[HistoryRow]:
+    """The device's newest ``limit`` events in [since, until], newest first.
+    Its partitions are read newest first, HISTORY_READS at a time, until the
+    events found fill the page with none older than a partition not read
+    yet; so a page of a long range reads a few partitions, not all of them."""
     wanted = await history_partitions(db, tenant, device_id, since, until)
     query = (
         f"SELECT ts, event_id, state, value, value_num, metrics, tags FROM {db.keyspace}.telemetry "
@@ -475,27 +493,31 @@ async def history(
         "AND ts >= %s AND ts <= %s LIMIT %s"
     )
     since_ms, until_ms = epoch_ms(since), epoch_ms(until)
-    parts = await asyncio.gather(
-        *(
-            db.execute(query, (tenant, device_id, start, shard, since_ms, until_ms, limit))
-            for start, shard in wanted
-        )
-    )
-    out = []
-    for r in unique_events(parts):
-        out.append(
-            HistoryRow(
-                r.ts,
-                r.state,
-                _value(r.value, r.value_num),
-                dict(r.metrics or {}),
-                dict(r.tags or {}),
-                r.event_id,
+    parts: list[list[Any]] = []
+    merged: list[Any] = []
+    for first in range(0, len(wanted), HISTORY_READS):
+        parts += await asyncio.gather(
+            *(
+                db.execute(query, (tenant, device_id, p.start, p.shard, since_ms, until_ms, limit))
+                for p in wanted[first : first + HISTORY_READS]
             )
         )
-        if len(out) >= limit:
+        merged = list(itertools.islice(unique_events(parts), limit))
+        rest = wanted[first + HISTORY_READS : first + HISTORY_READS + 1]
+        # Every partition not read yet ends at or before rest[0]'s end.
+        if len(merged) == limit and (not rest or epoch_ms(merged[-1].ts) >= rest[0].end_ms):
             break
-    return out
+    return [
+        HistoryRow(
+            r.ts,
+            r.state,
+            _value(r.value, r.value_num),
+            dict(r.metrics or {}),
+            dict(r.tags or {}),
+            r.event_id,
+        )
+        for r in merged
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -558,6 +580,9 @@ async def history_page(
 # Event ids a history cursor carries at most (about 20 characters each); past
 # that it carries their count.
 CURSOR_IDS = 16
+# Partition reads one history query has in flight (history: newest first, as
+# many as its page needs).
+HISTORY_READS = 16
 
 
 def parse_time(parameter: str, text: str, now: datetime | None = None) -> datetime:
