@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 
 from ..stats import Stats
 
@@ -48,7 +48,9 @@ class HotPartitions:
         self._on_hot = on_hot
         self._on_window = on_window
 
-    def count(self, key: Hashable) -> None:
+    def count(self, keys: Iterable[Hashable]) -> None:
+        """One write to each of ``keys`` (a key may repeat), all at one time:
+        the sink counts a chunk's writes in one call."""
         now = time.monotonic()
         if now - self._started >= self._window:
             hot, self._hot = self._hot, set()
@@ -56,20 +58,23 @@ class HotPartitions:
             self._started = now
             self._on_window(hot)
         counts = self._counts
-        current = counts.get(key)
-        if current is None:
-            if len(counts) >= self._max:
-                self._stats.untracked_writes += 1
-                return
-            current = 0
-        current += 1
-        counts[key] = current
-        if current == self._threshold + 1:
-            self._hot.add(key)
-            self._stats.hot_partitions += 1
-            table = str(key[0]) if isinstance(key, tuple) else "?"
-            self._stats.hot_by_table.add(table)
-            log.warning(
-                "hot partition %s: over %d writes in %.0f s", key, self._threshold, self._window
-            )
-            self._on_hot(key)
+        threshold, most = self._threshold, self._max
+        for key in keys:
+            current = counts.get(key)
+            if current is None:
+                if len(counts) >= most:
+                    self._stats.untracked_writes += 1
+                    continue
+                current = 0
+            current += 1
+            counts[key] = current
+            if current == threshold + 1:
+                self._went_hot(key)
+
+    def _went_hot(self, key: Hashable) -> None:
+        self._hot.add(key)
+        self._stats.hot_partitions += 1
+        table = str(key[0]) if isinstance(key, tuple) else "?"
+        self._stats.hot_by_table.add(table)
+        log.warning("hot partition %s: over %d writes in %.0f s", key, self._threshold, self._window)
+        self._on_hot(key)

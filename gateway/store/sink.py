@@ -111,11 +111,14 @@ class Sink:
     async def submit(self, writes: list[Write]) -> None:
         """Group by partition and send; returns once every request is sent."""
         groups: dict[Hashable, list[Write]] = {}
-        count = self._hot.count
-        for write in writes:
-            write.pending.add()
-            count(write.partition)
-            groups.setdefault(write.partition, []).append(write)
+        for write in writes:  # a plain loop: this runs for every row
+            write.pending.remaining += 1
+            group = groups.get(write.partition)
+            if group is None:
+                groups[write.partition] = [write]
+            else:
+                group.append(write)
+        self._hot.count([w.partition for w in writes])
         if self._session.batch_partitions > 1:
             await self._submit_packed(groups.values())
             return
