@@ -76,5 +76,7 @@ class HotPartitions:
         self._stats.hot_partitions += 1
         table = str(key[0]) if isinstance(key, tuple) else "?"
         self._stats.hot_by_table.add(table)
-        log.warning("hot partition %s: over %d writes in %.0f s", key, self._threshold, self._window)
+        log.warning(
+            "hot partition %s: over %d writes in %.0f s", key, self._threshold, self._window
+        )
         self._on_hot(key)
