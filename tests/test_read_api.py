@@ -5,6 +5,7 @@ requests get a 4xx that names the problem, never a 500."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import signal
 import subprocess
 import sys
@@ -344,6 +345,35 @@ async def test_history_reads_newest_partitions_first_and_only_as_many_as_a_page_
         cursor = page.next_cursor
     assert [(e.ts, e.event_id) for e in got] == [(e.ts, e.event_id) for e in everything]
     assert most <= queries.HISTORY_READS
+
+
+@pytest.mark.parametrize("given", ["3000000000", "100000000000000000000", "1e300", "10001"])
+async def test_a_history_cursor_counting_too_many_events_is_a_400(
+    db: Database, tenant: str, tokens: TokenStore, given: str
+) -> None:
+    """A cursor's count of events already given out at its millisecond went
+    into each partition read's LIMIT: past a 32-bit int, Cassandra refused
+    the read and the API answered 503 "Cassandra did not answer"; under it, a
+    forged count made every partition read up to that many rows."""
+    now_ms = queries.epoch_ms(datetime.now(UTC))
+    start = now_ms - now_ms % 900_000
+    await db.execute(
+        f"INSERT INTO {db.keyspace}.telemetry_partitions (tenant, device_id, bucket_start, "
+        "shard, bucket_seconds) VALUES (%s, 'd', %s, 0, 900)",
+        (tenant, start),
+    )
+    await db.execute(
+        f"INSERT INTO {db.keyspace}.telemetry (tenant, device_id, bucket_start, shard, ts, "
+        "event_id, state) VALUES (%s, 'd', %s, 0, %s, 1, 'on')",
+        (tenant, start, start + 5),
+    )
+    cursor = base64.urlsafe_b64encode(f"[{now_ms},{given}]".encode()).decode().rstrip("=")
+    async with client(db, make_config(), tokens, tenant) as api:
+        status, body, _ = await api.get(
+            f"/api/v1/tenants/{tenant}/devices/d/history?since=1h&cursor={cursor}"
+        )
+    assert status == 400, body
+    assert body["detail"].startswith("cursor:"), body
 
 
 async def test_a_device_cursor_with_the_longest_device_id_is_taken_back(

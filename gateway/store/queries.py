@@ -558,6 +558,14 @@ async def history_page(
                 raise ValueError(skip)
         except (ValueError, TypeError, OverflowError):
             raise bad_parameter("cursor", "not a cursor this server gave out") from None
+        if skip > HISTORY_MAX_SKIP:
+            # Each partition read would fetch that many rows more (and past a
+            # 32-bit int, Cassandra refuses the LIMIT).
+            raise bad_parameter(
+                "cursor",
+                f"more than {HISTORY_MAX_SKIP} events at {iso(until)} paged through; "
+                "to go on, set until before that time",
+            )
     rows = await history(db, tenant, device_id, since, until, limit + len(seen) + skip)
     last = epoch_ms(until)
     at_last = [r for r in rows if epoch_ms(r.ts) == last]
@@ -583,6 +591,9 @@ CURSOR_IDS = 16
 # Partition reads one history query has in flight (history: newest first, as
 # many as its page needs).
 HISTORY_READS = 16
+# Events of one millisecond a history cursor may count as given out: the
+# page after reads that many rows more from each partition.
+HISTORY_MAX_SKIP = 10_000
 
 
 def parse_time(parameter: str, text: str, now: datetime | None = None) -> datetime:
