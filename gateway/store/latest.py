@@ -260,7 +260,7 @@ class LatestState:
             self._stats.newest_read_ahead += len(keys)
             await self._read_marked(keys)
 
-    async def _read_marked(self, keys: list[tuple[str, str]]) -> None:
+    async def _read_marked(self, keys: list[tuple[str, str]]) -> dict[tuple[str, str], _Newest]:
         """:meth:`_read_newest`, with the keys marked as being read meanwhile
         (a chunk that needs one waits for this read instead of reading again)."""
         done = asyncio.get_running_loop().create_future()
@@ -268,7 +268,7 @@ class LatestState:
         for key in mine:
             self._reading[key] = done
         try:
-            await self._read_newest(keys)
+            return await self._read_newest(keys)
         finally:
             for key in mine:
                 del self._reading[key]
@@ -279,8 +279,15 @@ class LatestState:
     async def prepare_chunk(self, events: list[Event], over_ids: set[int]) -> set[int]:
         """After :meth:`over_budget`: the ids of events whose latest-table
         writes must be skipped (older than the device's newest write; module
-        docstring). Reads the newest write of devices not known for sure."""
+        docstring). Reads the newest write of devices not known for sure.
+
+        The chunk holds its devices' entries itself (``held``) across its
+        waits: meanwhile the read-ahead of the events queued behind it puts
+        up to a queue's worth of devices into the cache, which may evict
+        them (a cache smaller than a chunk plus the queue: the chunk then
+        took its devices for unknown and wrote their late events)."""
         stale: set[int] = set()
+        held: dict[tuple[str, str], _Newest] = {}
         to_read: dict[tuple[str, str], None] = {}
         for event in events:
             if event.state is None or id(event) in over_ids:
@@ -289,6 +296,8 @@ class LatestState:
             entry = self._newest.peek(key)
             if entry is None or not entry.sure:
                 to_read[key] = None
+            else:
+                held[key] = entry
         if to_read:
             reading = {self._reading[key] for key in to_read if key in self._reading}
             if reading:
@@ -296,21 +305,25 @@ class LatestState:
                 for key in list(to_read):
                     entry = self._newest.peek(key)
                     if entry is not None and entry.sure:
+                        held[key] = entry
                         del to_read[key]
             if to_read:
                 # Not read ahead yet (still waiting for the reader, or past
                 # its bound): read here, and take them off the reader's list.
                 for key in to_read:
                     self._to_read.pop(key, None)
-                await self._read_marked(list(to_read))
+                held |= await self._read_marked(list(to_read))
+        newest = self._newest
         for event in events:
             if event.state is None or id(event) in over_ids:
                 continue
             key = (event.tenant, event.device_id)
-            entry = self._newest.get(key)
+            entry = held[key]
+            if newest.get(key) is not entry:
+                newest.put(key, entry)  # evicted while the chunk waited: back
             # A newer write makes this one's latest writes moot at best, and
             # harmful when its deletes missed a state or were purged.
-            if entry is not None and entry.write_ts == event.write_ts and entry.event_id:
+            if entry.write_ts == event.write_ts and entry.event_id:
                 if event.event_id < entry.event_id:
                     stale.add(id(event))  # a tie lost: see below
                     self._stats.stale_latest += 1
@@ -322,22 +335,21 @@ class LatestState:
                     # a tombstone wins a tie, so the winner goes one µs later.
                     event.write_ts += 1
                     self._stats.tie_breaks += 1
-            if entry is not None and entry.write_ts > event.write_ts:
+            if entry.write_ts > event.write_ts:
                 stale.add(id(event))
                 self._stats.stale_latest += 1
                 continue
-            if entry is None:
-                self._newest.put(key, _Newest(event.write_ts, False, event.event_id))
-            elif event.write_ts > entry.write_ts:
+            if event.write_ts > entry.write_ts:
                 entry.write_ts, entry.event_id = event.write_ts, event.event_id
         return stale
 
-    async def _read_newest(self, keys: list[tuple[str, str]]) -> None:
+    async def _read_newest(self, keys: list[tuple[str, str]]) -> dict[tuple[str, str], _Newest]:
         """The newest state-bearing write of these devices, for sure: Cassandra's,
-        merged with what this process has written since."""
+        merged with what this process has written since; their entries."""
         self._stats.newest_reads += len(keys)
         newest = self._newest_state
         stored = await self._requests.read_keys(keys, lambda prefix: (newest, prefix), "device_id")
+        read: dict[tuple[str, str], _Newest] = {}
         for key in keys:
             entry = self._newest.peek(key)
             row = stored.get(key, {})
@@ -357,6 +369,8 @@ class LatestState:
                 entry = _Newest(-1, True)  # nothing stored, nothing seen yet
             entry.sure = True
             self._newest.put(key, entry)
+            read[key] = entry
+        return read
 
     def writes(self, event: Event, pending: Pending) -> list[Write]:
         tenant, device = event.tenant, event.device_id
