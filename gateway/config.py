@@ -409,7 +409,8 @@ class LimitsConfig(_Model):
 
 class TenantConfig(_Model):
     # Solution 5's artificial buckets per state partition; 1 is Solution 3.
-    # Choose before data arrives: changing it moves devices to other buckets.
+    # Choose before data arrives: the first gateway that writes the tenant
+    # records it in Cassandra, and every reader and writer uses that number.
     state_buckets: int = Field(default=1, ge=1, le=1024)
     # Raw telemetry partition size: one partition per device and time bucket.
     telemetry_bucket: Duration = 3600.0

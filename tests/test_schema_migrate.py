@@ -2,7 +2,9 @@
 (from before state generations, or before the device_hash clustering column)
 is refused by `schema apply`, with the way out named, and rebuilt by
 `migrate` from latest_events_by_device, write timestamps kept; a
-latest_events_by_device from before state_event_id gains the column."""
+latest_events_by_device from before state_event_id gains the column, and
+tenant_states the tenant's recorded state_buckets; `gateway run` on such a
+keyspace stops with one line naming `gateway schema apply`."""
 
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ def test_an_old_state_table_is_refused_then_migrated(old_table: str) -> None:
         session.execute(old_table.format(ks=keyspace))
         # Older still: latest_events_by_device before state_event_id.
         session.execute(f"ALTER TABLE {keyspace}.latest_events_by_device DROP state_event_id")
+        # And tenant_states before state_buckets.
+        session.execute(f"ALTER TABLE {keyspace}.tenant_states DROP state_buckets")
         insert = (
             f"INSERT INTO {keyspace}.latest_events_by_device "
             "(tenant, device_id, state, ts, value, value_num, tags) "
@@ -53,6 +57,15 @@ def test_an_old_state_table_is_refused_then_migrated(old_table: str) -> None:
         )
         session.execute(insert, ("acme", "door-2", "shut", 2_000, "x", None, None, 2_000_000))
         session.execute(insert, ("acme", "meter", None, 3_000, None, 1.0, None, 3_000_000))
+
+        # The gateway itself names the way out too (it was a traceback).
+        no_api = {"GATEWAY_API__ENABLED": "false", "GATEWAY_MQTT__CLIENT_ID": f"gw-{keyspace}"}
+        run = run_cli("run", env=env | no_api, timeout=60)
+        assert run.returncode != 0
+        last = run.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"gateway: keyspace {keyspace!r} lacks"), run.stderr
+        assert last.endswith("run `gateway schema apply`"), run.stderr
+        assert "Traceback" not in run.stderr
 
         refused = run_cli("schema", "apply", env=env)
         assert refused.returncode != 0
@@ -87,6 +100,11 @@ def test_an_old_state_table_is_refused_then_migrated(old_table: str) -> None:
             (keyspace,),
         )
         assert "state_event_id" in {c.column_name for c in columns}
+        # migrate recorded the state_buckets it rebuilt the tenant with.
+        (recorded,) = session.execute(
+            f"SELECT state_buckets FROM {keyspace}.tenant_states WHERE tenant = 'acme'"
+        )
+        assert recorded.state_buckets == 1
         listed = run_cli("devices", "--tenant", "acme", "--state", "open", "--json", env=env)
         assert listed.returncode == 0, listed.stderr
         assert '"door-1"' in listed.stdout

@@ -163,6 +163,51 @@ async def test_late_events_of_many_devices_with_a_small_device_cache(
     assert counts["on"] == 1500
 
 
+async def test_readers_and_writers_use_the_state_buckets_the_tenant_was_written_with(
+    db: Database, tenant: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A gateway wrote 20 devices into "on" with state_buckets 4. A reader
+    whose config lacked the tenant's setting (so 1: `gateway devices`, or a
+    `gateway serve` with its own config) listed 5 of them, exit code 0; a
+    writer configured with 2 put a device that changed state into another
+    bucket than the one its old row was deleted from. The first writer now
+    records the number beside the tenant's states; everyone uses it."""
+    setting = f"GATEWAY_TENANTS__{tenant.upper()}__STATE_BUCKETS"
+    devices = [f"lamp{i:02d}" for i in range(20)]
+    t0 = int(time.time() * 1000) - 10_000
+    async with running_gateway(make_config(**{setting: "4"})) as gw:
+        await publish([msg(tenant, d, ts=t0, state="on") for d in devices])
+        await gw.wait_handled(20)
+    plain = make_config()  # state_buckets 1 for every tenant
+    listed = await queries.devices_in_state(db, plain, tenant, "on")
+    assert sorted(r.device_id for r in listed) == devices
+    assert dict(await queries.state_counts(db, plain, tenant)) == {"on": 20}
+    result = run_cli("devices", "--tenant", tenant, "--state", "on", "--json")
+    assert result.returncode == 0, result.stderr
+    assert sorted(d["device_id"] for d in orjson.loads(result.stdout)) == devices
+    caplog.clear()
+    async with running_gateway(make_config(**{setting: "2"})) as gw:
+        await publish([msg(tenant, d, ts=t0 + 1000, state="off") for d in devices])
+        await gw.wait_handled(20)
+    assert any(
+        f"tenants.{tenant}.state_buckets" in r.getMessage() and "4" in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
+    assert await queries.devices_in_state(db, plain, tenant, "on") == []
+    listed = await queries.devices_in_state(db, plain, tenant, "off")
+    assert sorted(r.device_id for r in listed) == devices
+    assert dict(await queries.state_counts(db, plain, tenant)) == {"on": 0, "off": 20}
+    for d in devices:
+        assert await states_of_buckets(db, tenant, d, ["on", "off"], 4) == ["off"]
+
+
+async def states_of_buckets(
+    db: Database, tenant: str, device: str, states: list[str], buckets: int
+) -> list[str]:
+    """The state partitions the device is in, over ``buckets`` buckets."""
+    return [s for s in states if device in await state_rows(db, tenant, s, buckets)]
+
+
 def _nodetool(*args: str) -> None:
     result = subprocess.run(
         ["bash", str(ROOT / "cassandra" / "cassandra.sh"), "nodetool", *args],

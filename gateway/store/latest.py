@@ -39,6 +39,13 @@ Promises and bounds:
 * Other gateway instances may register states; known states are re-read every
   ``pipeline.states_refresh`` seconds. Between two refreshes an instance can
   miss a brand-new state in its deletes (documented in the README).
+* A device's bucket is ``crc32(device_id) % state_buckets``, so every
+  reader and writer of a tenant must use one number: the first gateway that
+  loads the tenant's states records its ``tenants.<t>.state_buckets`` beside
+  them (``tenant_states.state_buckets``, a compare-and-set), and from then
+  on every writer and reader (``queries.state_buckets``) uses the recorded
+  number. A gateway whose config says otherwise logs a warning naming the
+  key when it loads the tenant, and writes where readers read.
 * Events without a state update latest_events_by_device only (the device stays
   in the state partition it was in).
 * Deletes only on a change. The deletes into every other state are written by
@@ -125,6 +132,7 @@ class Part:
 @dataclass(slots=True)
 class _TenantStates:
     states: dict[str, int]  # state -> registered_at (epoch ms)
+    buckets: int  # state_buckets, as recorded in tenant_states
     parts: dict[tuple[str, int], Part] = field(default_factory=dict)  # (state, bucket)
     loaded_at: float = field(default_factory=time.monotonic)
 
@@ -136,6 +144,7 @@ class LatestState:
     _select_states: Prepared
     _select_parts: Prepared
     _register: Prepared
+    _record_buckets: Prepared
     _newest_state: Prepared
 
     def __init__(self, requests: Requests, config: Config, stats: Stats) -> None:
@@ -186,7 +195,12 @@ class LatestState:
             timestamps=(4,),
         )
         self._select_states = await session.prepare(
-            "SELECT state, registered_at FROM {keyspace}.tenant_states WHERE tenant = ?"
+            "SELECT state, registered_at, state_buckets FROM {keyspace}.tenant_states "
+            "WHERE tenant = ?"
+        )
+        self._record_buckets = await session.prepare(
+            "UPDATE {keyspace}.tenant_states SET state_buckets = ? WHERE tenant = ? "
+            "IF state_buckets = null"
         )
         self._register = await session.prepare(
             "INSERT INTO {keyspace}.tenant_states (tenant, state, registered_at) "
@@ -396,12 +410,12 @@ class LatestState:
         ]
         if event.state is None:
             return out
-        bucket = state_bucket(device, self._config.tenant(tenant).state_buckets)
-        hashed = device_hash(device)
         tenant_states = self._tenants.peek(tenant)
         # prepare_chunk loaded it, and a chunk (pipeline.batch_max_events) holds
         # fewer tenants than MAX_TENANTS, so it cannot have been evicted since.
         assert tenant_states is not None
+        bucket = state_bucket(device, tenant_states.buckets)
+        hashed = device_hash(device)
         part = self._part(tenant_states, event.state, bucket)
         value = state_value(event.value_text, event.value_num)
         for gen in part.gens():
@@ -479,16 +493,41 @@ class LatestState:
             self._requests.execute(self._select_states, (tenant,)),
             self._requests.execute(self._select_parts, (tenant,)),
         )
-        states = {row["state"]: stored_ms(row["registered_at"]) for row in rows}
+        # A tenant with state_buckets recorded and no state yet: one row, state null.
+        states = {r["state"]: stored_ms(r["registered_at"]) for r in rows if r["state"]}
         if known is not None:
             known.states.update(states)
             known.loaded_at = time.monotonic()
         else:
-            known = _TenantStates(states)
+            recorded = rows[0]["state_buckets"] if rows else None
+            known = _TenantStates(states, await self._buckets(tenant, recorded))
             self._tenants.put(tenant, known)
         for row in parts:
             self._learn(tenant, known, row)
         return known
+
+    async def _buckets(self, tenant: str, recorded: int | None) -> int:
+        """The tenant's state_buckets: as recorded, else this config's, recorded
+        now (compare-and-set: another instance may record it first)."""
+        mine = self._config.tenant(tenant).state_buckets
+        if recorded is None:
+            rows = await self._requests.execute(self._record_buckets, (mine, tenant))
+            if rows[0]["[applied]"]:
+                return mine
+            recorded = int(rows[0]["state_buckets"])
+        if recorded != mine:  # once per load into the tenant cache
+            log.warning(
+                "tenant %r: its devices are in %d state buckets (recorded in Cassandra "
+                "by the gateway that first wrote it), tenants.%s.state_buckets here is %d: "
+                "using %d; set it to %d to match",
+                tenant,
+                recorded,
+                tenant,
+                mine,
+                recorded,
+                recorded,
+            )
+        return recorded
 
     def _learn(self, tenant: str, known: _TenantStates, row: dict[str, Any]) -> None:
         """Merge a state_partitions row into what this process knows: Cassandra

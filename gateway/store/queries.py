@@ -189,7 +189,7 @@ async def devices_page(
     """
     if not 1 <= limit <= MAX_PAGE:
         raise bad_parameter("limit", f"must be between 1 and {MAX_PAGE} (got {limit})")
-    buckets = config.tenant(tenant).state_buckets
+    buckets = await state_buckets(db, config, tenant)
     bucket, after = decode_cursor(cursor, buckets) if cursor else (0, START)
     gens = await state_generations(db, tenant, state)
     stmt = await db.prepared(
@@ -363,17 +363,31 @@ async def devices_in_state(db: Database, config: Config, tenant: str, state: str
 
 async def known_states(db: Database, tenant: str) -> list[str]:
     """Every state the tenant has used (``tenant_states``), by name."""
+    return (await _tenant_states(db, tenant))[0]
+
+
+async def state_buckets(db: Database, config: Config, tenant: str) -> int:
+    """The tenant's state_buckets: as the gateway that first wrote the tenant
+    recorded it (store/latest.py), else (nothing written yet) the config's."""
+    return (await _tenant_states(db, tenant))[1] or config.tenant(tenant).state_buckets
+
+
+async def _tenant_states(db: Database, tenant: str) -> tuple[list[str], int | None]:
+    """The tenant's states by name, and its recorded state_buckets (or None)."""
     rows = await db.execute(
-        await db.prepared(f"SELECT state FROM {db.keyspace}.tenant_states WHERE tenant = ?"),
+        await db.prepared(
+            f"SELECT state, state_buckets FROM {db.keyspace}.tenant_states WHERE tenant = ?"
+        ),
         (tenant,),
     )
-    return sorted(r.state for r in rows)
+    recorded = rows[0].state_buckets if rows else None
+    return sorted(r.state for r in rows if r.state is not None), recorded
 
 
 async def state_counts(db: Database, config: Config, tenant: str) -> list[tuple[str, int]]:
     """(state, devices) for every state the tenant has used, most devices first."""
-    states = await known_states(db, tenant)
-    buckets = config.tenant(tenant).state_buckets
+    states, recorded = await _tenant_states(db, tenant)
+    buckets = recorded or config.tenant(tenant).state_buckets
     count = await db.prepared(
         f"SELECT COUNT(*) AS n FROM {db.keyspace}.latest_events_by_state "
         "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ?"

@@ -129,7 +129,8 @@ async def migrate(
     """Rebuild latest_events_by_state in the current layout from
     latest_events_by_device; returns the rows written. Idempotent: a second
     run (or one after an interruption) writes the same rows again.
-    ``state_buckets`` gives a tenant's ``state_buckets`` setting."""
+    ``state_buckets`` gives a tenant's ``state_buckets`` setting, used where
+    Cassandra has none recorded (store/latest.py), and then recorded."""
     if await old_state_layout(db):
         await db.execute(f"DROP TABLE {db.keyspace}.latest_events_by_state")
     await apply(db)
@@ -144,7 +145,17 @@ async def migrate(
             f"SELECT tenant, state, bucket, gen FROM {db.keyspace}.state_partitions"
         )
     }
-    buckets: dict[str, int] = {}
+    buckets: dict[str, int] = {
+        r.tenant: r.state_buckets
+        for r in await db.execute(
+            f"SELECT DISTINCT tenant, state_buckets FROM {db.keyspace}.tenant_states"
+        )
+        if r.state_buckets is not None
+    }
+    record = await db.prepared(
+        f"UPDATE {db.keyspace}.tenant_states SET state_buckets = ? WHERE tenant = ? "
+        "IF state_buckets = null"
+    )
     written = 0
     after = -(2**63)
     page = (
@@ -162,7 +173,9 @@ async def migrate(
             if r.state is None or r.wt is None:
                 continue
             if r.tenant not in buckets:
-                buckets[r.tenant] = state_buckets(r.tenant)
+                rows = await db.execute(record, (state_buckets(r.tenant), r.tenant))
+                applied = rows[0]
+                buckets[r.tenant] = state_buckets(r.tenant) if applied[0] else applied.state_buckets
             bucket = state_bucket(r.device_id, buckets[r.tenant])
             gen = gens.get((r.tenant, r.state, bucket), 0)
             value = state_value(r.value, r.value_num)

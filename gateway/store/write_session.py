@@ -74,6 +74,7 @@ from cassandra.query import UNSET_VALUE, BatchStatement, BatchType
 
 from cassandra import (
     CoordinationFailure,
+    InvalidRequest,
     OperationTimedOut,
     ReadTimeout,
     Unavailable,
@@ -81,7 +82,7 @@ from cassandra import (
 )
 
 from ..config import CassandraConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, SchemaError
 from .database import DICT_ROWS, Database, cannot_connect, connect
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,14 @@ class WriteSession(ABC):
     @abstractmethod
     async def prepare(self, template: str, timestamps: Sequence[int] = ()) -> Prepared:
         """Prepare ``template`` (``{keyspace}`` is filled in)."""
+
+    def out_of_date(self, exc: BaseException) -> SchemaError:
+        """A statement Cassandra refused to prepare: the keyspace lacks a
+        table or column of this version (an upgrade without ``schema apply``)."""
+        return SchemaError(
+            f"keyspace {self.keyspace!r} lacks what this version of the gateway writes "
+            f"({exc}): run `gateway schema apply`"
+        )
 
     @abstractmethod
     def bind(self, prepared: Prepared, values: Sequence[Any]) -> Any:
@@ -209,7 +218,10 @@ class PythonSession(WriteSession):
     async def prepare(self, template: str, timestamps: Sequence[int] = ()) -> Prepared:
         cql = self.cql(template)
         # Session.prepare blocks on the network: never on the event loop.
-        native = await asyncio.get_running_loop().run_in_executor(None, self._db.prepare, cql)
+        try:
+            native = await asyncio.get_running_loop().run_in_executor(None, self._db.prepare, cql)
+        except InvalidRequest as exc:
+            raise self.out_of_date(exc) from None
         return Prepared(cql, native, timestamps)
 
     def bind(self, prepared: Prepared, values: Sequence[Any]) -> Any:
@@ -261,6 +273,7 @@ class AcsyllaSession(WriteSession):
         self._session = session
         self._new_batch = create_batch_unlogged
         self._create_statement = create_statement
+        self._invalid_query = errors.CassErrorServerInvalidQuery
         self.transient = (
             errors.CassErrorServerWriteTimeout,
             errors.CassErrorServerReadTimeout,
@@ -285,7 +298,10 @@ class AcsyllaSession(WriteSession):
 
     async def prepare(self, template: str, timestamps: Sequence[int] = ()) -> Prepared:
         cql = self.cql(template)
-        native = await self._session.create_prepared(cql, timeout=self.config.request_timeout)
+        try:
+            native = await self._session.create_prepared(cql, timeout=self.config.request_timeout)
+        except self._invalid_query as exc:
+            raise self.out_of_date(exc) from None
         return Prepared(cql, native, timestamps)
 
     def bind(self, prepared: Prepared, values: Sequence[Any]) -> Any:
