@@ -199,6 +199,12 @@ async def test_paging_crosses_buckets_and_filters_by_prefix_and_tag(
             f"dev-{i:05d}" for i in range(count) if i % 7 == 3
         }
         assert all(d["tags"] == {"floor": "3"} for d in floor3)
+        # KEY=VALUE (the form of /meta/devices and the CLI) filters the same;
+        # it was a 400 "expected KEY:VALUE".
+        status, colon, _ = await api.get(f"{base}?tag=floor:3&limit=50")
+        status, equals, _ = await api.get(f"{base}?tag=floor=3&limit=50")
+        assert status == 200, equals
+        assert equals["devices"] == colon["devices"]
 
         status, body, _ = await api.get(f"/api/v1/tenants/{tenant}/states")
         assert body["states"] == [{"state": "on", "devices": count}]

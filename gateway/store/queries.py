@@ -151,9 +151,12 @@ def decode_cursor(cursor: str, buckets: int) -> tuple[int, Position]:
 
 
 def parse_tag(tag: str) -> tuple[str, str]:
+    """``KEY:VALUE``, or ``KEY=VALUE`` (the form of /meta/devices and the CLI)."""
     key, sep, value = tag.partition(":")
+    if not sep:
+        key, sep, value = tag.partition("=")
     if not sep or not key:
-        raise bad_parameter("tag", f"expected KEY:VALUE, e.g. floor:3 (got {tag!r})")
+        raise bad_parameter("tag", f"expected KEY:VALUE or KEY=VALUE, e.g. floor:3 (got {tag!r})")
     return key, value
 
 

@@ -427,7 +427,7 @@ OPENAPI: dict[str, Any] = {
             "tenant",
             "state",
             extra=f"query: limit (1-{MAX_LIMIT}, default {DEFAULT_LIMIT}), cursor "
-            "(next_cursor of the previous page), prefix (device id), tag (KEY:VALUE)",
+            "(next_cursor of the previous page), prefix (device id), tag (KEY:VALUE or KEY=VALUE)",
         ),
         PREFIX + "/tenants/{tenant}/devices/{device_id}": _path(
             "A device's latest event (404 if none)", "tenant", "device_id"
