@@ -282,6 +282,30 @@ async def test_history_pages_through_many_events_of_one_millisecond(
     assert sorted(e["value"] for e in events) == list(range(30))  # each once
 
 
+@pytest.mark.parametrize("buckets", [1, 4])
+async def test_a_page_that_ends_the_list_exactly_has_no_next_cursor(
+    db: Database, tenant: str, tokens: TokenStore, buckets: int
+) -> None:
+    """Exactly 100 devices in a state: a page of 100 (or the second of 50)
+    came with a next_cursor, and the page showed "Next" onto an empty page
+    ("No devices are in state standby right now")."""
+    config = make_config(**{f"GATEWAY_TENANTS__{tenant.upper()}__STATE_BUCKETS": str(buckets)})
+    async with running_gateway(config) as gw:
+        await publish([(topic(tenant, f"s{i:03d}"), b'{"state":"standby"}') for i in range(100)])
+        await gw.wait_handled(100)
+    async with client(db, config, tokens, tenant) as api:
+        path = f"/api/v1/tenants/{tenant}/states/standby/devices"
+        status, body, _ = await api.get(f"{path}?limit=100")
+        assert status == 200, body
+        assert (len(body["devices"]), body["next_cursor"]) == (100, None)
+        status, first, _ = await api.get(f"{path}?limit=50")
+        assert first["next_cursor"] is not None
+        status, second, _ = await api.get(f"{path}?limit=50&cursor={first['next_cursor']}")
+        assert (len(second["devices"]), second["next_cursor"]) == (50, None)
+        both = {d["device_id"] for d in first["devices"] + second["devices"]}
+        assert both == {f"s{i:03d}" for i in range(100)}
+
+
 async def test_history_reads_newest_partitions_first_and_only_as_many_as_a_page_needs(
     db: Database, tenant: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -188,7 +188,9 @@ async def devices_page(
     rotation (generations keep positions). ``prefix`` and ``tag`` are
     filters: rows are read, then kept when the device id starts with
     ``prefix`` and the tags hold KEY with VALUE, at most SCAN_BUDGET rows per
-    page; a page that runs out comes back short, with a cursor.
+    page; a page that runs out comes back short, with a cursor. Each read
+    asks for one row more than it needs, so that a page that ends the list
+    exactly says so (no cursor onto an empty page).
     """
     if not 1 <= limit <= MAX_PAGE:
         raise bad_parameter("limit", f"must be between 1 and {MAX_PAGE} (got {limit})")
@@ -213,7 +215,7 @@ async def devices_page(
     while bucket < buckets:
         want = min(MAX_PAGE, SCAN_BUDGET - scanned) if filtered else limit - len(out)
         gen = gens.get(bucket, 0)
-        params = (tenant, state, bucket, gen, *after, want)
+        params = (tenant, state, bucket, gen, *after, want + 1)  # one to look ahead
         rows = await _read_state(db, stmt, params, tenant, state, buckets)
         scanned += len(rows)
         matching = [r for r in rows if keep(r)]
@@ -233,9 +235,10 @@ async def devices_page(
                 break
         if len(out) == limit:
             last = (rows[-1].device_hash, rows[-1].device_id)
-            more = after != last or len(rows) == want
-            return _page(out, encode_cursor(bucket, after) if more else _next(bucket, buckets))
-        if len(rows) == want:
+            if after != last or len(rows) > want:
+                return _page(out, encode_cursor(bucket, after))
+            return _page(out, await _next(db, stmt, tenant, state, gens, bucket, buckets))
+        if len(rows) > want:
             if filtered and scanned >= SCAN_BUDGET:
                 return _page(out, encode_cursor(bucket, after))
             continue  # more in this bucket
@@ -314,9 +317,22 @@ async def _stale(
     return {device for _, device, _ in leftovers}
 
 
-def _next(bucket: int, buckets: int) -> str | None:
-    """The cursor of the start of the next bucket (None: that was the last)."""
-    return encode_cursor(bucket + 1, START) if bucket + 1 < buckets else None
+async def _next(
+    db: Database,
+    stmt: Any,
+    tenant: str,
+    state: str,
+    gens: dict[int, int],
+    bucket: int,
+    buckets: int,
+) -> str | None:
+    """The cursor of the start of the next bucket that holds a row (None:
+    none does), for a page that ended exactly with its bucket."""
+    for later in range(bucket + 1, buckets):
+        params = (tenant, state, later, gens.get(later, 0), *START, 1)
+        if await _read_state(db, stmt, params, tenant, state, buckets):
+            return encode_cursor(later, START)
+    return None
 
 
 def _json(value: str | None) -> Any:
