@@ -13,6 +13,7 @@ page's self-check.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import re
@@ -71,6 +72,11 @@ class FakeApi:
     # Rows a filtered devices page reads at most (the real API's SCAN_BUDGET):
     # past it, a short page with a cursor.
     scan_budget: int = 10_000
+    # Faults for the page's error handling: every API answer waits delay_s
+    # (a slow link to Cassandra), and while fault is set every API request
+    # after the token check gets it (an outage: 503).
+    delay_s: float = 0.0
+    fault: ApiError | None = None
 
     # ------------------------------------------------------------ test-side
 
@@ -200,8 +206,12 @@ class FakeApi:
 
     async def _handle(self, request: web.Request) -> web.Response:
         tenant = request.match_info.get("tenant")
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         try:
             allowed = self._authorize(request, tenant)
+            if self.fault is not None:
+                raise self.fault
             body = self._answer(request, tenant, allowed)
         except ApiError as exc:
             data = {"error": exc.error, "detail": exc.detail}

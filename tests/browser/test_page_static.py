@@ -19,7 +19,7 @@ import pytest
 import pytest_asyncio
 from playwright.async_api import Page, expect
 
-from .fake_api import FakeApi, ago, rfc3339
+from .fake_api import ApiError, FakeApi, ago, rfc3339
 
 TENANT_TOKEN = "tok-acme-0123456789"
 ADMIN_TOKEN = "tok-admin-0123456789"
@@ -401,3 +401,48 @@ async def test_history_range_and_rejected_messages(page: Page, url: str, api: Fa
     await expect(row).to_have_count(1)
     await expect(row).to_contain_text("bad_json")
     await expect(row.locator(".detail")).to_have_text("<script>alert(1)</script> is not JSON")
+
+
+# ---------------------------------------------------------------- trouble
+# What the probe of the page at 390x844, 320x568 and 1280x860 found: each
+# test below failed before its fix.
+
+
+async def in_viewport(page: Page, selector: str) -> bool:
+    """Whether the element is shown and at least partly inside the window."""
+    return await page.evaluate(
+        """(sel) => { const el = document.querySelector(sel);
+            if (!el || el.closest('[hidden]')) return false;
+            const r = el.getBoundingClientRect();
+            return r.height > 0 && r.bottom > 0 && r.top < innerHeight; }""",
+        selector,
+    )
+
+
+async def test_an_outage_shows_wherever_a_phone_is_scrolled(
+    new_page: Callable[..., Awaitable[Page]], url: str, api: FakeApi, screenshot: Shot
+) -> None:
+    page = await new_page(phone=True)
+    await log_in(page, url, ADMIN_TOKEN)
+    await page.goto(f"{url}#/t/big/s/on")
+    await expect(page.locator("#device-rows tr")).to_have_count(100)
+    await page.evaluate("() => window.scrollTo(0, document.body.scrollHeight)")
+    await expect(page.locator("#live")).to_contain_text("live")
+    assert await in_viewport(page, "#live"), "the live indicator scrolled away"
+
+    api.fault = ApiError(503, "unavailable", "Cassandra did not answer")
+    await expect(page.locator("#live")).to_contain_text("reconnecting", timeout=LIVE_MS + 1_000)
+    assert await in_viewport(page, "#live"), "an outage is not on screen when scrolled"
+    await expect(page.locator("#status")).to_contain_text("Cassandra did not answer")
+    await no_horizontal_overflow(page)
+    await screenshot(page, "outage-scrolled")
+    # Unscrolled, the whole message is above the fold, on every view.
+    for view in ("#/t/big", "#/t/big/s/on", "#/t/big/d/dev-001"):
+        await page.goto(f"{url}{view}")
+        await expect(page.locator("#error")).to_contain_text("Cassandra did not answer")
+        assert await in_viewport(page, "#error"), f"the error is below the fold on {view}"
+    await screenshot(page, "outage-top")
+
+    api.fault = None
+    await expect(page.locator("#live")).to_contain_text("live", timeout=10_000)
+    await expect(page.locator("#error")).to_be_hidden()

@@ -348,19 +348,24 @@
     }
   }
 
+  // The status line at the top of the window: live, paused or reconnecting
+  // (with what failed), wherever the reader has scrolled to.
   function renderLive() {
+    const bar = $("status");
     const live = $("live");
     if (!current) {
-      show(live, false);
+      show(bar, false);
       return;
     }
-    show(live, true);
+    show(bar, true);
+    let detail = "";
     if (document.hidden) {
       live.textContent = "paused";
       live.className = "live paused";
     } else if (failures) {
       live.textContent = "reconnecting…";
       live.className = "live down";
+      detail = lastError || "";
     } else {
       live.replaceChildren("live");
       if (lastOk) {
@@ -368,6 +373,8 @@
       }
       live.className = "live up";
     }
+    bar.className = `status ${live.className.replace("live ", "")}`;
+    if ($("status-detail").textContent !== detail) $("status-detail").textContent = detail;
   }
 
   document.addEventListener("visibilitychange", () => {
@@ -380,9 +387,13 @@
     renderLive();
   });
 
+  let lastError = null; // the last failure's message, for the status line
+
   function showError(message) {
     const el = $("error");
-    el.textContent = message || "";
+    lastError = message || null;
+    // Set only when it changes: an alert is announced again on every change.
+    if (el.textContent !== (message || "")) el.textContent = message || "";
     show(el, Boolean(message));
   }
 
