@@ -446,3 +446,26 @@ async def test_an_outage_shows_wherever_a_phone_is_scrolled(
     api.fault = None
     await expect(page.locator("#live")).to_contain_text("live", timeout=10_000)
     await expect(page.locator("#error")).to_be_hidden()
+
+
+async def test_slow_answers_turn_live_into_stale_with_the_age(
+    new_page: Callable[..., Awaitable[Page]], url: str, api: FakeApi, screenshot: Shot
+) -> None:
+    page = await new_page(phone=True)
+    await log_in(page, url, TENANT_TOKEN)
+    await expect(page.locator('[data-state="on"] .count')).to_have_text("3")
+    live = page.locator("#live")
+    await expect(live).to_contain_text("live")
+    # The time of the last update, on a phone too.
+    await expect(live.locator(".live-time")).to_be_visible()
+
+    # Cassandra answers in 6 s: polls still succeed, but the data is old.
+    api.delay_s = 6
+    await expect(live).to_contain_text("stale", timeout=8_000)
+    await expect(live).not_to_contain_text("live")
+    await expect(live).to_contain_text(" s ago")
+    assert await in_viewport(page, "#live")
+    await screenshot(page, "stale")
+    api.delay_s = 0
+    await expect(live).to_contain_text("live", timeout=10_000)
+    await expect(live).not_to_contain_text("stale")

@@ -16,6 +16,10 @@
   const TOKEN_KEY = "gateway.token";
   const POLL_MS = 1000;
   const MAX_BACKOFF_MS = 8000;
+  // "live" only while the view's data was read less than this long ago; past
+  // it the status line says "stale" and how old the data is (a slow link
+  // to Cassandra can keep polls succeeding, each many seconds late).
+  const STALE_MS = 5000;
   const PAGE_SIZE = 100;
   const HISTORY_LIMIT = 500; // the API's cap: the chart shows up to this many events
   const HISTORY_ROWS = 50; // rows of the history table
@@ -300,7 +304,8 @@
   let inflight = null; // AbortController of the refresh under way
   let generation = 0; // bumped by every route change: late answers are dropped
   let failures = 0;
-  let lastOk = null;
+  let lastOk = null; // when the current view's newest good answer was asked for
+  let viewSince = 0; // when the current view was opened
 
   function stopPolling() {
     generation += 1;
@@ -315,6 +320,7 @@
     if (!current || document.hidden || inflight) return;
     const gen = generation;
     const controller = new AbortController();
+    const asked = Date.now(); // the data is as fresh as the question, not the answer
     inflight = controller;
     try {
       if (!me) {
@@ -327,7 +333,7 @@
       await current.refresh(controller.signal);
       if (gen !== generation) return;
       failures = 0;
-      lastOk = Date.now();
+      lastOk = asked;
       showError(null);
     } catch (err) {
       if (gen !== generation || err.name === "AbortError") return;
@@ -348,8 +354,9 @@
     }
   }
 
-  // The status line at the top of the window: live, paused or reconnecting
-  // (with what failed), wherever the reader has scrolled to.
+  // The status line at the top of the window, wherever the reader has
+  // scrolled to: live (and the time of the data), stale (and its age),
+  // reconnecting (and what failed), or paused in a hidden tab.
   function renderLive() {
     const bar = $("status");
     const live = $("live");
@@ -358,22 +365,35 @@
       return;
     }
     show(bar, true);
+    const now = Date.now();
+    const age = (ms) => formatSpan(Math.max(0, Math.round((now - ms) / 1000)));
+    const since = lastOk ? `last update ${age(lastOk)} ago` : "";
+    let kind;
+    let text;
+    let time = "";
     let detail = "";
     if (document.hidden) {
-      live.textContent = "paused";
-      live.className = "live paused";
+      [kind, text] = ["paused", "paused"];
     } else if (failures) {
-      live.textContent = "reconnecting…";
-      live.className = "live down";
-      detail = lastError || "";
+      [kind, text] = ["down", "reconnecting…"];
+      detail = [lastError, since].filter(Boolean).join(" · ");
+    } else if (lastOk && now - lastOk <= STALE_MS) {
+      [kind, text] = ["up", "live"];
+      time = ` · ${new Date(lastOk).toLocaleTimeString()}`;
+    } else if (lastOk) {
+      [kind, text] = ["stale", `stale · ${since}`];
+      detail = "slow answers";
+    } else if (now - viewSince > STALE_MS) {
+      [kind, text] = ["stale", `waiting · no answer for ${age(viewSince)}`];
     } else {
-      live.replaceChildren("live");
-      if (lastOk) {
-        live.append(h("span", { class: "live-time", text: ` · ${new Date(lastOk).toLocaleTimeString()}` }));
-      }
-      live.className = "live up";
+      [kind, text] = ["wait", "connecting…"];
     }
-    bar.className = `status ${live.className.replace("live ", "")}`;
+    if (live.textContent !== text + time) {
+      live.replaceChildren(text);
+      if (time) live.append(h("span", { class: "live-time", text: time }));
+    }
+    live.className = `live ${kind}`;
+    bar.className = `status ${kind}`;
     if ($("status-detail").textContent !== detail) $("status-detail").textContent = detail;
   }
 
@@ -992,6 +1012,8 @@
     showError(null);
     show($("logout"), true);
     failures = 0;
+    lastOk = null;
+    viewSince = Date.now();
     current = VIEWS[r.name](r);
     current.route = r;
     setCrumbs(current.crumbs());
@@ -1012,6 +1034,9 @@
   }
 
   window.addEventListener("hashchange", () => route());
-  setInterval(updateAges, 1000);
+  setInterval(() => {
+    updateAges();
+    renderLive();
+  }, 1000);
   route({ focus: true });
 })();
