@@ -170,14 +170,14 @@ async def test_admin_picks_a_tenant_pages_and_filters(
     await expect(page.locator("#tag")).to_have_value("floor:3")
     await expect(rows).to_have_count(62)
 
-    # A bad filter: the API's 400 detail, verbatim.
+    # A bad filter: the API's 400 detail, verbatim, and a way back.
     await page.locator("#tag").fill("floor")
     await page.locator("#tag").press("Enter")
-    await expect(page.locator("#error")).to_have_text(
+    await expect(page.locator("#problem-message")).to_have_text(
         "400 bad_request: tag must be key:value, got 'floor'"
     )
-    await page.locator("#clear-filter").click()
-    await expect(page.locator("#error")).to_be_hidden()
+    await page.locator("#problem-link").click()
+    await expect(rows).to_have_count(100)
 
     # A filter reads a bounded number of rows per request, as the real API
     # does: an empty page with a cursor says the search goes on, not "none".
@@ -356,7 +356,7 @@ async def test_log_out_and_another_tenants_403(page: Page, url: str, api: FakeAp
     await log_in(page, url, TENANT_TOKEN)
     await expect(page.locator('[data-state="on"]')).to_be_visible()
     await page.goto(f"{url}#/t/big")
-    await expect(page.locator("#error")).to_have_text(
+    await expect(page.locator("#problem-message")).to_have_text(
         "403 forbidden: this token may not read tenant 'big'"
     )
     await page.locator("#logout").click()
@@ -469,3 +469,37 @@ async def test_slow_answers_turn_live_into_stale_with_the_age(
     api.delay_s = 0
     await expect(live).to_contain_text("live", timeout=10_000)
     await expect(live).not_to_contain_text("stale")
+
+
+async def test_a_4xx_shows_its_message_stops_and_offers_a_way_back(
+    page: Page, url: str, api: FakeApi, screenshot: Shot
+) -> None:
+    await log_in(page, url, TENANT_TOKEN)
+    await expect(page.locator('[data-state="on"]')).to_be_visible()
+    # Another tenant's data: a 403, not an outage.
+    await page.goto(f"{url}#/t/big/s/on")
+    problem = page.locator("#problem-message")
+    await expect(problem).to_have_text("403 forbidden: this token may not read tenant 'big'")
+    await expect(page.locator("#view-devices")).to_be_hidden()
+    await expect(page.locator("#live")).not_to_contain_text("reconnecting")
+    await expect(page.locator("#error")).to_be_hidden()
+    await screenshot(page, "403")
+    before = len(api.seen)
+    await asyncio.sleep(3)
+    assert api.api_requests(before) == [], "a 403 is retried"
+    back = page.locator("#problem-link")
+    await expect(back).to_have_attribute("href", "#/t/acme")
+    await back.click()
+    await expect(page.locator('[data-state="on"] .count')).to_have_text("3")
+    await expect(problem).to_be_hidden()
+
+    # A cursor that is not the API's (a hand-edited URL): a 400, and page 1.
+    await page.goto(f"{url}#/t/acme/s/on?prefix=dev&cursor=_w&p=2")
+    await expect(problem).to_have_text("400 bad_request: cursor is not one this API gave out")
+    await expect(page.locator("#devices-meta")).to_be_hidden()
+    before = len(api.seen)
+    await asyncio.sleep(3)
+    assert api.api_requests(before) == [], "a 400 is retried"
+    await page.locator("#problem-link").click()
+    await expect(page).to_have_url(f"{url}#/t/acme/s/on?prefix=dev")
+    await expect(page.locator("#device-rows tr")).to_have_count(3)

@@ -304,6 +304,7 @@
   let inflight = null; // AbortController of the refresh under way
   let generation = 0; // bumped by every route change: late answers are dropped
   let failures = 0;
+  let halted = null; // the ApiError that stopped the view's polling, if any
   let lastOk = null; // when the current view's newest good answer was asked for
   let viewSince = 0; // when the current view was opened
 
@@ -341,6 +342,10 @@
         logOut(`Your token was not accepted (401): ${err.detail}`);
         return;
       }
+      if (err instanceof ApiError && isPermanent(err)) {
+        halt(err);
+        return;
+      }
       failures += 1;
       showError(err instanceof ApiError ? err.describe() : String(err));
       if (!(err instanceof ApiError)) console.error(err);
@@ -348,7 +353,7 @@
       if (inflight === controller) inflight = null;
     }
     renderLive();
-    if (gen === generation && !document.hidden) {
+    if (gen === generation && !document.hidden && !halted) {
       const delay = failures ? Math.min(POLL_MS * 2 ** failures, MAX_BACKOFF_MS) : POLL_MS;
       timer = setTimeout(tick, delay);
     }
@@ -372,7 +377,10 @@
     let text;
     let time = "";
     let detail = "";
-    if (document.hidden) {
+    if (halted) {
+      [kind, text] = ["stopped", "stopped"];
+      detail = "this page cannot be shown; not asking again";
+    } else if (document.hidden) {
       [kind, text] = ["paused", "paused"];
     } else if (failures) {
       [kind, text] = ["down", "reconnecting…"];
@@ -401,11 +409,48 @@
     if (document.hidden) {
       clearTimeout(timer);
       timer = null;
-    } else if (current && !timer && !inflight) {
+    } else if (current && !timer && !inflight && !halted) {
       tick();
     }
     renderLive();
   });
+
+  // An answer that asking again will not change: bad input (400), another
+  // tenant (403), no such thing (404)... Not 401 (log in again), nor 408 and
+  // 429 (later may work).
+  function isPermanent(err) {
+    return err.status >= 400 && err.status < 500 && ![401, 408, 429].includes(err.status);
+  }
+
+  // Show the problem in place of the view, stop polling it, offer a way back.
+  function halt(err) {
+    halted = err;
+    failures = 0;
+    clearTimeout(timer);
+    timer = null;
+    showError(null);
+    const active = document.activeElement;
+    showView("problem");
+    $("problem-message").textContent = err.describe();
+    const r = current.route;
+    const [label, link] = (current.recover && current.recover(err)) || wayBack(r, err);
+    $("problem-link").textContent = label;
+    $("problem-link").setAttribute("href", link);
+    // The focus was in the view just hidden: give it to the message's heading.
+    if (!active || active === document.body || active.closest("[hidden]")) {
+      $("problem-title").setAttribute("tabindex", "-1");
+      $("problem-title").focus({ preventScroll: true });
+    }
+    renderLive();
+  }
+
+  function wayBack(r, err) {
+    if (err.status === 403 || !r.tenant) {
+      const own = me && !me.admin && (me.tenants || []).length === 1 ? me.tenants[0] : null;
+      return own ? [`Back to ${own}`, href(["t", own])] : ["Back to your tenants", "#/"];
+    }
+    return [`Back to the states of ${r.tenant}`, href(["t", r.tenant])];
+  }
 
   let lastError = null; // the last failure's message, for the status line
 
@@ -668,6 +713,13 @@
     };
     return {
       crumbs: () => tenantCrumbs(r, [r.state, href(base)]),
+      // A 400 here is a cursor or filter from the URL: back to page 1, or
+      // the whole list.
+      recover(err) {
+        if (err.status !== 400) return null;
+        if (r.cursor) return ["Back to page 1", href(base, filters)];
+        return [`All devices in state ${r.state}`, href(base)];
+      },
       async refresh(signal) {
         const { data, changed } = await api(pathOf("tenants", r.tenant, "states", r.state, "devices"),
           { limit: PAGE_SIZE, cursor: r.cursor, prefix: r.prefix, tag: r.tag }, signal);
@@ -1012,6 +1064,7 @@
     showError(null);
     show($("logout"), true);
     failures = 0;
+    halted = null;
     lastOk = null;
     viewSince = Date.now();
     current = VIEWS[r.name](r);
