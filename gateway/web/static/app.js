@@ -684,6 +684,7 @@
       const input = $(id);
       if (input.value !== value && document.activeElement !== input) input.value = value;
     }
+    checkTag();
     $("device-rows").replaceChildren();
     $("devices-meta").textContent = "Loading…";
     show($("devices-empty"), false);
@@ -722,7 +723,8 @@
       },
       async refresh(signal) {
         const { data, changed } = await api(pathOf("tenants", r.tenant, "states", r.state, "devices"),
-          { limit: PAGE_SIZE, cursor: r.cursor, prefix: r.prefix, tag: r.tag }, signal);
+          { limit: PAGE_SIZE, cursor: r.cursor, prefix: r.prefix,
+            tag: normalizeTag(r.tag) ?? r.tag }, signal);
         if (!changed && drawn) return;
         drawn = true;
         nextCursor = data.next_cursor || null;
@@ -782,9 +784,31 @@
   for (const id of ["prefix", "tag"]) {
     // Search as you type, without a history entry per keystroke.
     $(id).addEventListener("input", () => {
+      if (id === "tag") checkTag();
       clearTimeout(filterTimer);
       filterTimer = setTimeout(() => applyFilter(true), 400);
     });
+  }
+
+  // A tag filter as the API takes it: KEY:VALUE, or KEY=VALUE as the CLI
+  // writes it, with spaces around the separator dropped. "" for no filter,
+  // null for text that is not (yet) a tag: "floor" while typing "floor:3".
+  function normalizeTag(raw) {
+    const m = /^([^:=]*?)\s*[:=]\s*(.*)$/s.exec(raw.trim());
+    if (!raw.trim()) return "";
+    return m && m[1] && m[2] ? `${m[1]}:${m[2]}` : null;
+  }
+
+  // Say under the field what is missing, instead of asking the API.
+  function checkTag() {
+    const input = $("tag");
+    const hint = $("tag-hint");
+    const ok = normalizeTag(input.value) !== null;
+    if (ok) input.removeAttribute("aria-invalid");
+    else input.setAttribute("aria-invalid", "true");
+    hint.textContent = ok ? "key:value" : "Type KEY:VALUE, such as floor:3";
+    hint.classList.toggle("invalid", !ok);
+    return ok;
   }
 
   function applyFilter(replace) {
@@ -792,7 +816,12 @@
     const r = current && current.route;
     if (!r || r.name !== "devices") return;
     const prefix = $("prefix").value.trim();
-    const tag = $("tag").value.trim();
+    const tag = normalizeTag($("tag").value);
+    if (tag === null) {
+      checkTag();
+      if (!replace) $("tag").focus();
+      return;
+    }
     if (prefix === r.prefix && tag === r.tag) return;
     go(href(["t", r.tenant, "s", r.state], { prefix, tag }), { replace });
   }
