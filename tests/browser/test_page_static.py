@@ -519,3 +519,21 @@ async def test_a_4xx_shows_its_message_stops_and_offers_a_way_back(
     await page.locator("#problem-link").click()
     await expect(page).to_have_url(f"{url}#/t/acme/s/on?prefix=dev")
     await expect(page.locator("#device-rows tr")).to_have_count(3)
+
+
+async def test_login_says_what_to_do_when_the_gateway_is_unreachable(
+    page: Page, url: str, api: FakeApi
+) -> None:
+    await page.goto(url)
+    await page.route("**/api/v1/**", lambda route: route.abort())
+    await page.locator("#token").fill(TENANT_TOKEN)
+    await page.locator("#login").click()
+    message = page.locator("#login-message")
+    # It does not retry by itself, so it must not say it does.
+    await expect(message).to_contain_text("Cannot reach the gateway")
+    await expect(message).to_contain_text("press Log in again")
+    await expect(message).not_to_contain_text("retrying")
+    await expect(page.locator("#login")).to_be_enabled()
+    await page.unroute("**/api/v1/**")
+    await page.locator("#login").click()
+    await expect(page.locator('[data-state="on"] .count')).to_have_text("3")

@@ -504,9 +504,13 @@
       me = (await api("me")).data;
     } catch (err) {
       token = null;
-      $("login-message").textContent = err instanceof ApiError
-        ? (err.status === 401 ? `Token not accepted (401): ${err.detail}` : err.describe())
-        : String(err);
+      // The login asks once: say so, rather than "retrying" (which polling does).
+      let text = String(err);
+      if (err instanceof ApiError && err.status === 401) text = `Token not accepted (401): ${err.detail}`;
+      else if (err instanceof ApiError && err.status === 0) {
+        text = "Cannot reach the gateway. Check the connection, then press Log in again.";
+      } else if (err instanceof ApiError) text = `${err.describe()} Press Log in to try again.`;
+      $("login-message").textContent = text;
       return;
     } finally {
       button.disabled = false;
