@@ -134,9 +134,13 @@ async def test_admin_picks_a_tenant_pages_and_filters(
     first = page.locator("#device-rows tr:first-child")
     await expect(rows).to_have_count(100)
     await expect(first).to_have_attribute("data-device", "dev-000")
+    meta = page.locator("#devices-meta")
+    await expect(meta).to_have_text("100 shown · 250 devices in on")
     await page.locator("#next-page").click()
     await expect(first).to_have_attribute("data-device", "dev-100")
     await expect(page.locator("#page-no")).to_have_text("page 2")
+    # The state's total, from the states endpoint.
+    await expect(meta).to_have_text("page 2 · 100 shown · 250 devices in on")
     await page.locator("#next-page").click()
     await expect(first).to_have_attribute("data-device", "dev-200")
     await expect(rows).to_have_count(50)
@@ -162,6 +166,7 @@ async def test_admin_picks_a_tenant_pages_and_filters(
     await page.locator("#tag").fill("floor:1")
     await page.locator("#tag").press("Enter")
     await expect(rows).to_have_count(3)  # dev-021, dev-025, dev-029
+    await expect(meta).to_have_text("3 match on this page · 250 devices in on in all")
     await screenshot(page, "filtered")
     # Clicking a tag chip filters by it.
     await page.locator("#clear-filter").click()

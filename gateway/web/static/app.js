@@ -712,6 +712,8 @@
       go(href(base, { ...filters, cursor: nextCursor, p: r.page + 1 }));
     };
     let drawn = false;
+    let shown = 0;
+    let total = null;
     const pickTag = (tag) => {
       $("tag").value = tag;
       go(href(base, { ...filters, tag }));
@@ -726,15 +728,27 @@
         return [`All devices in state ${r.state}`, href(base)];
       },
       async refresh(signal) {
-        const { data, changed } = await api(pathOf("tenants", r.tenant, "states", r.state, "devices"),
-          { limit: PAGE_SIZE, cursor: r.cursor, prefix: r.prefix,
-            tag: normalizeTag(r.tag) ?? r.tag }, signal);
-        if (!changed && drawn) return;
-        drawn = true;
-        nextCursor = data.next_cursor || null;
-        next.disabled = !nextCursor;
-        show($("pager"), Boolean(r.cursor || nextCursor));
-        renderDeviceRows(r, data.devices || [], pickTag, Boolean(nextCursor));
+        // The state's total comes from the states endpoint (cached by the
+        // server for a second or more); the list's pages do not count.
+        const [{ data, changed }, counts] = await Promise.all([
+          api(pathOf("tenants", r.tenant, "states", r.state, "devices"),
+            { limit: PAGE_SIZE, cursor: r.cursor, prefix: r.prefix,
+              tag: normalizeTag(r.tag) ?? r.tag }, signal),
+          api(pathOf("tenants", r.tenant, "states"), null, signal).catch((err) => {
+            if (err.name === "AbortError") throw err;
+            return null; // the list is still worth showing without its total
+          })]);
+        const entry = counts && (counts.data.states || []).find((st) => st.state === r.state);
+        total = entry ? Number(entry.devices) : null;
+        if (changed || !drawn) {
+          drawn = true;
+          nextCursor = data.next_cursor || null;
+          next.disabled = !nextCursor;
+          show($("pager"), Boolean(r.cursor || nextCursor));
+          shown = (data.devices || []).length;
+          renderDeviceRows(r, data.devices || [], pickTag, Boolean(nextCursor));
+        }
+        renderDevicesMeta(r, shown, total);
       },
     };
   }
@@ -770,10 +784,20 @@
       ? (more ? "No match among the devices searched so far: Next searches on."
         : "No devices match.")
       : `No devices are in state ${r.state} right now.`;
-    const shown = devices.length;
-    $("devices-meta").textContent = shown
-      ? `${shown} ${shown === 1 ? "device" : "devices"} on this page${filtered ? " (filtered)" : ""}`
-      : "";
+  }
+
+  // "page 2 · 100 shown · 310 devices in on": the page, and the state's
+  // total when the states endpoint gave it.
+  function renderDevicesMeta(r, shown, total) {
+    const filtered = r.prefix || r.tag;
+    const parts = [];
+    if (r.page > 1 || r.cursor) parts.push(`page ${r.page}`);
+    if (shown) parts.push(filtered ? `${shown} match on this page` : `${shown} shown`);
+    if (total != null) {
+      parts.push(`${total} ${total === 1 ? "device" : "devices"} in ${r.state}${filtered ? " in all" : ""}`);
+    }
+    const text = parts.join(" · ");
+    if ($("devices-meta").textContent !== text) $("devices-meta").textContent = text;
   }
 
   $("filter-form").addEventListener("submit", (event) => {
