@@ -465,7 +465,8 @@ async def test_an_outage_shows_wherever_a_phone_is_scrolled(
     await screenshot(page, "outage-top")
 
     api.fault = None
-    await expect(page.locator("#live")).to_contain_text("live", timeout=10_000)
+    # After the backoff (up to 8 s) the next poll succeeds.
+    await expect(page.locator("#live")).to_contain_text("live", timeout=15_000)
     await expect(page.locator("#error")).to_be_hidden()
 
 
@@ -542,3 +543,52 @@ async def test_login_says_what_to_do_when_the_gateway_is_unreachable(
     await page.unroute("**/api/v1/**")
     await page.locator("#login").click()
     await expect(page.locator('[data-state="on"] .count')).to_have_text("3")
+
+
+ONE_LINE = """(sel) => [...document.querySelectorAll(sel)]
+    .filter((el) => el.offsetParent !== null && el.textContent.trim())
+    .map((el) => { const range = document.createRange(); range.selectNodeContents(el);
+        const tops = new Set([...range.getClientRects()].map((r) => Math.round(r.top)));
+        return [el.textContent.trim(), tops.size]; })
+    .filter(([, lines]) => lines > 1)"""
+
+
+async def test_tables_break_long_ids_not_times_sizes_reasons_or_headers(
+    new_page: Callable[..., Awaitable[Page]], url: str, api: FakeApi, screenshot: Shot
+) -> None:
+    long_id = "sensor-" + "0123456789abcdef" * 6
+    api.put("acme", long_id, "on", 1.0, tags={"note": "x" * 80})
+    api.rejected["acme"] = [
+        {
+            "received_at": rfc3339(ago(120 + i)),
+            "topic": f"tenants/acme/devices/{long_id}/events",
+            "device_id": long_id,
+            "reason": "invalid_msgpack",
+            "detail": "unpackb: " + "ff" * 150 if i == 0 else "extra data",
+            "payload_size": 31_337,
+        }
+        for i in range(3)
+    ]
+    for phone in (False, True):
+        page = await new_page(phone=phone)
+        await log_in(page, url, TENANT_TOKEN)
+        await page.goto(f"{url}#/t/acme/rejected")
+        await expect(page.locator("#rejected-rows tr")).to_have_count(3)
+        await no_horizontal_overflow(page)
+        await screenshot(page, f"rejected-{'phone' if phone else 'desk'}")
+        if not phone:
+            broken = await page.evaluate(
+                ONE_LINE,
+                "#rejected-table th, #rejected-rows time, #rejected-rows td:nth-child(3),"
+                " #rejected-rows td:nth-child(5)",
+            )
+            assert broken == [], f"broken over lines: {broken}"
+        await page.goto(f"{url}#/t/acme/s/on")
+        await expect(page.locator("#device-rows tr")).to_have_count(4)
+        await no_horizontal_overflow(page)
+        if not phone:
+            broken = await page.evaluate(
+                ONE_LINE, "#device-table th[scope=col], #device-rows time, #device-rows .age"
+            )
+            assert broken == [], f"broken over lines: {broken}"
+        await screenshot(page, f"devices-{'phone' if phone else 'desk'}")

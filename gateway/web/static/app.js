@@ -1091,11 +1091,12 @@
         const items = data.rejected || [];
         $("rejected-rows").replaceChildren(...items.map((m) => h("tr", null,
           h("td", { "data-label": "Received" }, timeEl(m.received_at)),
-          h("td", { "data-label": "Device", text: m.device_id == null ? m.topic : m.device_id,
-            title: m.topic }),
-          h("td", { "data-label": "Reason", text: m.reason }),
+          h("td", { "data-label": "Device", class: "wrap-anywhere",
+            text: m.device_id == null ? m.topic : m.device_id, title: m.topic }),
+          h("td", { "data-label": "Reason", class: "nowrap", text: m.reason }),
           h("td", { "data-label": "Detail", class: "detail", text: m.detail == null ? "" : m.detail }),
-          h("td", { "data-label": "Size", text: m.payload_size == null ? "" : `${m.payload_size} B` }))));
+          h("td", { "data-label": "Size", class: "nowrap",
+            text: m.payload_size == null ? "" : `${m.payload_size} B` }))));
         show($("rejected-empty"), items.length === 0);
       },
     };
