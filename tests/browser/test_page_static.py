@@ -592,3 +592,41 @@ async def test_tables_break_long_ids_not_times_sizes_reasons_or_headers(
             )
             assert broken == [], f"broken over lines: {broken}"
         await screenshot(page, f"devices-{'phone' if phone else 'desk'}")
+
+
+CONTRAST = """(sel) => {
+    const rgba = (c) => { const p = c.match(/rgba?\\(([^)]+)\\)/)[1].split(/[ ,/]+/).map(Number);
+        return p.length > 3 ? p : [...p, 1]; };
+    const background = (el) => { for (let e = el; e; e = e.parentElement) {
+        const c = rgba(getComputedStyle(e).backgroundColor); if (c[3] > 0) return c; }
+        return [255, 255, 255, 1]; };
+    const lum = ([r, g, b]) => [r, g, b].map((x) => { x /= 255;
+        return x <= 0.03928 ? x / 12.92 : ((x + 0.055) / 1.055) ** 2.4; })
+        .reduce((sum, x, i) => sum + x * [0.2126, 0.7152, 0.0722][i], 0);
+    return [...document.querySelectorAll(sel)].filter((el) => el.offsetParent !== null)
+        .map((el) => { const a = lum(rgba(getComputedStyle(el).color)), b = lum(background(el));
+            return [el.id || el.textContent.trim(),
+                    Math.round((Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05) * 100) / 100]; });
+}"""
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+async def test_badges_and_buttons_reach_wcag_aa_contrast(
+    page: Page, url: str, api: FakeApi, scheme: str
+) -> None:
+    await page.emulate_media(color_scheme=scheme)
+    for state in ("open", "warning", "closed", "standby"):
+        api.put("acme", f"d-{state}", state, 1.0)
+    await log_in(page, url, TENANT_TOKEN)
+    low = []
+    for device in ("dev-1", "d-open", "d-warning", "d-closed", "d-standby"):
+        await page.goto(f"{url}#/t/acme/d/{device}")
+        await expect(page.locator('[data-testid="device-state"]')).to_be_visible()
+        low += [c for c in await page.evaluate(CONTRAST, ".badge") if c[1] < 4.5]
+    await page.goto(f"{url}#/t/acme/s/on")
+    await expect(page.locator("#device-rows tr")).to_have_count(3)
+    low += [c for c in await page.evaluate(CONTRAST, "button:enabled, .tile") if c[1] < 4.5]
+    await page.goto(f"{url}#/t/big")
+    await expect(page.locator("#problem-link")).to_be_visible()
+    low += [c for c in await page.evaluate(CONTRAST, "#problem-link") if c[1] < 4.5]
+    assert low == [], f"under 4.5:1 in the {scheme} scheme: {low}"

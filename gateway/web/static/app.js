@@ -148,6 +148,15 @@
     return `hsl(${hue} 62% 42%)`;
   }
 
+  // The same hue, dark enough under white text for 4.5:1 (WCAG AA) at any
+  // hue: 28% lightness gives 4.96:1 at the worst (yellow); the 42% of the
+  // tiles and the strip gave 2.4:1.
+  function stateInk(state) {
+    const name = String(state).toLowerCase();
+    if (GREY_STATES.has(name)) return "hsl(220 8% 42%)";
+    return stateColor(state).replace(" 42%)", " 28%)");
+  }
+
   function tagChips(tags, onPick) {
     const entries = Object.entries(tags || {}).sort(([a], [b]) => a.localeCompare(b));
     if (!entries.length) return h("span", { class: "hint", text: "—" });
@@ -918,7 +927,7 @@
     }
     const badge = h("a", { class: "badge", href: href(["t", r.tenant, "s", d.state]),
       "data-testid": "device-state", text: d.state });
-    badge.style.setProperty("--state-color", stateColor(d.state));
+    badge.style.setProperty("--state-color", stateInk(d.state));
     const metrics = Object.entries(d.metrics || {}).sort(([a], [b]) => a.localeCompare(b));
     const parts = [
       h("dl", { class: "facts" },
