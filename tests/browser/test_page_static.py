@@ -630,3 +630,45 @@ async def test_badges_and_buttons_reach_wcag_aa_contrast(
     await expect(page.locator("#problem-link")).to_be_visible()
     low += [c for c in await page.evaluate(CONTRAST, "#problem-link") if c[1] < 4.5]
     assert low == [], f"under 4.5:1 in the {scheme} scheme: {low}"
+
+
+ACTIVE = """() => { const el = document.activeElement;
+    const row = el && el.closest('tr');
+    return [el ? el.tagName.toLowerCase() : null, el && el.id,
+            row ? row.dataset.device : null, el && el.dataset ? el.dataset.tag || null : null]; }"""
+
+
+async def test_keyboard_focus_survives_paging_and_live_updates(
+    page: Page, url: str, api: FakeApi
+) -> None:
+    await log_in(page, url, ADMIN_TOKEN)
+    await page.goto(f"{url}#/t/big/s/on")
+    first = page.locator("#device-rows tr:first-child")
+    await expect(first).to_have_attribute("data-device", "dev-000")
+    await expect(page.locator("#next-page")).to_be_enabled()
+    await page.locator("#next-page").focus()
+    await page.keyboard.press("Enter")
+    await expect(first).to_have_attribute("data-device", "dev-100")
+    # Still on the pager, so Enter again goes on.
+    await expect(page.locator("#next-page")).to_be_focused()
+    await page.keyboard.press("Enter")
+    await expect(first).to_have_attribute("data-device", "dev-200")
+    # The last page: Next is disabled, so the focus goes to the list's heading.
+    await expect(page.locator("#next-page")).to_be_disabled()
+    await expect(page.locator("#devices-title")).to_be_focused()
+    await page.locator("#prev-page").focus()
+    await page.keyboard.press("Enter")
+    await expect(first).to_have_attribute("data-device", "dev-100")
+    await expect(page.locator("#prev-page")).to_be_focused()
+
+    # A live update rebuilds a row: the focused link or chip in it keeps the focus.
+    await page.goto(f"{url}#/t/acme/s/on")
+    await expect(page.locator("#device-rows tr")).to_have_count(3)
+    await page.locator('[data-device="dev-2"] .device-link').focus()
+    api.put("acme", "dev-2", "on", 77.0)
+    await expect(page.locator('[data-device="dev-2"]')).to_contain_text("77", timeout=LIVE_MS)
+    assert await page.evaluate(ACTIVE) == ["a", "", "dev-2", None]
+    await page.locator('[data-device="dev-3"] button[data-tag="room:r3"]').focus()
+    api.put("acme", "dev-3", "on", 78.0)
+    await expect(page.locator('[data-device="dev-3"]')).to_contain_text("78", timeout=LIVE_MS)
+    assert await page.evaluate(ACTIVE) == ["button", "", "dev-3", "room:r3"]

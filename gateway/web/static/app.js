@@ -565,12 +565,44 @@
   }
 
   // Replace a list's children, keeping the element that has the focus focused.
-  function replaceKeepingFocus(parent, children) {
+  // If it was in a child rebuilt anew, twin(old) finds its successor.
+  function replaceKeepingFocus(parent, children, twin) {
     const active = document.activeElement;
+    const inside = active && parent.contains(active);
+    const find = inside && twin ? twin(active) : null;
     parent.replaceChildren(...children);
-    if (active && active !== document.activeElement && active.isConnected) {
-      active.focus({ preventScroll: true });
-    }
+    if (!active || active === document.activeElement) return;
+    const target = active.isConnected ? active : find && find();
+    if (target) target.focus({ preventScroll: true });
+  }
+
+  // The same link or tag chip in the new row of the same device.
+  function deviceRowTwin(tbody) {
+    return (el) => {
+      const row = el.closest("tr[data-device]");
+      const sel = el.matches(".device-link") ? ".device-link"
+        : el.dataset.tag ? `[data-tag="${CSS.escape(el.dataset.tag)}"]` : null;
+      if (!row || !sel) return null;
+      const device = row.dataset.device;
+      return () => {
+        const fresh = [...tbody.rows].find((r) => r.dataset.device === device);
+        return fresh && fresh.querySelector(sel);
+      };
+    };
+  }
+
+  function focusHeading(id) {
+    const heading = $(id);
+    heading.setAttribute("tabindex", "-1");
+    heading.focus({ preventScroll: true });
+  }
+
+  // Disable a button; if it had the focus, hand it to the heading rather
+  // than let it fall to the body.
+  function disableKeepingFocus(button, disabled, headingId) {
+    const had = document.activeElement === button;
+    button.disabled = disabled;
+    if (had && disabled) focusHeading(headingId);
   }
 
   function flash(el) {
@@ -704,8 +736,10 @@
     $("page-no").textContent = r.page > 1 || r.cursor ? `page ${r.page}` : "";
     const prev = $("prev-page");
     const next = $("next-page");
-    prev.disabled = !r.cursor;
-    next.disabled = true;
+    // Paging with the keyboard keeps the focus on the pager: Next stays as it
+    // was until the answer says whether there is a next page.
+    disableKeepingFocus(prev, !r.cursor, "devices-title");
+    if (document.activeElement !== next) next.disabled = true;
     show($("pager"), Boolean(r.cursor));
     let nextCursor = null;
     const base = ["t", r.tenant, "s", r.state];
@@ -752,7 +786,7 @@
         if (changed || !drawn) {
           drawn = true;
           nextCursor = data.next_cursor || null;
-          next.disabled = !nextCursor;
+          disableKeepingFocus(next, !nextCursor, "devices-title");
           show($("pager"), Boolean(r.cursor || nextCursor));
           shown = (data.devices || []).length;
           renderDeviceRows(r, data.devices || [], pickTag, Boolean(nextCursor));
@@ -784,7 +818,7 @@
       if (existing) flash(row);
       return row;
     });
-    replaceKeepingFocus(tbody, rows);
+    replaceKeepingFocus(tbody, rows, deviceRowTwin(tbody));
     const filtered = r.prefix || r.tag;
     show($("devices-empty"), devices.length === 0);
     // A filtered page reads at most 10,000 devices: an empty one with a cursor
