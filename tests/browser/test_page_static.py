@@ -672,3 +672,27 @@ async def test_keyboard_focus_survives_paging_and_live_updates(
     api.put("acme", "dev-3", "on", 78.0)
     await expect(page.locator('[data-device="dev-3"]')).to_contain_text("78", timeout=LIVE_MS)
     assert await page.evaluate(ACTIVE) == ["button", "", "dev-3", "room:r3"]
+
+
+SMALL_TARGETS = """() => [...document.querySelectorAll(
+        'header a, header button, main a, main button, main input, main select')]
+    .filter((el) => el.offsetParent !== null)
+    .map((el) => { const r = el.getBoundingClientRect();
+        return [el.id || el.textContent.trim(), Math.round(r.width), Math.round(r.height)]; })
+    .filter(([, w, h]) => w < 44 || h < 44)"""
+
+
+async def test_every_tap_target_is_at_least_44_px_square(
+    new_page: Callable[..., Awaitable[Page]], url: str, api: FakeApi
+) -> None:
+    api.put("acme", "d", "on", 1.0, tags={"k": "v"})
+    page = await new_page(phone=True)
+    await log_in(page, url, ADMIN_TOKEN)
+    await expect(page.locator("[data-tenant]")).to_have_count(2)
+    small = await page.evaluate(SMALL_TARGETS)
+    views = ("#/t/acme", "#/t/acme/s/on", "#/t/acme/d/d", "#/t/acme/rejected", "#/t/big/s/on")
+    for view in views:
+        await page.goto(f"{url}{view}")
+        await expect(page.locator("#live")).to_contain_text("live")
+        small += [[view, *target] for target in await page.evaluate(SMALL_TARGETS)]
+    assert small == [], f"tap targets under 44x44 px: {small}"
