@@ -247,14 +247,23 @@ async def test_starts_spooling_while_cassandra_is_unreachable_then_drains(
     assert (await device_row(db, tenant, "d4")).value_num == 299
 
 
+@pytest.mark.parametrize("unreachable", ["refused", "unresolvable"])
 def test_sigterm_while_only_spooling_ends_cleanly_and_the_log_stays_quiet(
-    gateway_process: Callable[..., GatewayProcess], tmp_path: Path
+    gateway_process: Callable[..., GatewayProcess], tmp_path: Path, unreachable: str
 ) -> None:
     """`gateway run` as a process, through cassandra-driver (whose failed
     connects log tracebacks): after the first failure, the attempts are
-    reported by the gateway alone."""
+    reported by the gateway alone, and no traceback is logged. A contact
+    point whose name does not resolve (DNS gone with the link) made the
+    driver raise before any connect, and the gateway stopped with a
+    traceback instead of spooling."""
+    where = (
+        {"GATEWAY_CASSANDRA__PORT": str(free_port())}
+        if unreachable == "refused"
+        else {"GATEWAY_CASSANDRA__CONTACT_POINTS": "cassandra.invalid"}
+    )
     proc = gateway_process(
-        GATEWAY_CASSANDRA__PORT=str(free_port()),
+        **where,
         GATEWAY_CASSANDRA__DRIVER="python",
         GATEWAY_SPOOL__ENABLED="true",
         GATEWAY_SPOOL__PATH=str(tmp_path / "spool.sqlite"),
@@ -269,7 +278,7 @@ def test_sigterm_while_only_spooling_ends_cleanly_and_the_log_stays_quiet(
     assert proc.wait(30) == 0
     out = proc.output()
     after_first = out.split("taking messages into the spool until it answers", 1)[1]
-    assert "Traceback" not in after_first
+    assert "Traceback" not in out
     assert "stopped: " in after_first
 
 
@@ -285,6 +294,23 @@ def test_without_the_spool_an_unreachable_cassandra_ends_the_start(tmp_path: Pat
     assert errors[0].startswith(f"gateway: cannot connect to Cassandra at 127.0.0.1:{port}")
     assert "spool.enabled" in errors[0]
     assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize("unreachable", ["refused", "unresolvable"])
+def test_a_read_command_says_cassandra_is_unreachable_in_one_line(unreachable: str) -> None:
+    """`gateway devices` (any command through cassandra-driver) printed two
+    of the driver's tracebacks before its one line; with a name that does
+    not resolve it printed only a traceback."""
+    where = (
+        {"GATEWAY_CASSANDRA__PORT": str(free_port())}
+        if unreachable == "refused"
+        else {"GATEWAY_CASSANDRA__CONTACT_POINTS": "cassandra.invalid"}
+    )
+    result = run_cli("devices", "--tenant", "t", "--state", "on", env=base_env(**where))
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("gateway: cannot connect to Cassandra at "), result.stderr
 
 
 # ---------------------------------------------------------------- the systemd unit

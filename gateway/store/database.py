@@ -29,7 +29,7 @@ from cassandra.policies import (
 )
 from cassandra.query import PreparedStatement, Statement, dict_factory
 
-from cassandra import ConsistencyLevel
+from cassandra import ConsistencyLevel, UnresolvableContactPoints
 
 from ..config import CassandraConfig
 from ..errors import CassandraUnreachable, ConfigError, SinkError
@@ -207,7 +207,11 @@ def _compression(config: CassandraConfig) -> str | bool:
 async def connect(config: CassandraConfig, *, keyspace: bool = True) -> AsyncIterator[Database]:
     """Connect (in an executor) and always shut the cluster down on exit."""
     loop = asyncio.get_running_loop()
-    cluster = build_cluster(config, config.tls.context())
+    try:
+        cluster = build_cluster(config, config.tls.context())
+    except UnresolvableContactPoints:
+        # No contact point resolves (DNS down with the link, or a typo).
+        raise cannot_connect(config, OSError("no contact point resolves to an address")) from None
     try:
         session = await loop.run_in_executor(None, cluster.connect)
     except Exception as exc:

@@ -74,6 +74,18 @@ def _stderr_is_journal() -> bool:
     return expected == f"{st.st_dev}:{st.st_ino}"
 
 
+def _driver_without_traceback(record: logging.LogRecord) -> bool:
+    """cassandra-driver logs a failed connect or prepare with a traceback
+    (before our own one-line error says what failed and what to do): keep its
+    message and the exception's own line, not the traceback."""
+    if record.exc_info and record.name.startswith("cassandra"):
+        exc = record.exc_info[1]
+        record.msg = f"{record.getMessage().rstrip(': ')}: {type(exc).__name__}: {exc}"
+        record.args = None
+        record.exc_info = record.exc_text = None
+    return True
+
+
 def _setup_logging(level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     if _stderr_is_journal():
@@ -84,6 +96,7 @@ def _setup_logging(level: str) -> None:
                 "%(asctime)s %(levelname)-7s %(name)s: %(message)s", datefmt="%Y-%m-%dT%H:%M:%S"
             )
         )
+    handler.addFilter(_driver_without_traceback)
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
     # The driver is chatty at INFO (topology events); its warnings still show.
     logging.getLogger("cassandra").setLevel(logging.WARNING)
