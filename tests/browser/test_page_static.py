@@ -696,3 +696,27 @@ async def test_every_tap_target_is_at_least_44_px_square(
         await expect(page.locator("#live")).to_contain_text("live")
         small += [[view, *target] for target in await page.evaluate(SMALL_TARGETS)]
     assert small == [], f"tap targets under 44x44 px: {small}"
+
+
+async def test_a_device_with_one_event_holds_its_state_until_now(
+    page: Page, url: str, api: FakeApi, screenshot: Shot
+) -> None:
+    api.put("acme", "lonely", "off", "shut", at=ago(3600))
+    await log_in(page, url, TENANT_TOKEN)
+    await page.goto(f"{url}#/t/acme/d/lonely")
+    chart = page.locator('[data-testid="chart-svg"]')
+    await expect(chart.locator("rect.state-seg")).to_have_count(1)
+    # The strip reaches the right edge, which is now, not a minute after the event.
+    right = await page.evaluate(
+        """() => { const svg = document.querySelector('[data-testid="chart-svg"]');
+            const seg = svg.querySelector('rect.state-seg');
+            return [Number(seg.getAttribute('x')) + Number(seg.getAttribute('width')),
+                    svg.viewBox.baseVal.width]; }"""
+    )
+    assert right[0] >= right[1] - 12, right
+    await expect(chart.locator("text.axis").last).to_have_text("now")
+    caption = page.locator("#chart figcaption")
+    await expect(caption).to_contain_text("off since")
+    await expect(caption).to_contain_text("no change of state")
+    await expect(caption).not_to_contain_text(" to ")
+    await screenshot(page, "one-event")

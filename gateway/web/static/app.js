@@ -1015,23 +1015,30 @@
     const H = stripTop + stripH + 22;
     const now = Date.now();
     const last = evs[evs.length - 1].ms;
+    // The newest state holds until now, the end of the chosen range: the
+    // strip reaches it however long ago the last event was (it used to stop
+    // a minute after a lone event, and the caption read "from 1:08 to 1:08").
     let t0 = evs[0].ms;
-    // The newest state lasts until now: draw it so, unless "now" is so far
-    // off that the history would be squeezed into a corner.
-    let t1 = Math.min(Math.max(now, last), last + (last - t0) * 0.25 + 60e3);
+    const t1 = Math.max(now, last);
     const untilNow = t1 === now;
-    if (t1 - t0 < 1000) {
-      t0 -= 30e3;
-      t1 += 30e3;
-    }
+    if (t1 - t0 < 60e3) t0 = t1 - 60e3;
     const x = (ms) => padL + ((ms - t0) / (t1 - t0)) * (W - padL - padR);
 
     const changes = evs.filter((e, i) => i > 0 && e.state !== evs[i - 1].state);
+    const end = untilNow ? "now" : formatTime(t1);
+    const newest = evs[evs.length - 1].state;
+    const heldFrom = changes.length ? changes[changes.length - 1].ms : evs[0].ms;
+    const held = `${newest == null ? "—" : newest} since ${formatTime(heldFrom)}`;
+    const changeCount = changes.length === 1 ? "1 change of state" : `${changes.length} changes of state`;
     const summary = numeric.length
-      ? `Value from ${formatTime(evs[0].ms)} to ${formatTime(last)}: ${numeric.length} readings between `
+      ? `Value from ${formatTime(evs[0].ms)} to ${end}: ${numeric.length} `
+        + `${numeric.length === 1 ? "reading" : "readings"} between `
         + `${formatValue(Math.min(...numeric.map((e) => e.value)))} and `
-        + `${formatValue(Math.max(...numeric.map((e) => e.value)))}; ${changes.length} changes of state.`
-      : `State from ${formatTime(evs[0].ms)} to ${formatTime(last)}: ${changes.length} changes of state.`;
+        + `${formatValue(Math.max(...numeric.map((e) => e.value)))}; `
+        + `${changes.length ? changeCount : "no change of state"}; ${held}.`
+      : changes.length
+        ? `State from ${formatTime(evs[0].ms)} to ${end}: ${changeCount}; ${held}.`
+        : `State ${held}: no change of state in this range.`;
     const svg = s("svg", { viewBox: `0 0 ${W} ${H}`, width: W, height: H, role: "img",
       "aria-label": summary, "data-testid": "chart-svg", "data-numeric": numeric.length > 0 });
 
@@ -1096,8 +1103,7 @@
 
     svg.append(
       s("text", { class: "axis", x: padL, y: H - 6, "text-anchor": "start", text: formatTime(t0) }),
-      s("text", { class: "axis", x: W - padR, y: H - 6, "text-anchor": "end",
-        text: untilNow ? "now" : formatTime(t1) }));
+      s("text", { class: "axis", x: W - padR, y: H - 6, "text-anchor": "end", text: end }));
 
     const states = [...new Set(evs.map((e) => e.state))];
     const legend = h("ul", { class: "legend" }, states.map((st) => {
