@@ -720,3 +720,22 @@ async def test_a_device_with_one_event_holds_its_state_until_now(
     await expect(caption).to_contain_text("no change of state")
     await expect(caption).not_to_contain_text(" to ")
     await screenshot(page, "one-event")
+
+
+async def test_the_chart_says_when_it_shows_only_the_newest_500_events(
+    page: Page, url: str, api: FakeApi, screenshot: Shot
+) -> None:
+    for i in range(520):  # one every 10 s: 87 minutes, inside "last 24 hours"
+        api.put("acme", "chatty", ["on", "off"][i // 100 % 2], float(i), at=ago(10 * (520 - i)))
+    await log_in(page, url, TENANT_TOKEN)
+    await page.goto(f"{url}#/t/acme/d/chatty")
+    note = page.locator('[data-testid="chart-limit"]')
+    await expect(note).to_contain_text("newest 500 events, back to")
+    await expect(note).to_contain_text("older events in this range are not shown")
+    await expect(page.locator('[data-testid="chart-svg"] circle.point')).to_have_count(0)
+    await screenshot(page, "limit")
+    # A range that holds all its events says nothing of the kind.
+    await page.goto(f"{url}#/t/acme/d/chatty?range=1h")
+    await expect(page.locator("#history-meta")).to_contain_text("events in the chart")
+    await expect(page.locator("#history-meta")).not_to_contain_text("older")
+    await expect(note).to_have_count(0)

@@ -978,7 +978,7 @@
 
   function renderHistory(data) {
     const events = data.events || [];
-    renderChart($("chart"), events);
+    renderChart($("chart"), events, Boolean(data.next_cursor));
     $("history-rows").replaceChildren(...events.slice(0, HISTORY_ROWS).map((e) => {
       const state = h("span", { class: "dot-label", text: e.state == null ? "—" : e.state });
       state.style.setProperty("--state-color", stateColor(e.state));
@@ -989,7 +989,7 @@
         h("td", { "data-label": "Value", class: "value", text: formatValue(e.value) }),
         h("td", { class: "metrics-cell", text: metrics.join(", ") || "—" }));
     }));
-    const more = data.next_cursor ? " (older events exist)" : "";
+    const more = data.next_cursor ? " (the range holds older events, not shown)" : "";
     $("history-meta").textContent = events.length
       ? `${events.length} events in the chart, newest ${Math.min(events.length, HISTORY_ROWS)} listed${more}.`
       : "No events in this range.";
@@ -997,7 +997,9 @@
 
   // An inline SVG: the numeric value over time (if there is one), a strip of
   // the state over time beneath it, and a line at every change of state.
-  function renderChart(figure, events) {
+  // `more`: the range holds older events than these (the API gives at most
+  // HISTORY_LIMIT a page), so the chart says how far back it really goes.
+  function renderChart(figure, events, more) {
     const evs = events.map((e) => ({ ...e, ms: tsMillis(e.ts) })).filter((e) => e.ms != null)
       .sort((a, b) => a.ms - b.ms);
     if (!evs.length) {
@@ -1111,7 +1113,11 @@
       item.style.setProperty("--state-color", stateColor(st));
       return item;
     }));
-    figure.replaceChildren(svg, h("figcaption", { class: "hint", text: summary }), legend);
+    const limit = more ? h("p", { class: "chart-limit", "data-testid": "chart-limit",
+      text: `Showing the newest ${evs.length} events, back to ${formatTime(evs[0].ms)}: `
+        + "older events in this range are not shown." }) : null;
+    figure.replaceChildren(...[limit, svg, h("figcaption", { class: "hint", text: summary }), legend]
+      .filter(Boolean));
   }
 
   let resizeTimer = null;
@@ -1119,7 +1125,7 @@
     clearTimeout(resizeTimer);
     resizeTimer = setTimeout(() => {
       if (lastHistory && current && current.route && current.route.name === "device") {
-        renderChart($("chart"), lastHistory.events || []);
+        renderChart($("chart"), lastHistory.events || [], Boolean(lastHistory.next_cursor));
       }
     }, 150);
   });
