@@ -7,10 +7,11 @@ browser or a missing `playwright` package fails the test, never skips it.
 
 Fixtures:
 - `browser`: one headless Chromium for the session.
-- `new_page(phone=False)`: a fresh context and page; `phone=True` gives a
-  360x740 touch screen. Uncaught page errors and console errors (a CSP
-  violation, a bad script) fail the test at teardown; "Failed to load
-  resource" lines are not errors of the page (a 401 or 404 the page handles).
+- `new_page(phone=False, size=None)`: a fresh context and page; `phone=True`
+  gives a 360x740 touch screen, `size=(w, h)` another window size. Uncaught
+  page errors and console errors (a CSP violation, a bad script) fail the
+  test at teardown; "Failed to load resource" lines are not errors of the
+  page (a 401 or 404 the page handles).
   A failing test leaves a screenshot of each of its pages.
 - `page`: `new_page()` for a desktop-sized window.
 - `screenshot(page, name)`: saves a full-page PNG as
@@ -176,8 +177,10 @@ async def new_page(
         if message.type == "error" and not message.text.startswith("Failed to load resource"):
             problems.append(f"console error: {message.text}")
 
-    async def open_page(*, phone: bool = False) -> Page:
+    async def open_page(*, phone: bool = False, size: tuple[int, int] | None = None) -> Page:
         screen = PHONE if phone else DESKTOP
+        if size is not None:
+            screen = Screen(width=size[0], height=size[1], mobile=phone, scale=screen.scale)
         context = await browser.new_context(
             viewport={"width": screen.width, "height": screen.height},
             is_mobile=screen.mobile,

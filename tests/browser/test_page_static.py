@@ -739,3 +739,44 @@ async def test_the_chart_says_when_it_shows_only_the_newest_500_events(
     await expect(page.locator("#history-meta")).to_contain_text("events in the chart")
     await expect(page.locator("#history-meta")).not_to_contain_text("older")
     await expect(note).to_have_count(0)
+
+
+@pytest.mark.parametrize("size", [(320, 568), (390, 844)])
+async def test_no_horizontal_overflow_on_small_phones_in_any_state(
+    new_page: Callable[..., Awaitable[Page]],
+    url: str,
+    api: FakeApi,
+    screenshot: Shot,
+    size: tuple[int, int],
+) -> None:
+    long_id = "a-device-with-a-very-long-identifier-0123456789abcdef"
+    api.put("acme", long_id, "on", 123456.789, tags={"building": "north-wing-annex"})
+    api.rejected["acme"] = [
+        {
+            "received_at": rfc3339(ago(60)),
+            "topic": f"tenants/acme/devices/{long_id}/events",
+            "device_id": long_id,
+            "reason": "invalid_msgpack",
+            "detail": "unpackb: " + "ff" * 100,
+            "payload_size": 31_337,
+        }
+    ]
+    page = await new_page(phone=True, size=size)
+    await log_in(page, url, TENANT_TOKEN)
+    views = ("#/t/acme", "#/t/acme/s/on", f"#/t/acme/d/{long_id}", "#/t/acme/rejected")
+    for view in views:
+        await page.goto(f"{url}{view}")
+        await expect(page.locator("#live")).to_contain_text("live")
+        await no_horizontal_overflow(page)
+    await page.goto(f"{url}#/t/acme/s/on")
+    await page.locator("#tag").fill("no-separator")  # the hint under the field
+    await expect(page.locator("#tag-hint")).to_contain_text("KEY:VALUE")
+    await no_horizontal_overflow(page)
+    await page.goto(f"{url}#/t/big")  # the 403 problem view
+    await expect(page.locator("#problem-message")).to_be_visible()
+    await no_horizontal_overflow(page)
+    api.fault = ApiError(503, "unavailable", "Cassandra did not answer: " + "x" * 120)
+    await page.goto(f"{url}#/t/acme/s/on")
+    await expect(page.locator("#live")).to_contain_text("reconnecting")
+    await no_horizontal_overflow(page)
+    await screenshot(page, "outage")
