@@ -80,3 +80,16 @@ async def test_a_building_manager_watches_a_device_change_state(
         await expect(page.locator("#history-rows tr")).to_have_count(2)
         await expect(page.locator('[data-testid="chart-svg"] line.change')).to_have_count(1)
         await screenshot(page, "live-device")
+
+        # Answers that asking again cannot change, from the real API: another
+        # tenant's 403 and a bad cursor's 400 stop the view and lead back.
+        await page.goto(f"{url}#/t/{tenant}x")
+        await expect(page.locator("#problem-message")).to_contain_text("403")
+        await expect(page.locator("#problem-link")).to_have_attribute("href", f"#/t/{tenant}")
+        await page.goto(f"{url}#/t/{tenant}/s/on?cursor=garbage&p=2")
+        await expect(page.locator("#problem-message")).to_contain_text("400")
+        await expect(page.locator("#problem-message")).to_contain_text("cursor")
+        await page.locator("#problem-link").click()
+        await expect(page.locator("#device-rows tr")).to_have_count(1)
+        await expect(page.locator("#devices-meta")).to_have_text("1 shown · 1 device in on")
+        await screenshot(page, "live-after-400")
