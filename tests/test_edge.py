@@ -313,6 +313,39 @@ def test_a_read_command_says_cassandra_is_unreachable_in_one_line(unreachable: s
     assert last.startswith("gateway: cannot connect to Cassandra at "), result.stderr
 
 
+def test_ctrl_c_ends_a_check_while_cassandra_accepts_and_never_answers() -> None:
+    """A Cassandra that accepts connections and never answers (a half-dead
+    node, a proxy with no way through): Ctrl-C left `gateway check` hanging
+    for good (over 600 s), since cancelling the C++ driver's connect blocks
+    the process. It now stops at once with 130."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    port = silent.getsockname()[1]
+    env = base_env(GATEWAY_CASSANDRA__PORT=str(port))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "check"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(3)  # connecting: the connection is accepted, nothing comes back
+        assert proc.poll() is None, proc.communicate()
+        interrupted = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=8)
+        assert time.monotonic() - interrupted < 5
+        assert proc.returncode == 130, err
+        assert "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        silent.close()
+
+
 # ---------------------------------------------------------------- the systemd unit
 
 UNIT = ROOT / "deploy" / "systemd" / "gateway.service"

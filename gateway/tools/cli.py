@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import importlib.resources
 import logging
@@ -845,6 +846,8 @@ def _main(argv: Sequence[str] | None) -> int:
         )
     else:
         coro = commands[args.command]()
+    if args.command not in ("run", "serve", "simulate"):  # those stop gracefully
+        signal.signal(signal.SIGINT, _exit_interrupted)
     try:
         return uvloop.run(coro)
     except KeyboardInterrupt:
@@ -857,6 +860,17 @@ def _main(argv: Sequence[str] | None) -> int:
         for err in errors:
             print(f"gateway: {err}", file=sys.stderr)
         return 2 if any(isinstance(err, ConfigError) for err in errors) else 1
+
+
+def _exit_interrupted(signum: int, frame: object) -> None:
+    """Ctrl-C in a command that reads, checks or sets up: stop now, 130. Not
+    by cancelling: the C++ driver (acsylla) blocks the whole process for
+    ever when a connect in progress is cancelled (a Cassandra that accepts
+    the connection and never answers), and there is nothing to finish."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+    print("\ngateway: interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
 
 
 def _gateway_errors(exc: BaseException) -> list[GatewayError]:
