@@ -821,9 +821,16 @@ def load_config(path: Path | None = None, env: Mapping[str, str] | None = None) 
     if path is not None:
         file = str(path)
         try:
-            data = tomllib.loads(path.read_text())
+            raw = path.read_bytes()
+            data = tomllib.loads(raw.decode("utf-8"))
         except OSError as exc:
             raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            line = raw[: exc.start].count(b"\n") + 1
+            raise ConfigError(
+                f"config file {path} is not UTF-8 (byte 0x{raw[exc.start]:02x} on line {line}; "
+                "TOML is UTF-8): save it as UTF-8"
+            ) from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     overlay, origin = _env_overlay(env)

@@ -688,3 +688,15 @@ def test_ttl_leaves_room_for_the_partition_index() -> None:
     with pytest.raises(ConfigError, match=r"tenants\.default.*ttl"):
         load_config(None, {"GATEWAY_TENANTS__DEFAULT__TTL": "7300d"})
     assert load_config(None, {"GATEWAY_TENANTS__DEFAULT__TTL": "7299d"}).tenant("x").ttl
+
+
+def test_a_config_file_that_is_not_utf8_is_named_with_its_line(tmp_path: Path) -> None:
+    """A file saved as Latin-1 (a Windows editor's default) was a traceback
+    (UnicodeDecodeError)."""
+    path = tmp_path / "latin1.toml"
+    path.write_bytes("[mqtt]\n# temp\u00e9rature in \u00b0C\nport = 1883\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, {})
+    message = str(caught.value)
+    assert message.startswith(f"config file {path} is not UTF-8"), message
+    assert "line 2" in message
