@@ -114,3 +114,24 @@ def test_init_writes_where_config_says_and_refuses_two_places(
     err = _fails(gateway, "init", str(first), "--config", str(second))
     assert f"two places to write, {first} and --config {second}" in err
     assert gateway("init", str(first), "--config", str(first), "--force")[0] == 0
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("device", "--tenant", "t", "\udcff\udcfe"),  # bytes 0xff 0xfe from the shell
+        ("devices", "--tenant", "t", "--state", "\udcff"),
+        ("history", "--tenant", "t", "d" * 70_000),
+        ("devices", "--tenant", "t" * 600, "--state", "on"),
+        ("rollup", "--tenant", "t", "d", "--metric", "m" * 513),
+        ("meta", "devices", "--tenant", "t", "k=" + "v" * 600),
+    ],
+)
+def test_a_name_that_is_not_utf8_or_too_long_is_refused(
+    gateway: Run, args: tuple[str, ...]
+) -> None:
+    """Not valid UTF-8 (a terminal in Latin-1) or over 64 KiB was a traceback
+    (blaming Cassandra for the first); the API takes 512 characters."""
+    err = _fails(gateway, *args)
+    assert "not valid UTF-8" in err or "longer than 512 characters" in err, err
+    assert len(err) < 1000  # a long name is not echoed whole

@@ -44,6 +44,8 @@ log = logging.getLogger("gateway")
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 TENANT_HELP = "the tenant, as named in the topics"
+# The longest name a command takes (the read API's limit for a parameter).
+MAX_ARG = 512
 # --limit of history and rejected (the API pages by 1 to 500 instead).
 MAX_CLI_LIMIT = 100_000
 
@@ -172,20 +174,22 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     dev = sub.add_parser("devices", parents=[common], help="devices currently in a state")
-    dev.add_argument("--tenant", required=True, help=TENANT_HELP)
-    dev.add_argument("--state", required=True, help="a state the devices report, e.g. on")
+    dev.add_argument("--tenant", type=_name, required=True, help=TENANT_HELP)
+    dev.add_argument(
+        "--state", type=_name, required=True, help="a state the devices report, e.g. on"
+    )
     dev.add_argument("--json", action="store_true", help="print a JSON array")
 
     one = sub.add_parser("device", parents=[common], help="a device's latest event")
-    one.add_argument("--tenant", required=True, help=TENANT_HELP)
-    one.add_argument("device_id")
+    one.add_argument("--tenant", type=_name, required=True, help=TENANT_HELP)
+    one.add_argument("device_id", type=_name)
     one.add_argument("--json", action="store_true", help="print JSON")
 
     his = sub.add_parser(
         "history", parents=[common], help="a device's raw events in a time range, newest first"
     )
-    his.add_argument("--tenant", required=True, help=TENANT_HELP)
-    his.add_argument("device_id")
+    his.add_argument("--tenant", type=_name, required=True, help=TENANT_HELP)
+    his.add_argument("device_id", type=_name)
     his.add_argument("--since", help="RFC 3339 time or a duration ago like 2h (default 24h)")
     his.add_argument("--until", help="RFC 3339 time or a duration ago (default now)")
     _add_limit(his, "events")
@@ -194,9 +198,11 @@ def _parser() -> argparse.ArgumentParser:
     rol = sub.add_parser(
         "rollup", parents=[common], help="a device's 1-minute or 1-hour aggregates, oldest first"
     )
-    rol.add_argument("--tenant", required=True, help=TENANT_HELP)
-    rol.add_argument("device_id")
-    rol.add_argument("--metric", default="value", help="a metrics key, or value (the default)")
+    rol.add_argument("--tenant", type=_name, required=True, help=TENANT_HELP)
+    rol.add_argument("device_id", type=_name)
+    rol.add_argument(
+        "--metric", type=_name, default="value", help="a metrics key, or value (the default)"
+    )
     rol.add_argument("--step", default="1m", help="1m or 1h (default 1m, as the API)")
     rol.add_argument("--since", help="RFC 3339 time or a duration ago like 2h (default 24h)")
     rol.add_argument("--until", help="RFC 3339 time or a duration ago (default now)")
@@ -208,28 +214,30 @@ def _parser() -> argparse.ArgumentParser:
     meta_sub = meta.add_subparsers(dest="meta_command", required=True, metavar="WHAT")
     for name, what in (("metrics", "metric names"), ("tags", "tag keys")):
         one_meta = meta_sub.add_parser(name, parents=[common], help=f"the tenant's {what}")
-        one_meta.add_argument("--tenant", required=True, help=TENANT_HELP)
+        one_meta.add_argument("--tenant", type=_name, required=True, help=TENANT_HELP)
         one_meta.add_argument("--json", action="store_true", help="print JSON")
     values = meta_sub.add_parser("values", parents=[common], help="the values of a tag key")
-    values.add_argument("key", metavar="KEY")
-    values.add_argument("--tenant", required=True, help=TENANT_HELP)
+    values.add_argument("key", type=_name, metavar="KEY")
+    values.add_argument("--tenant", type=_name, required=True, help=TENANT_HELP)
     values.add_argument("--json", action="store_true", help="print JSON")
     tagged = meta_sub.add_parser(
         "devices", parents=[common], help="devices that carry a tag value (KEY=VALUE)"
     )
-    tagged.add_argument("tag", metavar="KEY=VALUE")
-    tagged.add_argument("--tenant", required=True, help=TENANT_HELP)
+    tagged.add_argument("tag", type=_name, metavar="KEY=VALUE")
+    tagged.add_argument("--tenant", type=_name, required=True, help=TENANT_HELP)
     tagged.add_argument("--json", action="store_true", help="print JSON")
     counted = meta_sub.add_parser(
         "count",
         parents=[common],
         help="entries the tenant has taken against metadata.max_per_tenant",
     )
-    counted.add_argument("--tenant", required=True, help=TENANT_HELP)
+    counted.add_argument("--tenant", type=_name, required=True, help=TENANT_HELP)
     counted.add_argument("--json", action="store_true", help="print JSON")
 
     rej = sub.add_parser("rejected", parents=[common], help="recently rejected messages and why")
-    rej.add_argument("--tenant", default="", help="tenant ('' for topics that named none)")
+    rej.add_argument(
+        "--tenant", type=_name, default="", help="tenant ('' for topics that named none)"
+    )
     back = rej.add_mutually_exclusive_group()
     back.add_argument(
         "--since",
@@ -250,7 +258,7 @@ def _parser() -> argparse.ArgumentParser:
     noi = sub.add_parser(
         "noisy", parents=[common], help="noisy devices of a tenant, from the running gateway"
     )
-    noi.add_argument("--tenant", required=True, help=TENANT_HELP)
+    noi.add_argument("--tenant", type=_name, required=True, help=TENANT_HELP)
     noi.add_argument("--json", action="store_true", help="print JSON")
 
     tok = sub.add_parser(
@@ -445,6 +453,24 @@ def _add_limit(parser: argparse.ArgumentParser, what: str) -> None:
 def _more(more: bool) -> str:
     """What a summary line adds when ``--limit`` left some out."""
     return "; more than --limit, the rest left out" if more else ""
+
+
+def _name(text: str) -> str:
+    """A tenant, device, state, metric or tag given on the command line: valid
+    UTF-8 (a terminal in another encoding gives bytes that are not) and at
+    most MAX_ARG characters, as the read API takes (Cassandra refuses keys
+    over 64 KiB, with a traceback)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(
+            f"not valid UTF-8 ({ascii(text)[:60]}): check the terminal's encoding"
+        ) from None
+    if len(text) > MAX_ARG:
+        raise argparse.ArgumentTypeError(
+            f"longer than {MAX_ARG} characters ({len(text)}: {text[:40]!r}...)"
+        )
+    return text
 
 
 def _whole(text: str, low: int, high: int, what: str) -> int:
