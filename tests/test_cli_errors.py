@@ -135,3 +135,11 @@ def test_a_name_that_is_not_utf8_or_too_long_is_refused(
     err = _fails(gateway, *args)
     assert "not valid UTF-8" in err or "longer than 512 characters" in err, err
     assert len(err) < 1000  # a long name is not echoed whole
+
+
+@pytest.mark.parametrize("since", ["20261126", "1764161000", "1764161000000", "90"])
+def test_a_time_without_a_unit_is_refused(gateway: Run, since: str) -> None:
+    """A bare number was read as seconds ago: a date typed as 20261126 went
+    back 234 days, an epoch time 56 years, without a word."""
+    err = _fails(gateway, "history", "--tenant", "t", "d", "--since", since)
+    assert f"--since: {since!r} has no unit" in err, err

@@ -440,6 +440,8 @@ async def test_a_device_cursor_with_the_longest_device_id_is_taken_back(
         (f"devices/{D1}/history?since=1000000d", "since"),
         (f"devices/{D1}/history?since=99999999999d", "since"),
         ("rejected?since=1000000d", "since"),
+        # A bare number was taken as seconds ago (an epoch time: 56 years).
+        (f"devices/{D1}/history?since=1764161000", "since"),
     ],
 )
 async def test_bad_parameters_are_400_naming_the_parameter(

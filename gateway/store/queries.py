@@ -630,8 +630,17 @@ HISTORY_MAX_SKIP = 10_000
 
 
 def parse_time(parameter: str, text: str, now: datetime | None = None) -> datetime:
-    """An RFC 3339 time, or a duration ago such as ``2h`` or ``30m``."""
+    """An RFC 3339 time (without an offset: UTC), or a duration ago with its
+    unit, such as ``2h`` or ``30m``. A bare number is refused: a date typed
+    as ``20261126`` or an epoch time read as seconds ago went back months,
+    or decades, without a word."""
     now = now or datetime.now(UTC)
+    if text.strip().replace(".", "", 1).isdigit():
+        raise bad_parameter(
+            parameter,
+            f"{text!r} has no unit: give a duration ago such as 30m, 2h or 7d, "
+            "or an RFC 3339 time such as 2026-11-26T13:00:00Z",
+        )
     try:
         seconds = parse_duration(text)
     except ValueError:

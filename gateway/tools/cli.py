@@ -190,8 +190,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     his.add_argument("--tenant", type=_name, required=True, help=TENANT_HELP)
     his.add_argument("device_id", type=_name)
-    his.add_argument("--since", help="RFC 3339 time or a duration ago like 2h (default 24h)")
-    his.add_argument("--until", help="RFC 3339 time or a duration ago (default now)")
+    his.add_argument(
+        "--since",
+        help="RFC 3339 time (UTC without an offset) or a duration ago like 2h (default 24h)",
+    )
+    his.add_argument(
+        "--until", help="RFC 3339 time (UTC without an offset) or a duration ago (default now)"
+    )
     _add_limit(his, "events")
     his.add_argument("--json", action="store_true", help="print a JSON array")
 
@@ -204,8 +209,13 @@ def _parser() -> argparse.ArgumentParser:
         "--metric", type=_name, default="value", help="a metrics key, or value (the default)"
     )
     rol.add_argument("--step", default="1m", help="1m or 1h (default 1m, as the API)")
-    rol.add_argument("--since", help="RFC 3339 time or a duration ago like 2h (default 24h)")
-    rol.add_argument("--until", help="RFC 3339 time or a duration ago (default now)")
+    rol.add_argument(
+        "--since",
+        help="RFC 3339 time (UTC without an offset) or a duration ago like 2h (default 24h)",
+    )
+    rol.add_argument(
+        "--until", help="RFC 3339 time (UTC without an offset) or a duration ago (default now)"
+    )
     rol.add_argument("--json", action="store_true", help="print a JSON array")
 
     meta = sub.add_parser(
