@@ -175,6 +175,11 @@ async def test_history_across_buckets_and_msgpack(db: Database, tenant: str, dri
         assert cut.returncode == 0, cut.stderr
         assert len(cut.stdout.splitlines()) == int(limit)
         assert cut.stderr == (summary or "(8 events)") + "\n"
+        # With --json too (stdout stays JSON), only when the list is cut: a
+        # script could not tell a cut list from a whole one.
+        cut = run_cli("history", "--tenant", tenant, "m1", *day, "--limit", limit, "--json")
+        assert len(orjson.loads(cut.stdout)) == int(limit)
+        assert cut.stderr == (summary + "\n" if summary else "")
     # A reader that goes away (`| head`) ends the command quietly, as other tools do.
     code, err = await asyncio.to_thread(_history_into_a_closed_pipe, tenant, "m1")
     assert code == 141, err

@@ -592,6 +592,7 @@ async def _history(config: Config, args: argparse.Namespace) -> int:
                 f"{queries.iso(r.ts)}\t{r.state or ''}\t{'' if r.value is None else r.value}"
                 f"\t{orjson.dumps(r.metrics).decode()}"
             )
+    if more or not args.json:  # with --json, said only when the list is cut
         print(f"({len(rows)} events{_more(more)})", file=sys.stderr)
     return 0
 
@@ -687,6 +688,7 @@ async def _rejected(config: Config, args: argparse.Namespace) -> int:
     else:
         for r in out:
             print(f"{queries.iso(r.received_at)}\t{r.reason}\t{r.topic}\t{r.detail}")
+    if more or not args.json:  # with --json, said only when the list is cut
         print(
             f"({len(out)} rejected {span} for tenant {args.tenant!r}{_more(more)})",
             file=sys.stderr,
