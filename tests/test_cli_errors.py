@@ -143,3 +143,20 @@ def test_a_time_without_a_unit_is_refused(gateway: Run, since: str) -> None:
     back 234 days, an epoch time 56 years, without a word."""
     err = _fails(gateway, "history", "--tenant", "t", "d", "--since", since)
     assert f"--since: {since!r} has no unit" in err, err
+
+
+@pytest.mark.parametrize(
+    ("args", "argument"),
+    [
+        (("--devices", "1000000000"), "--devices"),  # built in memory first: 22 GB, then killed
+        (("--count", "-5"), "--count"),
+        (("--duration", "-1"), "--duration"),
+        (("--tenant", "+"), "--tenant"),
+        (("--tenant", "a/b"), "--tenant"),  # published into another topic tree
+    ],
+)
+def test_simulate_refuses_what_it_cannot_do(
+    gateway: Run, args: tuple[str, ...], argument: str
+) -> None:
+    err = _fails(gateway, "simulate", *args)
+    assert f"argument {argument}:" in err, err

@@ -14,6 +14,7 @@ import contextlib
 import gc
 import importlib.resources
 import logging
+import math
 import os
 import signal
 import sys
@@ -46,6 +47,9 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 TENANT_HELP = "the tenant, as named in the topics"
 # The longest name a command takes (the read API's limit for a parameter).
 MAX_ARG = 512
+# simulate builds its whole fleet first, about 0.75 KB a device: 1M is 750 MB
+# (an unbounded --devices 1000000000 grew to 22 GB before the kernel killed it).
+MAX_SIM_DEVICES = 1_000_000
 # --limit of history and rejected (the API pages by 1 to 500 instead).
 MAX_CLI_LIMIT = 100_000
 
@@ -294,15 +298,34 @@ def _parser() -> argparse.ArgumentParser:
     sim = sub.add_parser(
         "simulate", parents=[common], help="publish events from a simulated device fleet"
     )
-    sim.add_argument("--devices", type=int, default=100, help="fleet size (default 100)")
-    sim.add_argument("--rate", type=float, default=50.0, help="messages per second, fleet-wide")
     sim.add_argument(
-        "--format", choices=("json", "msgpack"), default="json", help="payload encoding"
+        "--devices",
+        type=lambda t: _whole(t, 1, MAX_SIM_DEVICES, "a whole number of devices"),
+        default=100,
+        help=f"fleet size, 1 to {MAX_SIM_DEVICES} (default 100; about 0.75 KB of memory each)",
+    )
+    sim.add_argument(
+        "--rate", type=float, default=50.0, help="messages per second, fleet-wide (default 50)"
+    )
+    sim.add_argument(
+        "--format",
+        choices=("json", "msgpack"),
+        default="json",
+        help="payload encoding (default json)",
     )
     sim.add_argument("--noisy", type=float, default=0.0, help="fraction of noisy devices (50x)")
-    sim.add_argument("--tenant", default="demo", help="the tenant in the topics (default demo)")
-    sim.add_argument("--count", type=int, help="stop after this many messages")
-    sim.add_argument("--duration", type=float, help="stop after this many seconds")
+    sim.add_argument(
+        "--tenant",
+        type=_checked(tokens.check_tenant),
+        default="demo",
+        help="the tenant in the topics (default demo)",
+    )
+    sim.add_argument(
+        "--count",
+        type=lambda t: _whole(t, 1, 10**12, "a whole number of messages"),
+        help="stop after this many messages",
+    )
+    sim.add_argument("--duration", type=_seconds_arg, help="stop after this many seconds")
     sim.add_argument("--seed", type=int, default=1, help="same seed, same fleet and events")
     return parser
 
@@ -463,6 +486,17 @@ def _add_limit(parser: argparse.ArgumentParser, what: str) -> None:
 def _more(more: bool) -> str:
     """What a summary line adds when ``--limit`` left some out."""
     return "; more than --limit, the rest left out" if more else ""
+
+
+def _seconds_arg(text: str) -> float:
+    """A positive, finite number of seconds."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise argparse.ArgumentTypeError(f"a positive number of seconds (got {text!r})")
+    return seconds
 
 
 def _name(text: str) -> str:
