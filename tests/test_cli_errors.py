@@ -7,7 +7,10 @@ case; tests/test_edge.py runs the installed command itself."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -160,3 +163,44 @@ def test_simulate_refuses_what_it_cannot_do(
 ) -> None:
     err = _fails(gateway, "simulate", *args)
     assert f"argument {argument}:" in err, err
+
+
+def _answering(reply: bytes) -> tuple[socket.socket, threading.Thread]:
+    """A listener on a free port answering every connection with ``reply``."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                with conn:
+                    conn.recv(4096)
+                    conn.sendall(reply)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return listener, thread
+
+
+@pytest.mark.parametrize(
+    ("reply", "said"),
+    [
+        (b"\x00\x07\x00\x00garbage\r\n\r\n", "does not speak HTTP (BadStatusLine)"),
+        (b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n", "answered 404 Not Found"),
+    ],
+)
+def test_noisy_names_what_answers_instead_of_the_gateway(
+    gateway: Run, reply: bytes, said: str
+) -> None:
+    """Another service on api.port (Cassandra's, say) gave a BadStatusLine
+    traceback; `gateway serve` (no /noisy) was "cannot reach"."""
+    listener, _ = _answering(reply)
+    try:
+        code, err = gateway(
+            "noisy", "--tenant", "t", GATEWAY_API__PORT=str(listener.getsockname()[1])
+        )
+    finally:
+        listener.close()
+    assert code == 1, err
+    assert "Traceback" not in err
+    assert said in err, err

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import http.client
 import importlib.resources
 import logging
 import math
@@ -19,6 +20,7 @@ import os
 import signal
 import sys
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Coroutine, Sequence
@@ -737,10 +739,22 @@ def _noisy(config: Config, args: argparse.Namespace) -> int:
     try:
         with urllib.request.urlopen(url, timeout=10) as response:
             devices = orjson.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        # Something answers there, but not `gateway run` (`gateway serve` has no /noisy).
+        raise GatewayError(
+            f"{url} answered {exc.code} {exc.reason}: not a running `gateway run` "
+            "(gateway serve has no sampler to ask); do api.host/api.port name it?"
+        ) from None
+    except http.client.HTTPException as exc:
+        # Another service on that port (BadStatusLine: Cassandra's, say).
+        raise GatewayError(
+            f"what answers at {url} does not speak HTTP ({type(exc).__name__}); "
+            "do api.host/api.port name the running gateway?"
+        ) from None
     except (OSError, ValueError) as exc:
         raise GatewayError(
-            f"cannot reach the running gateway at {url} ({exc}); is `gateway run` up with "
-            "api.enabled, and do api.host/api.port match?"
+            f"cannot reach the running gateway at {url} ({type(exc).__name__}: {exc}); "
+            "is `gateway run` up with api.enabled, and do api.host/api.port match?"
         ) from None
     if args.json:
         _print_json(devices)
