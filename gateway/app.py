@@ -101,6 +101,8 @@ class Gateway:
         failing = self._requests.failing_for
         details: dict[str, object] = {
             "mqtt": "connected" if connected else "disconnected",
+            # Which session this is: `gateway forget-session` will not end it.
+            "mqtt_client_id": self.config.mqtt.client_id,
             "cassandra": "ok" if failing is None else self._failing(failing),
             "queue_depth": self._pipeline.queue_depth,
             "in_flight": self.stats.in_flight,

@@ -120,6 +120,7 @@ async def spool_until_reachable(
             def health() -> tuple[bool, dict[str, object]]:
                 return False, {
                     "mqtt": "connected" if receiver.connected.is_set() else "disconnected",
+                    "mqtt_client_id": config.mqtt.client_id,
                     "cassandra": state,
                     "spool": spool.depth,
                     "spool_state": spool.state(),

@@ -346,6 +346,26 @@ def test_ctrl_c_ends_a_check_while_cassandra_accepts_and_never_answers() -> None
         silent.close()
 
 
+async def test_forget_session_will_not_end_the_session_of_a_running_gateway() -> None:
+    """`gateway forget-session` with the service's own config (the obvious
+    way to run it) ended the running gateway's session: it was disconnected,
+    and what the broker held for it was dropped. It now refuses while that
+    gateway's /healthz answers with the same client id, and works once the
+    gateway is gone."""
+    port = free_port()
+    config = make_config(GATEWAY_API__PORT=str(port))
+    env = base_env(GATEWAY_MQTT__CLIENT_ID=config.mqtt.client_id, GATEWAY_API__PORT=str(port))
+    async with running_gateway(config) as gw:
+        refused = await asyncio.to_thread(run_cli, "forget-session", env=env)
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        assert f"a gateway with client id {config.mqtt.client_id!r} is running" in refused.stderr
+        await asyncio.sleep(1)
+        assert (gw.stats.connects, gw.stats.sessions_lost) == (1, 0)
+    ended = await asyncio.to_thread(run_cli, "forget-session", env=env)
+    assert ended.returncode == 0, ended.stderr
+    assert "ended" in ended.stdout
+
+
 # ---------------------------------------------------------------- the systemd unit
 
 UNIT = ROOT / "deploy" / "systemd" / "gateway.service"

@@ -796,6 +796,29 @@ def _token(config: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def _running_gateway(config: Config) -> str | None:
+    """The /healthz URL of a gateway of this config's client id, if one
+    answers at api.host/api.port (the usual case: the service's own config on
+    its own host); None when nothing does, or another client id."""
+    if not config.api.enabled:
+        return None
+    url = f"http://{config.api.host}:{config.api.port}/healthz"
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            body = orjson.loads(response.read())
+    except urllib.error.HTTPError as exc:  # 503 while degraded: still a gateway
+        try:
+            body = orjson.loads(exc.read())
+        except ValueError:
+            return None
+    except (OSError, ValueError, http.client.HTTPException):
+        return None
+    checks = body.get("checks") if isinstance(body, dict) else None
+    if isinstance(checks, dict) and checks.get("mqtt_client_id") == config.mqtt.client_id:
+        return url
+    return None
+
+
 async def _forget_session(config: Config) -> int:
     # A session whose client never returns keeps queueing every matching
     # message (until persistent_client_expiration): end it explicitly.
@@ -804,6 +827,13 @@ async def _forget_session(config: Config) -> int:
     from .mqtt_client import mqtt_client
 
     cfg = config.mqtt
+    running = _running_gateway(config)
+    if running is not None:
+        raise GatewayError(
+            f"a gateway with client id {cfg.client_id!r} is running ({running} answers): "
+            "ending its session would disconnect it and drop what the broker holds for it; "
+            "stop it first (forget-session retires a gateway that is gone)"
+        )
     try:
         async with mqtt_client(cfg, clean_start=True, session_expiry=0):
             pass
