@@ -105,6 +105,16 @@ def test_an_old_state_table_is_refused_then_migrated(old_table: str) -> None:
             f"SELECT state_buckets FROM {keyspace}.tenant_states WHERE tenant = 'acme'"
         )
         assert recorded.state_buckets == 1
+        # Once current, migrate does nothing unless forced: it rewrote every
+        # state row of whatever keyspace the config named (the default one,
+        # when --config was missing).
+        again = run_cli("schema", "migrate", env=env)
+        assert again.returncode == 0, again.stderr
+        assert "already has the current layout; nothing to migrate" in again.stderr
+        assert "rebuilt" not in again.stdout + again.stderr
+        forced = run_cli("schema", "migrate", "--force", env=env)
+        assert forced.returncode == 0, forced.stderr
+        assert "2 rows" in forced.stdout
         listed = run_cli("devices", "--tenant", "acme", "--state", "open", "--json", env=env)
         assert listed.returncode == 0, listed.stderr
         assert '"door-1"' in listed.stdout

@@ -167,10 +167,15 @@ def _parser() -> argparse.ArgumentParser:
         help="create the keyspace and tables (idempotent)",
     )
     sch_sub.add_parser("print", parents=[common], help="print the CQL that apply would run")
-    sch_sub.add_parser(
+    mig = sch_sub.add_parser(
         "migrate",
         parents=[common],
         help="rebuild latest_events_by_state in the current layout (once; gateways stopped)",
+    )
+    mig.add_argument(
+        "--force",
+        action="store_true",
+        help="rebuild even when the keyspace already has the current layout",
     )
 
     sub.add_parser(
@@ -546,11 +551,20 @@ def _log_level(text: str) -> str:
     return text.upper()
 
 
-async def _schema_migrate(config: Config) -> int:
+async def _schema_migrate(config: Config, force: bool) -> int:
     def progress(rows: int) -> None:
         print(f"\rschema migrate: {rows} state rows rebuilt", end="", file=sys.stderr, flush=True)
 
     async with connect(config.cassandra) as db:
+        if not force and not await schema.old_state_layout(db):
+            # Rewriting every state row of a current keyspace is heavy, and the
+            # default keyspace is one missing --config away.
+            print(
+                f"schema migrate: keyspace {config.cassandra.keyspace!r} already has the "
+                "current layout; nothing to migrate (--force rebuilds it anyway)",
+                file=sys.stderr,
+            )
+            return 0
         rows = await schema.migrate(db, lambda t: config.tenant(t).state_buckets, progress)
     print(file=sys.stderr)
     print(
@@ -958,7 +972,9 @@ def _main(argv: Sequence[str] | None) -> int:
                 print(f"-- {name}\n{stmt};\n")
             return 0
         coro: Coroutine[Any, Any, int] = (
-            _schema_migrate(config) if args.schema_command == "migrate" else _schema_apply(config)
+            _schema_migrate(config, args.force)
+            if args.schema_command == "migrate"
+            else _schema_apply(config)
         )
     else:
         coro = commands[args.command]()
