@@ -1,6 +1,6 @@
 """Command line: ``gateway init | run | serve | schema apply|migrate|print | check | devices |
-device | history | rollup | meta | rejected | simulate | token add/list/revoke``. The only
-place that configures logging and reads argv.
+device | history | rollup | meta | rejected | noisy | forget-session | simulate | token
+add/list/revoke``. The only place that configures logging and reads argv.
 
 Exit codes: 0 success, 1 runtime failure (service unreachable, write refused,
 nothing found), 2 usage or configuration error.
@@ -490,6 +490,11 @@ def _add_limit(parser: argparse.ArgumentParser, what: str) -> None:
     )
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 token``, ``2 tokens``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _more(more: bool) -> str:
     """What a summary line adds when ``--limit`` left some out."""
     return "; more than --limit, the rest left out" if more else ""
@@ -670,7 +675,7 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
     if known and args.metric not in known:
         # Likely a misspelt --metric: say which ones the tenant's devices send.
         hint = f": tenant {args.tenant!r} has no such metric; its metrics: {_first_names(known)}"
-    summary = f"({len(rows)} windows of {args.step} for {args.metric!r}{hint})"
+    summary = f"({_count(len(rows), 'window')} of {args.step} for {args.metric!r}{hint})"
     if args.json:
         if hint:
             print(summary, file=sys.stderr)
@@ -806,7 +811,7 @@ def _token(config: Config, args: argparse.Namespace) -> int:
         for info in infos:
             tenant = "*admin*" if info.tenant is None else info.tenant
             print(f"{info.id}\t{tenant}\t{info.label}\t{info.as_json()['created']}")
-        print(f"({len(infos)} tokens in {store.path})", file=sys.stderr)
+        print(f"({_count(len(infos), 'token')} in {store.path})", file=sys.stderr)
     return 0
 
 
