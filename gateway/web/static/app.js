@@ -628,7 +628,10 @@
         drawn = true;
         const tenants = [...(data.tenants || [])].sort();
         if (!data.admin && tenants.length === 1) {
-          go(href(["t", tenants[0]]), { replace: true });
+          // Only if the address still says home: a navigation whose
+          // hashchange has not fired yet has already changed it, and
+          // replacing it would undo that navigation.
+          if (parseHash().name === "home") go(href(["t", tenants[0]]), { replace: true });
           return;
         }
         replaceKeepingFocus($("tenant-list"), tenants.map((t) => h("li", null,
@@ -865,8 +868,9 @@
   // writes it, with spaces around the separator dropped. "" for no filter,
   // null for text that is not (yet) a tag: "floor" while typing "floor:3".
   function normalizeTag(raw) {
-    const m = /^([^:=]*?)\s*[:=]\s*(.*)$/s.exec(raw.trim());
-    if (!raw.trim()) return "";
+    const text = raw.trim();
+    if (!text) return "";
+    const m = /^([^:=]*?)\s*[:=]\s*(.*)$/s.exec(text);
     return m && m[1] && m[2] ? `${m[1]}:${m[2]}` : null;
   }
 
