@@ -23,7 +23,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
@@ -33,6 +33,7 @@ CSP = (
     "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
 MAX_LIMIT = 500
+_R = TypeVar("_R", bound=web.StreamResponse)
 
 
 def rfc3339(when: datetime) -> str:
@@ -251,7 +252,7 @@ class FakeApi:
             return {"tenant": tenant, "rejected": rows}
         raise AssertionError(name)
 
-    def _log(self, request: web.Request, response: web.Response) -> web.Response:
+    def _log(self, request: web.Request, response: _R) -> _R:
         self.seen.append(
             Seen(
                 path=request.path_qs,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import pytest_asyncio
@@ -431,12 +432,14 @@ async def test_history_range_and_rejected_messages(page: Page, url: str, api: Fa
 
 async def in_viewport(page: Page, selector: str) -> bool:
     """Whether the element is shown and at least partly inside the window."""
-    return await page.evaluate(
-        """(sel) => { const el = document.querySelector(sel);
+    return bool(
+        await page.evaluate(
+            """(sel) => { const el = document.querySelector(sel);
             if (!el || el.closest('[hidden]')) return false;
             const r = el.getBoundingClientRect();
             return r.height > 0 && r.bottom > 0 && r.top < innerHeight; }""",
-        selector,
+            selector,
+        )
     )
 
 
@@ -612,7 +615,7 @@ CONTRAST = """(sel) => {
 
 @pytest.mark.parametrize("scheme", ["light", "dark"])
 async def test_badges_and_buttons_reach_wcag_aa_contrast(
-    page: Page, url: str, api: FakeApi, scheme: str
+    page: Page, url: str, api: FakeApi, scheme: Literal["light", "dark"]
 ) -> None:
     await page.emulate_media(color_scheme=scheme)
     for state in ("open", "warning", "closed", "standby"):
