@@ -394,3 +394,34 @@ async def test_a_packet_over_our_maximum_is_dropped_by_the_broker_not_buffered(
         assert gw.stats.received == 2
         assert gw.stats.connects == 1
     assert (await device_row(db, tenant, "big")).state == "off"
+
+
+async def test_two_receivers_with_one_client_id_are_told_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two gateways given the same mqtt.client_id (a copied config) take the
+    session from each other, each reconnect closing the other's connection,
+    for ever; the log said only "connection closed by the broker"."""
+    caplog.set_level(logging.WARNING, logger="gateway.ingest.receive")
+    config = MqttConfig(
+        host=MQTT_HOST,
+        port=MQTT_PORT,
+        client_id=f"twin-{uuid.uuid4().hex[:8]}",
+        session_expiry=5,
+        reconnect_min=0.05,
+        reconnect_max=0.2,
+    )
+    stop = asyncio.Event()
+    twins = [Receiver(config, ["twins/never/#"], Stats()) for _ in range(2)]
+    tasks = [asyncio.create_task(r.run(lambda d: d.ack.done(), stop)) for r in twins]
+    try:
+        await wait_until(
+            lambda: "another client uses mqtt.client_id" in caplog.text,
+            20,
+            "the hint that two clients share the client id",
+        )
+    finally:
+        stop.set()
+        async with asyncio.timeout(10):
+            await asyncio.gather(*tasks)
+    assert f"mqtt.client_id {config.client_id!r}" in caplog.text

@@ -49,6 +49,13 @@ from .connection import Connection, ConnectOptions, connect
 
 log = logging.getLogger(__name__)
 
+# Another client with our client id (Receiver._closed_after): this many
+# connections in a row, each closed under TWIN_UPTIME s after opening, within
+# TWIN_WINDOW s.
+TWIN_CLOSES = 3
+TWIN_UPTIME = 10.0
+TWIN_WINDOW = 60.0
+
 # Room for the fixed header, topic and properties on top of the payload limit.
 PACKET_OVERHEAD = 16 * 1024
 
@@ -197,6 +204,10 @@ class Receiver:
         self._connection: Connection | None = None
         self._paused = False
         self._had_session = False
+        # When recent connections were closed by the broker soon after they
+        # opened (bounded: the last TWIN_CLOSES), and when that was last said.
+        self._short_lived: deque[float] = deque(maxlen=TWIN_CLOSES)
+        self._twin_said = -TWIN_WINDOW
         self.connected = asyncio.Event()
 
     def _options(self) -> ConnectOptions:
@@ -228,6 +239,32 @@ class Receiver:
         if self._connection is not None:
             self._connection.resume_reading()
 
+    def _closed_after(self, seconds: float) -> None:
+        """A connection ended after ``seconds``. Mosquitto closes a client id's
+        connection (without a word to an MQTT 5 client, in 2.0.11) when
+        another connects with that id: two instances given one client id take
+        the session from each other, each reconnect ending the other's, for
+        ever. Say so once TWIN_CLOSES connections in a row lasted under
+        TWIN_UPTIME seconds within TWIN_WINDOW, at most once per TWIN_WINDOW."""
+        now = time.monotonic()
+        if seconds >= TWIN_UPTIME:
+            self._short_lived.clear()
+            return
+        self._short_lived.append(now)
+        recent = self._short_lived
+        if len(recent) < TWIN_CLOSES or now - recent[0] > TWIN_WINDOW:
+            return
+        if now - self._twin_said < TWIN_WINDOW:
+            return
+        self._twin_said = now
+        log.warning(
+            "the broker closed our last %d connections within seconds of opening them: "
+            "most likely another client uses mqtt.client_id %r (a second gateway with a "
+            "copied config?); each connect ends the other's; give each instance its own",
+            len(recent),
+            self._config.client_id,
+        )
+
     # -- the session --------------------------------------------------------
 
     async def run(self, handler: Handler, stop: asyncio.Event) -> None:
@@ -236,6 +273,7 @@ class Receiver:
         while not stop.is_set():
             tracker: AckTracker | None = None
             pinger: asyncio.Future[None] | None = None
+            connected_at: float | None = None
             try:
                 tracker = AckTracker(self._puback, self._stats, cfg.receive_maximum)
                 conn = Connection(self._on_publish(tracker, handler), self._max_packet_size)
@@ -250,6 +288,7 @@ class Receiver:
                 if self._paused:
                     conn.pause_reading()
                 self._stats.connects += 1
+                connected_at = time.monotonic()
                 attempt = 0
                 self._session(connack.session_present)
                 refused = await conn.subscribe(self._subscriptions)
@@ -281,6 +320,8 @@ class Receiver:
             except BrokerError as exc:
                 self.connected.clear()
                 self._stats.disconnects += 1
+                if connected_at is not None:
+                    self._closed_after(time.monotonic() - connected_at)
                 if self._connection is not None and self._connection.malformed:
                     self._stats.malformed_packets += 1
                 # The connection is gone: acks that complete during the wait
