@@ -119,6 +119,25 @@ def test_init_writes_where_config_says_and_refuses_two_places(
     assert gateway("init", str(first), "--config", str(first), "--force")[0] == 0
 
 
+def test_init_refuses_a_directory_and_follows_gateway_config(
+    gateway: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`init DIR` said "DIR exists; not replacing it (--force to do so)" and
+    --force then failed with "Is a directory"; `init ''` said ". exists";
+    GATEWAY_CONFIG, which every other command reads, was ignored."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").mkdir()
+    for path in ("d", ""):
+        for force in ((), ("--force",)):
+            err = _fails(gateway, "init", path, *force)
+            assert "is a directory (give a file name" in err, err
+    target = tmp_path / "from-env.toml"
+    code, err = gateway("init", GATEWAY_CONFIG=str(target))
+    assert code == 0, err
+    assert target.read_text().startswith("#")
+    assert not (tmp_path / "gateway.toml").exists()
+
+
 @pytest.mark.parametrize(
     "args",
     [

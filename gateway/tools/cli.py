@@ -31,7 +31,7 @@ from typing import Any
 import orjson
 import uvloop
 
-from ..config import ENV_LOG_LEVEL, Config, load_config
+from ..config import ENV_CONFIG_PATH, ENV_LOG_LEVEL, Config, load_config
 from ..errors import BrokerError, ConfigError, GatewayError, QueryError
 from ..sd_notify import Notifier
 from ..store import queries, schema
@@ -394,6 +394,14 @@ def _init(path: Path, force: bool, edge: bool = False) -> int:
     text = importlib.resources.files("gateway").joinpath("example.toml").read_text()
     if edge:
         text = edge_config(text)
+    if not str(path) or path.is_dir():
+        # Path("") is "."; `init DIR` said "DIR exists", and --force then failed.
+        print(
+            f"gateway: init writes a file; {str(path) or 'the empty path'!r} is a directory "
+            "(give a file name, such as gateway.toml)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         with path.open("w" if force else "x") as out:
             out.write(text)
@@ -933,7 +941,9 @@ def _main(argv: Sequence[str] | None) -> int:
                 file=sys.stderr,
             )
             return 2
-        return _init(args.path or named or Path("gateway.toml"), args.force, args.edge)
+        env_path = os.environ.get(ENV_CONFIG_PATH) or None
+        target = args.path or named or (Path(env_path) if env_path else Path("gateway.toml"))
+        return _init(target, args.force, args.edge)
     level = getattr(args, "log_level", None)
     if level is None:
         try:
