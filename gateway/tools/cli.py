@@ -2,8 +2,10 @@
 device | history | rollup | meta | rejected | noisy | forget-session | simulate | token
 add/list/revoke``. The only place that configures logging and reads argv.
 
-Exit codes: 0 success, 1 runtime failure (service unreachable, write refused,
-nothing found), 2 usage or configuration error.
+Exit codes: 0 success (an empty list too: no device in a state, no event in
+a range, which a hint on stderr explains when the tenant or state is unknown),
+1 runtime failure (service unreachable, write refused, ``device`` of a device
+that does not exist), 2 usage or configuration error, 130 interrupted.
 """
 
 from __future__ import annotations
