@@ -737,11 +737,23 @@ def _env_overlay(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[tuple[str
     return tree, origin
 
 
+class _NotToml(str):
+    """An environment value that starts like a TOML list or table but does not
+    parse: kept as the string it is (a password may start with '['), with the
+    parser's complaint for the message if a list or table was wanted there."""
+
+    problem = ""
+
+
 def _env_value(raw: str) -> Any:
     # TOML syntax for a value ("8", "true", "[1, 2]", "{dc1 = 3}"); else a string.
     try:
         return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
+    except tomllib.TOMLDecodeError as exc:
+        if raw.lstrip()[:1] in ("[", "{"):
+            value = _NotToml(raw)
+            value.problem = str(exc)
+            return value
         return raw
 
 
@@ -766,6 +778,10 @@ def _describe(exc: ValidationError, origin: Mapping[tuple[str, ...], str], file:
             under = sorted(name for path, name in origin.items() if path[: len(loc)] == loc)
             source = ", ".join(under) if under and loc else file
         message = err["msg"].removeprefix("Value error, ")
+        given = err.get("input")
+        if isinstance(given, _NotToml):
+            # "Input should be a valid list" hid a missing bracket or quote.
+            message += f" (the value is not valid TOML: {given.problem})"
         if err["type"] == "extra_forbidden":
             message = "unknown key" + _nearest_key(loc, source)
         lines.append(f"{key} (from {source}): {message}")

@@ -700,3 +700,16 @@ def test_a_config_file_that_is_not_utf8_is_named_with_its_line(tmp_path: Path) -
     message = str(caught.value)
     assert message.startswith(f"config file {path} is not UTF-8"), message
     assert "line 2" in message
+
+
+def test_a_list_in_the_environment_that_is_not_toml_says_so() -> None:
+    """GATEWAY_TOPICS with a missing bracket said only "Input should be a
+    valid list"; a string value that starts with '[' (a password) still works."""
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, {"GATEWAY_TOPICS": '[{template = "x/{device_id}"'})
+    message = str(caught.value)
+    assert "topics (from GATEWAY_TOPICS): Input should be a valid list" in message
+    assert "the value is not valid TOML: Unclosed inline table" in message
+    config = load_config(None, {"GATEWAY_MQTT__PASSWORD": "[not-toml"})
+    assert config.mqtt.password is not None
+    assert config.mqtt.password.get_secret_value() == "[not-toml"
