@@ -12,6 +12,7 @@ The API itself, on the real services, is tested elsewhere; here the stand-in
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Literal
@@ -783,3 +784,78 @@ async def test_no_horizontal_overflow_on_small_phones_in_any_state(
     await expect(page.locator("#live")).to_contain_text("reconnecting")
     await no_horizontal_overflow(page)
     await screenshot(page, "outage")
+
+
+# The rows inside the window below the status line: [device, top in px].
+ON_SCREEN = """() => {
+    const below = document.getElementById('status').getBoundingClientRect().bottom;
+    return [...document.querySelectorAll('#device-rows tr')]
+        .map((r) => [r.dataset.device, r.getBoundingClientRect()])
+        .filter(([, b]) => b.bottom > below && b.top < innerHeight)
+        .map(([d, b]) => [d, Math.round(b.top)]); }"""
+
+
+async def test_live_updates_keep_a_scrolled_list_steady(
+    new_page: Callable[..., Awaitable[Page]], url: str, api: FakeApi, screenshot: Shot
+) -> None:
+    page = await new_page(phone=True, size=(390, 844))
+    await log_in(page, url, ADMIN_TOKEN)
+    await page.goto(f"{url}#/t/big/s/on")
+    rows = page.locator("#device-rows tr")
+    meta = page.locator("#devices-meta")
+    await expect(rows).to_have_count(100)
+    await expect(meta).to_have_text("100 shown · 250 devices in on")
+    await page.evaluate("() => window.scrollTo(0, 6000)")
+    before = await page.evaluate(ON_SCREEN)
+    assert len(before) >= 3, before
+    # Above the screen two devices leave the state and three enter it; one on
+    # screen changes its value. What is under the finger must not move.
+    on_screen = before[1][0]
+    for gone in ("dev-001", "dev-002"):
+        api.put("big", gone, "off", 0.0)
+    for came in ("dev-0005", "dev-0015", "dev-0025"):
+        api.put("big", came, "on", 1.0, tags={"floor": "9"})
+    api.put("big", on_screen, "on", 4242.0)
+    await expect(page.locator(f'[data-device="{on_screen}"]')).to_contain_text(
+        "4242", timeout=LIVE_MS
+    )
+    assert await page.evaluate(ON_SCREEN) == before
+    # Those that left are kept, greyed and marked (dev-099, pushed to page 2
+    # by those that came, too: one page of several cannot tell the two
+    # apart); those that came are counted.
+    left = page.locator("#device-rows tr.left")
+    await expect(left).to_have_count(3)
+    await expect(page.locator('[data-device="dev-001"]')).to_contain_text("left this page")
+    await expect(page.locator('[data-device="dev-099"]')).to_contain_text("left this page")
+    await expect(page.locator('[data-device="dev-0005"]')).to_have_count(0)
+    bar = page.locator("#new-devices")
+    await expect(bar).to_be_visible()
+    await expect(bar).to_contain_text("3 new")
+    await expect(meta).to_have_text("97 shown · 3 left this page · 3 new · 251 devices in on")
+    await no_horizontal_overflow(page)
+    await screenshot(page, "steady-scrolled")
+    # Another poll changes nothing on screen.
+    await asyncio.sleep(1.5)
+    assert await page.evaluate(ON_SCREEN) == before
+
+    # "Show" brings the list up to date, keeping the top row where it was.
+    await bar.click()
+    await expect(left).to_have_count(0)
+    await expect(rows).to_have_count(100)
+    await expect(page.locator('[data-device="dev-0005"]')).to_have_count(1)
+    await expect(bar).to_be_hidden()
+    await expect(meta).to_have_text("100 shown · 251 devices in on")
+    assert (await page.evaluate(ON_SCREEN))[0] == before[0]
+
+    # Scrolled back to the top, the list follows live again, and a device
+    # that left while the reader was away goes as they come back.
+    api.put("big", "dev-003", "off", 0.0)
+    await expect(page.locator('[data-device="dev-003"]')).to_have_class(
+        re.compile(r"\bleft\b"), timeout=LIVE_MS
+    )
+    await page.evaluate("() => window.scrollTo(0, 0)")
+    await expect(page.locator('[data-device="dev-003"]')).to_have_count(0, timeout=LIVE_MS)
+    api.put("big", "dev-0001", "on", 1.0)
+    await expect(page.locator('[data-device="dev-0001"]')).to_have_count(1, timeout=LIVE_MS)
+    await expect(bar).to_be_hidden()
+    await expect(meta).to_have_text("100 shown · 251 devices in on")

@@ -734,6 +734,7 @@
     }
     checkTag();
     $("device-rows").replaceChildren();
+    show($("new-devices"), false);
     $("devices-meta").textContent = "Loading…";
     show($("devices-empty"), false);
     $("page-no").textContent = r.page > 1 || r.cursor ? `page ${r.page}` : "";
@@ -758,11 +759,42 @@
       go(href(base, { ...filters, cursor: nextCursor, p: r.page + 1 }));
     };
     let drawn = false;
-    let shown = 0;
     let total = null;
+    let devices = []; // the newest answer's page
+    let onPage = { shown: 0, left: 0, fresh: 0 }; // what the rows show of it
     const pickTag = (tag) => {
       $("tag").value = tag;
       go(href(base, { ...filters, tag }));
+    };
+    // Draw the newest page. While the reader is scrolled into the list, a
+    // live update keeps every row where it is (see renderDeviceRows); with
+    // reflow (at the top of the list, or asked for) the rows become the page.
+    const draw = (reflow) => {
+      onPage = renderDeviceRows(r, devices, pickTag, Boolean(nextCursor),
+        !reflow && scrolledIntoList());
+      const bar = $("new-devices");
+      const pending = onPage.fresh || onPage.left;
+      if (pending) {
+        const parts = [];
+        if (onPage.fresh) parts.push(`${onPage.fresh} new`);
+        if (onPage.left) parts.push(`${onPage.left} left`);
+        bar.textContent = `${parts.join(", ")} — show`;
+        bar.setAttribute("aria-label", `${parts.join(", ")}: update the list`);
+      }
+      if (!pending && document.activeElement === bar) focusHeading("devices-title");
+      show(bar, Boolean(pending));
+      renderDevicesMeta(r, onPage, total);
+    };
+    $("new-devices").onclick = () => {
+      // Bring the list up to date, keeping the row at the top of the window
+      // (the first that stays) where it was.
+      const below = $("status").getBoundingClientRect().bottom;
+      const keep = new Set(devices.map((d) => String(d.device_id)));
+      const anchor = [...$("device-rows").rows].find((row) =>
+        row.getBoundingClientRect().bottom > below && keep.has(row.dataset.device));
+      const top = anchor && anchor.getBoundingClientRect().top;
+      draw(true);
+      if (anchor && anchor.isConnected) window.scrollBy(0, anchor.getBoundingClientRect().top - top);
     };
     return {
       crumbs: () => tenantCrumbs(r, [r.state, href(base)]),
@@ -791,25 +823,56 @@
           nextCursor = data.next_cursor || null;
           disableKeepingFocus(next, !nextCursor, "devices-title");
           show($("pager"), Boolean(r.cursor || nextCursor));
-          shown = (data.devices || []).length;
-          renderDeviceRows(r, data.devices || [], pickTag, Boolean(nextCursor));
+          devices = data.devices || [];
+          draw(false);
+        } else {
+          renderDevicesMeta(r, onPage, total);
         }
-        renderDevicesMeta(r, shown, total);
+      },
+      // Back at the top of the list, what waited is shown.
+      scrolled() {
+        if ((onPage.fresh || onPage.left) && !scrolledIntoList()) draw(true);
       },
     };
   }
 
-  function renderDeviceRows(r, devices, pickTag, more) {
+  // Whether the reader has scrolled into the device list: its first row is
+  // above the window's top (under the status line). Rows moving then would
+  // move under their finger.
+  function scrolledIntoList() {
+    const tbody = $("device-rows");
+    return tbody.rows.length > 0
+      && tbody.getBoundingClientRect().top < $("status").getBoundingClientRect().bottom;
+  }
+
+  let scrollQueued = false;
+  window.addEventListener("scroll", () => {
+    if (scrollQueued) return;
+    scrollQueued = true;
+    requestAnimationFrame(() => {
+      scrollQueued = false;
+      if (current && current.scrolled && !halted) current.scrolled();
+    });
+  }, { passive: true });
+
+  // The page's rows. steady (the reader is scrolled into the list): rows
+  // stay where they are: a changed device is updated in its row, one that
+  // left the state stays, greyed and marked "left", and one that entered it
+  // is only counted (the "N new — show" bar). Otherwise the rows become the
+  // page. Returns what the rows show: {shown, left, fresh}.
+  function renderDeviceRows(r, devices, pickTag, more, steady) {
     const tbody = $("device-rows");
     const old = new Map([...tbody.rows].map((row) => [row.dataset.device, row]));
-    const rows = devices.map((d) => {
+    const build = (d) => {
       const signature = JSON.stringify([d.ts, d.value, d.tags]);
       const existing = old.get(String(d.device_id));
-      if (existing && existing.dataset.sig === signature) return existing;
+      if (existing && existing.dataset.sig === signature && !existing.classList.contains("left")) {
+        return existing;
+      }
       const link = href(["t", r.tenant, "d", d.device_id]);
       const row = h("tr", { "data-device": d.device_id, "data-sig": signature },
-        h("th", { scope: "row", "data-label": "Device" },
-          h("a", { href: link, class: "device-link", text: d.device_id })),
+        h("th", { scope: "row", "data-label": "Device" }, h("span", { class: "device-cell" },
+          h("a", { href: link, class: "device-link", text: d.device_id }))),
         h("td", { "data-label": "Value", class: "value", text: formatValue(d.value) }),
         h("td", { "data-label": "Tags" }, tagChips(d.tags, pickTag)),
         h("td", { "data-label": "Last seen" }, timeEl(d.ts)),
@@ -820,25 +883,60 @@
       });
       if (existing) flash(row);
       return row;
-    });
-    replaceKeepingFocus(tbody, rows, deviceRowTwin(tbody));
+    };
+    let result;
+    if (steady) {
+      const byId = new Map(devices.map((d) => [String(d.device_id), d]));
+      const active = document.activeElement;
+      const find = active && tbody.contains(active) ? deviceRowTwin(tbody)(active) : null;
+      // On the whole list (one page) a device missing has left the state;
+      // on one of several pages it may have only moved to the next page.
+      const whole = !r.cursor && !more;
+      let left = 0;
+      for (const row of [...tbody.rows]) {
+        const d = byId.get(row.dataset.device);
+        if (d) {
+          const fresh = build(d);
+          if (fresh !== row) row.replaceWith(fresh);
+        } else {
+          left += 1;
+          if (!row.classList.contains("left")) {
+            row.classList.add("left");
+            row.querySelector(".device-cell").append(
+              h("span", { class: "left-note", text: whole ? `left ${r.state}` : "left this page" }));
+          }
+        }
+      }
+      if (find && !active.isConnected) {
+        const target = find();
+        if (target) target.focus({ preventScroll: true });
+      }
+      const fresh = devices.filter((d) => !old.has(String(d.device_id))).length;
+      result = { shown: tbody.rows.length - left, left, fresh, whole };
+    } else {
+      replaceKeepingFocus(tbody, devices.map(build), deviceRowTwin(tbody));
+      result = { shown: devices.length, left: 0, fresh: 0 };
+    }
     const filtered = r.prefix || r.tag;
-    show($("devices-empty"), devices.length === 0);
+    show($("devices-empty"), tbody.rows.length === 0);
     // A filtered page reads at most 10,000 devices: an empty one with a cursor
     // means none matched so far, not none at all.
     $("devices-empty").textContent = filtered
       ? (more ? "No match among the devices searched so far: Next searches on."
         : "No devices match.")
       : `No devices are in state ${r.state} right now.`;
+    return result;
   }
 
   // "page 2 · 100 shown · 310 devices in on": the page, and the state's
   // total when the states endpoint gave it.
-  function renderDevicesMeta(r, shown, total) {
+  function renderDevicesMeta(r, { shown, left, fresh, whole }, total) {
     const filtered = r.prefix || r.tag;
     const parts = [];
     if (r.page > 1 || r.cursor) parts.push(`page ${r.page}`);
     if (shown) parts.push(filtered ? `${shown} match on this page` : `${shown} shown`);
+    if (left) parts.push(`${left} left ${whole ? r.state : "this page"}`);
+    if (fresh) parts.push(`${fresh} new`);
     if (total != null) {
       parts.push(`${total} ${total === 1 ? "device" : "devices"} in ${r.state}${filtered ? " in all" : ""}`);
     }
