@@ -859,3 +859,24 @@ async def test_live_updates_keep_a_scrolled_list_steady(
     await expect(page.locator('[data-device="dev-0001"]')).to_have_count(1, timeout=LIVE_MS)
     await expect(bar).to_be_hidden()
     await expect(meta).to_have_text("100 shown · 251 devices in on")
+
+
+async def test_a_misspelt_tenant_is_not_shown_as_an_empty_one(
+    page: Page, url: str, api: FakeApi
+) -> None:
+    api.latest["empty"] = {}  # known (it has sent something), but no device now
+    await log_in(page, url, ADMIN_TOKEN)
+    await expect(page.locator("[data-tenant]")).to_have_count(3)
+    empty = page.locator("#states-empty")
+    await page.goto(f"{url}#/t/acmee")
+    await expect(empty).to_have_text(
+        "No tenant named acmee has sent anything (known tenants: acme, big, empty)."
+    )
+    await page.goto(f"{url}#/t/empty")
+    await expect(empty).to_have_text("This tenant has no devices yet.")
+    # A tenant that sends its first message while the page shows it: its states.
+    await page.goto(f"{url}#/t/late")
+    await expect(empty).to_contain_text("No tenant named late")
+    api.put("late", "d", "on", 1.0)
+    await expect(page.locator('[data-state="on"] .count')).to_have_text("1", timeout=LIVE_MS)
+    await expect(empty).to_be_hidden()

@@ -661,14 +661,37 @@
       crumbs: () => tenantCrumbs(r),
       async refresh(signal) {
         const { data, changed } = await api(pathOf("tenants", r.tenant, "states"), null, signal);
-        if (!changed && drawn) return;
+        // No states: an empty tenant, or a name nobody has used (a typo)?
+        // An admin's /me lists the known tenants and says which.
+        let unknown = null;
+        if (!(data.states || []).length && me && me.admin) {
+          me = (await api("me", null, signal)).data;
+          unknown = unknownTenant(r.tenant, me.tenants || []);
+        }
+        if (!changed && drawn && (unknown || "") === $("states-empty").dataset.unknown) return;
         drawn = true;
-        renderTiles(r, data);
+        renderTiles(r, data, unknown);
       },
     };
   }
 
-  function renderTiles(r, data) {
+  const KNOWN_MAX = 1000; // /me lists at most this many tenants
+  const KNOWN_SHOWN = 20;
+
+  // What to say of a tenant that has no states, or null if it is known.
+  function unknownTenant(tenant, tenants) {
+    if (tenants.includes(tenant)) return null;
+    if (tenants.length >= KNOWN_MAX) {
+      return `No devices yet, or no tenant named ${tenant} has sent anything: it is not among `
+        + `the ${tenants.length} tenants the gateway lists.`;
+    }
+    if (!tenants.length) return `No tenant named ${tenant} has sent anything (no tenant has yet).`;
+    const names = tenants.slice(0, KNOWN_SHOWN).join(", ");
+    const more = tenants.length > KNOWN_SHOWN ? `, … (${tenants.length} in all)` : "";
+    return `No tenant named ${tenant} has sent anything (known tenants: ${names}${more}).`;
+  }
+
+  function renderTiles(r, data, unknown) {
     const tiles = $("tiles");
     const old = new Map([...tiles.querySelectorAll("a.tile")].map((a) => [a.dataset.state, a]));
     const states = [...(data.states || [])].sort((a, b) => String(a.state).localeCompare(String(b.state)));
@@ -691,7 +714,10 @@
       return h("li", null, tile);
     });
     replaceKeepingFocus(tiles, items);
-    show($("states-empty"), states.length === 0);
+    const empty = $("states-empty");
+    empty.textContent = unknown || "This tenant has no devices yet.";
+    empty.dataset.unknown = unknown || "";
+    show(empty, states.length === 0);
     const asOf = tsMillis(data.as_of);
     const parts = [];
     if (asOf != null) parts.push(`Counts as of ${formatTime(asOf)}`);
