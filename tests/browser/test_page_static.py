@@ -880,3 +880,29 @@ async def test_a_misspelt_tenant_is_not_shown_as_an_empty_one(
     api.put("late", "d", "on", 1.0)
     await expect(page.locator('[data-state="on"] .count')).to_have_text("1", timeout=LIVE_MS)
     await expect(empty).to_be_hidden()
+
+
+async def test_an_outage_says_the_list_could_not_be_loaded_not_loading(
+    page: Page, url: str, api: FakeApi
+) -> None:
+    await log_in(page, url, TENANT_TOKEN)
+    await expect(page.locator('[data-state="on"] .count')).to_have_text("3")
+    api.fault = ApiError(503, "unavailable", "Cassandra did not answer")
+    await page.goto(f"{url}#/t/acme/s/on")
+    await expect(page.locator("#error")).to_contain_text("Cassandra did not answer")
+    meta = page.locator("#devices-meta")
+    await expect(meta).to_have_text(
+        "The device list could not be loaded; the page will try again by itself."
+    )
+    await page.goto(f"{url}#/t/acme/d/dev-1")
+    await expect(page.locator("#error")).to_contain_text("Cassandra did not answer")
+    await expect(page.locator("#device-latest")).to_have_text(
+        "This device could not be loaded; the page will try again by itself."
+    )
+    await page.goto(f"{url}#/t/acme/s/on")
+    await expect(meta).to_contain_text("could not be loaded")
+    api.fault = None
+    # The first retry is 2 s after the first failure.
+    await expect(page.locator("#device-rows tr")).to_have_count(3, timeout=5_000)
+    await expect(meta).to_have_text("3 shown · 3 devices in on")
+    await expect(page.locator("#error")).to_be_hidden()

@@ -357,6 +357,8 @@
       }
       failures += 1;
       showError(err instanceof ApiError ? err.describe() : String(err));
+      // A view never drawn says it could not be loaded, not "Loading…".
+      if (current.failed) current.failed();
       if (!(err instanceof ApiError)) console.error(err);
     } finally {
       if (inflight === controller) inflight = null;
@@ -855,6 +857,12 @@
           renderDevicesMeta(r, onPage, total);
         }
       },
+      failed() {
+        if (!drawn) {
+          $("devices-meta").textContent =
+            "The device list could not be loaded; the page will try again by itself.";
+        }
+      },
       // Back at the top of the list, what waited is shown.
       scrolled() {
         if ((onPage.fresh || onPage.left) && !scrolledIntoList()) draw(true);
@@ -1044,6 +1052,12 @@
       : [[String(stateCrumb), href(["t", r.tenant, "s", stateCrumb])]]), [r.device, ""]);
     return {
       crumbs,
+      failed() {
+        if (shown === null) {
+          $("device-latest").replaceChildren(h("p", { class: "hint",
+            text: "This device could not be loaded; the page will try again by itself." }));
+        }
+      },
       async refresh(signal) {
         const params = { since: r.range, limit: HISTORY_LIMIT };
         const [latest, hist] = await Promise.all([
