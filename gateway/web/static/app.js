@@ -798,8 +798,13 @@
     // live update keeps every row where it is (see renderDeviceRows); with
     // reflow (at the top of the list, or asked for) the rows become the page.
     const draw = (reflow) => {
-      onPage = renderDeviceRows(r, devices, pickTag, Boolean(nextCursor),
-        !reflow && scrolledIntoList());
+      const steady = !reflow && scrolledIntoList();
+      // Anything above the screen that changes height (the line of counts,
+      // a row marked "left") must not move the rows on it either.
+      keepingTopRow(steady, null, () => {
+        onPage = renderDeviceRows(r, devices, pickTag, Boolean(nextCursor), steady);
+        renderDevicesMeta(r, onPage, total);
+      });
       const bar = $("new-devices");
       const pending = onPage.fresh || onPage.left;
       if (pending) {
@@ -811,18 +816,12 @@
       }
       if (!pending && document.activeElement === bar) focusHeading("devices-title");
       show(bar, Boolean(pending));
-      renderDevicesMeta(r, onPage, total);
     };
     $("new-devices").onclick = () => {
       // Bring the list up to date, keeping the row at the top of the window
       // (the first that stays) where it was.
-      const below = $("status").getBoundingClientRect().bottom;
-      const keep = new Set(devices.map((d) => String(d.device_id)));
-      const anchor = [...$("device-rows").rows].find((row) =>
-        row.getBoundingClientRect().bottom > below && keep.has(row.dataset.device));
-      const top = anchor && anchor.getBoundingClientRect().top;
-      draw(true);
-      if (anchor && anchor.isConnected) window.scrollBy(0, anchor.getBoundingClientRect().top - top);
+      const stays = new Set(devices.map((d) => String(d.device_id)));
+      keepingTopRow(true, (id) => stays.has(id), () => draw(true));
     };
     return {
       crumbs: () => tenantCrumbs(r, [r.state, href(base)]),
@@ -854,7 +853,7 @@
           devices = data.devices || [];
           draw(false);
         } else {
-          renderDevicesMeta(r, onPage, total);
+          keepingTopRow(scrolledIntoList(), null, () => renderDevicesMeta(r, onPage, total));
         }
       },
       failed() {
@@ -877,6 +876,24 @@
     const tbody = $("device-rows");
     return tbody.rows.length > 0
       && tbody.getBoundingClientRect().top < $("status").getBoundingClientRect().bottom;
+  }
+
+  // Run change() keeping the device row at the top of the window (the first
+  // there for which stays(id) holds) where it is on the screen. The browser's
+  // own scroll anchoring is off for the list (style.css): Safari has none,
+  // and it would add its correction to this one.
+  function keepingTopRow(active, stays, change) {
+    const tbody = $("device-rows");
+    const below = $("status").getBoundingClientRect().bottom;
+    const anchor = active ? [...tbody.rows].find((row) => row.getBoundingClientRect().bottom > below
+      && (!stays || stays(row.dataset.device))) : null;
+    const id = anchor && anchor.dataset.device;
+    const top = anchor && anchor.getBoundingClientRect().top;
+    change();
+    if (!anchor) return;
+    const now = [...tbody.rows].find((row) => row.dataset.device === id);
+    const moved = now ? now.getBoundingClientRect().top - top : 0;
+    if (Math.abs(moved) >= 1) window.scrollBy(0, moved);
   }
 
   let scrollQueued = false;
