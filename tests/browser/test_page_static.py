@@ -909,3 +909,22 @@ async def test_an_outage_says_the_list_could_not_be_loaded_not_loading(
     await expect(page.locator("#device-rows tr")).to_have_count(3, timeout=5_000)
     await expect(meta).to_have_text("3 shown · 3 devices in on")
     await expect(page.locator("#error")).to_be_hidden()
+
+
+async def test_a_list_scrolled_under_the_desktop_bar_holds_still(
+    page: Page, url: str, api: FakeApi
+) -> None:
+    await log_in(page, url, ADMIN_TOKEN)
+    await page.goto(f"{url}#/t/big/s/on")
+    await expect(page.locator("#device-rows tr")).to_have_count(100)
+    await page.evaluate("() => { document.documentElement.style.overflowAnchor = 'none'; }")
+    # The list's first row just under the bar that sticks at the top.
+    await page.evaluate(
+        """() => { const bar = document.querySelector('header.bar').getBoundingClientRect();
+        const rows = document.getElementById('device-rows').getBoundingClientRect();
+        window.scrollBy(0, rows.top - bar.bottom + 10); }"""
+    )
+    before = await page.evaluate(ON_SCREEN)
+    api.put("big", "dev-0000", "on", 1.0)
+    await expect(page.locator("#new-devices")).to_contain_text("1 new", timeout=LIVE_MS)
+    assert await page.evaluate(ON_SCREEN) == before

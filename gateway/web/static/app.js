@@ -874,8 +874,14 @@
   // move under their finger.
   function scrolledIntoList() {
     const tbody = $("device-rows");
-    return tbody.rows.length > 0
-      && tbody.getBoundingClientRect().top < $("status").getBoundingClientRect().bottom;
+    return tbody.rows.length > 0 && tbody.getBoundingClientRect().top < coveredTop();
+  }
+
+  // Where the window's top stops being covered: under the status line, and
+  // on a desktop under the bar that sticks below it.
+  function coveredTop() {
+    return Math.max($("status").getBoundingClientRect().bottom,
+      document.querySelector("header.bar").getBoundingClientRect().bottom);
   }
 
   // Run change() keeping the device row at the top of the window (the first
@@ -884,7 +890,7 @@
   // and it would add its correction to this one.
   function keepingTopRow(active, stays, change) {
     const tbody = $("device-rows");
-    const below = $("status").getBoundingClientRect().bottom;
+    const below = coveredTop();
     const anchor = active ? [...tbody.rows].find((row) => row.getBoundingClientRect().bottom > below
       && (!stays || stays(row.dataset.device))) : null;
     const id = anchor && anchor.dataset.device;
