@@ -774,6 +774,9 @@
     if (document.activeElement !== next) next.disabled = true;
     show($("pager"), Boolean(r.cursor));
     let nextCursor = null;
+    // Next pressed while this page is still loading (it stays enabled, to
+    // keep the keyboard focus): followed as soon as the answer says where.
+    let nextWanted = false;
     const base = ["t", r.tenant, "s", r.state];
     const filters = { prefix: r.prefix, tag: r.tag };
     prev.onclick = () => {
@@ -782,7 +785,10 @@
         : filters));
     };
     next.onclick = () => {
-      if (!nextCursor) return;
+      if (!nextCursor) {
+        nextWanted = !drawn;
+        return;
+      }
       rememberPrev(r, nextCursor);
       go(href(base, { ...filters, cursor: nextCursor, p: r.page + 1 }));
     };
@@ -852,6 +858,10 @@
           show($("pager"), Boolean(r.cursor || nextCursor));
           devices = data.devices || [];
           draw(false);
+          if (nextWanted) {
+            nextWanted = false;
+            if (nextCursor) next.onclick();
+          }
         } else {
           keepingTopRow(scrolledIntoList(), null, () => renderDevicesMeta(r, onPage, total));
         }
