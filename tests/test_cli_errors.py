@@ -95,6 +95,11 @@ def test_rollup_range_errors_come_before_connecting(gateway: Run) -> None:
         gateway, "rollup", "--tenant", "t", "d", "--step", "1m", "--since", "2000-01-01T00:00:00Z"
     )
     assert "--since: the range holds more than" in err
+    # A far --until with the default --since: the message names both ends.
+    err = _fails(
+        gateway, "rollup", "--tenant", "t", "d", "--step", "1m", "--until", "2099-01-01T00:00:00Z"
+    )
+    assert "to 2099-01-01T00:00:00.000Z): move since later or until earlier" in err, err
     err = _fails(
         gateway, "rollup", "--tenant", "t", "d", "--step", "1m", "--since", "1h", "--until", "2h"
     )

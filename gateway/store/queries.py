@@ -759,8 +759,12 @@ def check_rollup_range(step: int, since: datetime, until: datetime) -> tuple[int
     step_ms = step * 1000
     first = since_ms - since_ms % step_ms
     if (until_ms - first) // step_ms > MAX_ROLLUP_WINDOWS:
+        # Named by since (the API's contract), but either end may be the one
+        # to move: say both.
         raise bad_parameter(
-            "since", f"the range holds more than {MAX_ROLLUP_WINDOWS} windows of {step} s"
+            "since",
+            f"the range holds more than {MAX_ROLLUP_WINDOWS} windows of {step} s "
+            f"(from {iso(since)} to {iso(until)}): move since later or until earlier",
         )
     return first, until_ms
 
