@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pwd
+import signal
 import subprocess
 import sys
 import time
@@ -369,3 +370,27 @@ def mosquitto_on(port: int, tmp_path: Path, extra: str = "") -> Iterator[None]:
     finally:
         broker.terminate()
         broker.wait(10)
+
+
+def test_an_interrupted_simulate_says_how_much_it_sent() -> None:
+    """Ctrl-C ended `gateway simulate` with exit 0 and not a word: how many
+    messages went out was lost."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "simulate", "--rate", "50", "--tenant", "simint"],
+        env=base_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(3)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    line = out.strip().splitlines()[-1]
+    assert line.startswith("simulate: interrupted; sent "), out
+    assert int(line.split("sent ")[1].split()[0]) > 0, line

@@ -886,12 +886,20 @@ async def _simulate(config: Config, args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    acked = 0  # for the summary of an interrupted run
+
+    def on_sent(topic: str, event: dict[str, Any]) -> None:
+        nonlocal acked
+        acked += 1
+
+    started = time.monotonic()
     task = asyncio.create_task(
         publish(
             spec,
             config.mqtt,
             count=args.count,
             duration=args.duration,
+            on_sent=on_sent,
         )
     )
     loop = asyncio.get_running_loop()
@@ -904,6 +912,8 @@ async def _simulate(config: Config, args: argparse.Namespace) -> int:
         where = f"{config.mqtt.host}:{config.mqtt.port}"
         raise GatewayError(f"simulate: lost or no broker at {where}: {lost}") from None
     except asyncio.CancelledError:
+        took = time.monotonic() - started
+        print(f"simulate: interrupted; sent {acked} messages in {took:.1f} s (acknowledged)")
         return 0
     print(f"simulate: sent {stats.sent} messages in {stats.elapsed_s:.1f} s ({stats.rate:.0f}/s)")
     if stats.refused:
