@@ -445,3 +445,17 @@ def test_tokens_file_default_and_environment() -> None:
     assert load_config(None, {}).api.tokens_file == Path("gateway-tokens.jsonl")
     env = {"GATEWAY_API__TOKENS_FILE": "/var/lib/gateway/tokens.jsonl"}
     assert load_config(None, env).api.tokens_file == Path("/var/lib/gateway/tokens.jsonl")
+
+
+def test_folders_made_for_the_tokens_file_are_private(tmp_path: Path) -> None:
+    """Missing folders on the way to api.tokens_file were made with the
+    umask's mode: 0777 under umask 000, a folder of secrets anyone could fill."""
+    path = tmp_path / "etc" / "gateway" / "tokens.jsonl"
+    old = os.umask(0)
+    try:
+        TokenStore(path).add(tenant="acme")
+    finally:
+        os.umask(old)
+    for folder in (tmp_path / "etc", tmp_path / "etc" / "gateway"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600

@@ -397,7 +397,7 @@ class TokenStore:
         # would otherwise each write a file without the other's token.
         lock_path = self._path.with_name(self._path.name + ".lock")
         try:
-            self._path.parent.mkdir(parents=True, exist_ok=True)
+            _make_private_folders(self._path.parent)
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
             raise TokenError(f"cannot lock tokens file {self._path}: {exc.strerror}") from None
@@ -505,3 +505,18 @@ def _check_keys(keys: Iterable[str]) -> None:
     unknown = sorted(present - _KEYS - {"tenant", "admin"})
     if unknown:
         raise ValueError(f"unknown key {mask_secrets(unknown[0])!r}")
+
+
+def _make_private_folders(folder: Path) -> None:
+    """``folder`` and any missing parents, each created readable by this user
+    only (mkdir's parents=True gave them 0777 under umask 000: a folder of
+    secrets anyone could list and fill)."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        if folder.parent == folder:
+            break
+        folder = folder.parent
+    for path in reversed(missing):
+        path.mkdir(mode=0o700)
+        path.chmod(0o700)  # whatever the umask took away or left
