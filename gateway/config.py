@@ -36,7 +36,7 @@ from pydantic import (
 )
 
 from .errors import ConfigError
-from .topic_filters import filter_levels, has_control
+from .topic_filters import filter_levels, is_topic_level
 from .units import parse_duration, parse_whole_seconds
 
 ENV_PREFIX = "GATEWAY_"
@@ -188,7 +188,7 @@ MAX_TEMPLATE_TENANTS = 1000
 
 def _check_tenant_level(key: str, name: str) -> None:
     """A tenant named in config must be one topic level, as topics carry it."""
-    if not name or any(ch in name for ch in "/+#") or has_control(name):
+    if not is_topic_level(name):
         raise ValueError(
             f"{key}: {name!r} is not a topic level (empty, or holds '/', '+', '#' "
             "or a control character)"

@@ -39,6 +39,12 @@ def topic_matches(levels: tuple[str, ...], topic: str) -> bool:
     return len(levels) == len(parts)
 
 
+def is_topic_level(name: str) -> bool:
+    """Whether ``name`` can be one level of a topic, as a tenant named in
+    config or a token must: not empty, no '/', '+' or '#', no control character."""
+    return bool(name) and not any(ch in name for ch in "/+#") and not has_control(name)
+
+
 def has_control(text: str) -> bool:
     """Whether ``text`` holds a C0 or C1 control character (or DEL), which no
     tenant, device id or label may: they would break log lines and listings."""

@@ -51,7 +51,7 @@ from typing import Any
 import orjson
 
 from ..errors import ConfigError, GatewayError
-from ..topic_filters import has_control
+from ..topic_filters import has_control, is_topic_level
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def check_tenant(tenant: str) -> str:
         raise ValueError("a tenant must not be empty")
     if len(tenant) > MAX_TENANT_LENGTH:
         raise ValueError(f"a tenant is at most {MAX_TENANT_LENGTH} characters")
-    if any(ch in "/+#" for ch in tenant) or has_control(tenant):
+    if not is_topic_level(tenant):
         raise ValueError("a tenant is one topic level: no '/', '+', '#' or control characters")
     return tenant
 
