@@ -113,6 +113,12 @@ def state_value(text: str | None, num: float | None) -> str:
 
 PartKey = tuple[str, str, int]  # (tenant, state, bucket)
 
+# A tenant's state_buckets, recorded unless one is already (compare-and-set;
+# parameters: the number, the tenant). schema.migrate records it too.
+RECORD_STATE_BUCKETS = (
+    "UPDATE {keyspace}.tenant_states SET state_buckets = ? WHERE tenant = ? IF state_buckets = null"
+)
+
 
 @dataclass(slots=True)
 class Part:
@@ -198,10 +204,7 @@ class LatestState:
             "SELECT state, registered_at, state_buckets FROM {keyspace}.tenant_states "
             "WHERE tenant = ?"
         )
-        self._record_buckets = await session.prepare(
-            "UPDATE {keyspace}.tenant_states SET state_buckets = ? WHERE tenant = ? "
-            "IF state_buckets = null"
-        )
+        self._record_buckets = await session.prepare(RECORD_STATE_BUCKETS)
         self._register = await session.prepare(
             "INSERT INTO {keyspace}.tenant_states (tenant, state, registered_at) "
             "VALUES (?, ?, ?) IF NOT EXISTS",

@@ -26,7 +26,7 @@ from ..config import CassandraConfig
 from ..errors import SchemaError
 from ..identity import device_hash, state_bucket
 from .database import Database
-from .latest import state_value
+from .latest import RECORD_STATE_BUCKETS, state_value
 
 log = logging.getLogger(__name__)
 
@@ -152,10 +152,7 @@ async def migrate(
         )
         if r.state_buckets is not None
     }
-    record = await db.prepared(
-        f"UPDATE {db.keyspace}.tenant_states SET state_buckets = ? WHERE tenant = ? "
-        "IF state_buckets = null"
-    )
+    record = await db.prepared(RECORD_STATE_BUCKETS.format(keyspace=db.keyspace))
     written = 0
     after = -(2**63)
     page = (
@@ -173,9 +170,9 @@ async def migrate(
             if r.state is None or r.wt is None:
                 continue
             if r.tenant not in buckets:
-                rows = await db.execute(record, (state_buckets(r.tenant), r.tenant))
-                applied = rows[0]
-                buckets[r.tenant] = state_buckets(r.tenant) if applied[0] else applied.state_buckets
+                mine = state_buckets(r.tenant)
+                applied = (await db.execute(record, (mine, r.tenant)))[0]
+                buckets[r.tenant] = mine if applied[0] else applied.state_buckets
             bucket = state_bucket(r.device_id, buckets[r.tenant])
             gen = gens.get((r.tenant, r.state, bucket), 0)
             value = state_value(r.value, r.value_num)
