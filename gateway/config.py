@@ -14,6 +14,7 @@ that only the service user may read.
 from __future__ import annotations
 
 import difflib
+import itertools
 import math
 import os
 import ssl
@@ -36,7 +37,7 @@ from pydantic import (
 )
 
 from .errors import ConfigError
-from .topic_filters import filter_levels, is_topic_level
+from .topic_filters import covers, filter_levels, is_topic_level, overlap
 from .units import parse_duration, parse_whole_seconds
 
 ENV_PREFIX = "GATEWAY_"
@@ -119,18 +120,31 @@ class TlsConfig(_Model):
             path = getattr(self, name)
             if path is not None and not path.is_file():
                 raise ValueError(f"{name}: {path} is not a readable file")
+        try:
+            self.context()  # a CA or key that is not PEM: said now, not at connect
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
         return self
 
     def context(self) -> ssl.SSLContext | None:
-        """An SSLContext, or None when TLS is off. Built at connect time."""
+        """An SSLContext, or None when TLS is off. Built at connect time, so
+        that renewed files are used; ConfigError names the file it cannot load."""
         if not self.enabled:
             return None
-        ctx = ssl.create_default_context(
-            cafile=str(self.ca_file) if self.ca_file is not None else None
-        )
+        try:
+            ctx = ssl.create_default_context(
+                cafile=str(self.ca_file) if self.ca_file is not None else None
+            )
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"ca_file: cannot load {self.ca_file}: {exc}") from None
         ctx.check_hostname = self.verify_hostname
         if self.cert_file is not None and self.key_file is not None:
-            ctx.load_cert_chain(str(self.cert_file), str(self.key_file))
+            try:
+                ctx.load_cert_chain(str(self.cert_file), str(self.key_file))
+            except (OSError, ssl.SSLError) as exc:
+                raise ConfigError(
+                    f"cert_file/key_file: cannot load {self.cert_file} with {self.key_file}: {exc}"
+                ) from None
         return ctx
 
 
@@ -195,6 +209,9 @@ def _check_tenant_level(key: str, name: str) -> None:
         )
 
 
+_NAMED_LEVELS = ("{tenant}", "{device_id}", "{_}")
+
+
 class TopicTemplate(_Model):
     template: str = DEFAULT_TEMPLATE
     # Fixed tenant for a tree without a {tenant} level, e.g. site/{device_id}/events.
@@ -233,7 +250,7 @@ class TopicTemplate(_Model):
         for level in levels:
             if not level:
                 raise ValueError(f"template {self.template!r} has an empty level")
-            named = level in ("{tenant}", "{device_id}", "{_}")
+            named = level in _NAMED_LEVELS
             if not named and any(ch in level for ch in "+#{}"):
                 raise ValueError(
                     f"template {self.template!r}: level {level!r} must be a fixed word, "
@@ -258,6 +275,14 @@ class TopicTemplate(_Model):
                 "may take, and this template has none (its tenant is fixed)"
             )
         return self
+
+    def filters(self) -> list[str]:
+        """Its topic filters: named levels as '+', one filter per listed tenant."""
+        parts = ["+" if part in _NAMED_LEVELS else part for part in self.template.split("/")]
+        if not self.tenants:
+            return ["/".join(parts)]
+        at = self.template.split("/").index("{tenant}")
+        return ["/".join([*parts[:at], name, *parts[at + 1 :]]) for name in self.tenants]
 
 
 DEFAULT_MIN_IN_FLIGHT = 64
@@ -693,6 +718,7 @@ class Config(_Model):
                 f"mqtt.receive_maximum ({self.mqtt.receive_maximum}): the broker may send "
                 "that many messages before the gateway acknowledges any"
             )
+        _no_partial_overlap(self.topics)
         longest = self.limits.max_topic_level_length
         for i, template in enumerate(self.topics):
             fixed = [template.tenant] if template.tenant is not None else []
@@ -715,6 +741,32 @@ class Config(_Model):
 
 
 _DEFAULT_TENANT = TenantConfig()
+
+
+def _no_partial_overlap(topics: list[TopicTemplate]) -> None:
+    """Two subscriptions that share topics make the broker (Mosquitto) deliver
+    such a message once for each. One that covers the other is fine: only
+    the wider one is subscribed (ingest/topics.py); overlapping otherwise,
+    neither can go, so the config is refused, naming a topic both match."""
+    shapes = [tuple(t.template.split("/")) for t in topics]
+    for i, j in itertools.combinations(range(len(topics)), 2):
+        wide_i = tuple("+" if x in _NAMED_LEVELS else x for x in shapes[i])
+        wide_j = tuple("+" if x in _NAMED_LEVELS else x for x in shapes[j])
+        if overlap(wide_i, wide_j) is None:
+            continue  # no topic fits both templates (the usual case: one check)
+        for a, b in itertools.product(_levels(topics[i]), _levels(topics[j])):
+            if covers(a, b) or covers(b, a) or (topic := overlap(a, b)) is None:
+                continue
+            raise ValueError(
+                f"topics.{j} ({'/'.join(b)}) and topics.{i} ({'/'.join(a)}) both match "
+                f"topics such as {topic!r}: the broker would deliver each such message "
+                "twice. Make one template cover the other, or tell them apart by a "
+                "fixed word"
+            )
+
+
+def _levels(template: TopicTemplate) -> list[tuple[str, ...]]:
+    return [tuple(f.split("/")) for f in template.filters()]
 
 
 def _env_overlay(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[tuple[str, ...], str]]:

@@ -102,6 +102,7 @@ class Stats:
     malformed_packets: int = 0  # connections we closed on a malformed packet from the broker
     sessions_lost: int = 0  # reconnects where the broker no longer had our session
     subscriptions_refused: int = 0  # topic filters the broker refused in a SUBACK
+    subscriptions_qos0: int = 0  # topic filters granted QoS 0 only (at most once)
     states_registered: int = 0
     sampled_out: int = 0  # events whose raw row sampling left out (acknowledged, counted)
     quota_rejected: int = 0  # messages of new devices over a tenant's device quota

@@ -39,6 +39,19 @@ def topic_matches(levels: tuple[str, ...], topic: str) -> bool:
     return len(levels) == len(parts)
 
 
+def covers(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+    """Whether every topic filter ``b`` matches, ``a`` matches too (levels of
+    two filters without '#')."""
+    return len(a) == len(b) and all(x in ("+", y) for x, y in zip(a, b, strict=True))
+
+
+def overlap(a: tuple[str, ...], b: tuple[str, ...]) -> str | None:
+    """A topic both filters (without '#') match, or None if there is none."""
+    if len(a) != len(b) or any(x != y and "+" not in (x, y) for x, y in zip(a, b, strict=True)):
+        return None
+    return "/".join(y if x == "+" else x for x, y in zip(a, b, strict=True)).replace("+", "x")
+
+
 def is_topic_level(name: str) -> bool:
     """Whether ``name`` can be one level of a topic, as a tenant named in
     config or a token must: not empty, no '/', '+' or '#', no control character."""

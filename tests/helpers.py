@@ -539,3 +539,13 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+def self_signed(folder: Path) -> tuple[Path, Path]:
+    """A self-signed certificate and its key (PEM files in ``folder``): a CA
+    file, or a client certificate, that the TLS settings load."""
+    cert, key = folder / "self.crt", folder / "self.key"
+    request = ("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2")
+    names = ("-subj", "/CN=gateway test", "-keyout", str(key), "-out", str(cert))
+    subprocess.run(["openssl", *request, *names], check=True, capture_output=True, timeout=60)
+    return cert, key

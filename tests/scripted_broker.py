@@ -52,6 +52,7 @@ class ScriptedBroker:
         self.sessions: list[Session] = []
         self.writers: list[asyncio.StreamWriter] = []  # one per connection, in order
         self.answer_pings = True
+        self.answer_subscribe = True  # False: no SUBACK, ever (nor the script)
         self.port = 0
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -80,12 +81,9 @@ class ScriptedBroker:
                     elif isinstance(packet, mqtt5.SubscribePacket):
                         assert session is not None
                         session.subscribed += [f.pattern for f in packet.topic_filters]
-                        codes = [
-                            mqtt5.SubAckReasonCode.NOT_AUTHORIZED
-                            if f.pattern.startswith("denied/")
-                            else mqtt5.SubAckReasonCode.GRANTED_QOS_AT_LEAST_ONCE
-                            for f in packet.topic_filters
-                        ]
+                        if not self.answer_subscribe:
+                            continue
+                        codes = [_granted(f.pattern) for f in packet.topic_filters]
                         writer.write(mqtt5.SubAckPacket(packet.packet_id, codes).write())
                         self.script(writer, session, n)
                     elif isinstance(packet, mqtt5.PublishPacket):
@@ -115,3 +113,12 @@ class ScriptedBroker:
         self.port = server.sockets[0].getsockname()[1]
         async with server:
             yield self
+
+
+def _granted(pattern: str) -> mqtt5.SubAckReasonCode:
+    """Filters under denied/ are refused, under qos0/ granted QoS 0 only."""
+    if pattern.startswith("denied/"):
+        return mqtt5.SubAckReasonCode.NOT_AUTHORIZED
+    if pattern.startswith("qos0/"):
+        return mqtt5.SubAckReasonCode.GRANTED_QOS_AT_MOST_ONCE
+    return mqtt5.SubAckReasonCode.GRANTED_QOS_AT_LEAST_ONCE

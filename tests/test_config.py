@@ -23,6 +23,8 @@ from gateway.config import (
 )
 from gateway.errors import ConfigError
 
+from .helpers import self_signed
+
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "s3cr3t-Pa55word"
 
@@ -154,7 +156,9 @@ def test_example_file_commented_tables_load(tmp_path: Path) -> None:
     """Each commented-out example table ("# [[sampling.overrides]]" and the
     "# key = value" lines under it), uncommented alone, is a valid config: a
     user who copies one gets no error. Files named in it are made readable
-    here. It once showed the topic filter "pump-+", which the loader refuses."""
+    here (a real certificate and key: TLS files are loaded when the config
+    is). It once showed the topic filter "pump-+", which the loader refuses."""
+    cert, private_key = self_signed(tmp_path)
     header = re.compile(r"^# (\[\[?[a-z_.]+\]\]?)")
     key = re.compile(r"^# ([a-z_]+) = ")
     blocks: list[list[str]] = []
@@ -166,9 +170,12 @@ def test_example_file_commented_tables_load(tmp_path: Path) -> None:
         elif current is not None and key.match(line):
             value = line[2:]
             if re.match(r"[a-z_]+_file = ", value):  # ca_file, cert_file, key_file
-                path = tmp_path / f"{len(blocks)}-{value.split()[0]}"
-                path.write_text("-")
-                value = f'{value.split()[0]} = "{path}"'
+                name = value.split()[0]
+                path = private_key if name == "key_file" else cert
+                if name not in ("ca_file", "cert_file", "key_file"):
+                    path = tmp_path / f"{len(blocks)}-{name}"
+                    path.write_text("-")
+                value = f'{name} = "{path}"'
             current.append(value)
         else:
             current = None

@@ -20,17 +20,28 @@ import subprocess
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import mqtt5
 import orjson
 import pytest
 
 from gateway.config import MqttConfig
+from gateway.ingest.connection import Connection, ConnectOptions, connect
 from gateway.ingest.receive import Delivery, Receiver, max_packet_size
 from gateway.stats import Stats
 from gateway.store.database import Database
 
-from .helpers import MQTT_HOST, MQTT_PORT, device_row, make_config, running_gateway, wait_until
+from .helpers import (
+    MQTT_HOST,
+    MQTT_PORT,
+    device_row,
+    free_port,
+    make_config,
+    running_gateway,
+    self_signed,
+    wait_until,
+)
 from .scripted_broker import ScriptedBroker, Session
 
 
@@ -314,6 +325,153 @@ async def test_a_refused_subscription_is_logged_and_counted(
     assert "denied/#: NOT_AUTHORIZED" in caplog.text
 
 
+async def test_a_subscription_granted_only_qos_0_is_logged_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A broker that grants QoS 0 (Mosquitto's max_qos 0, an ACL, a proxy)
+    turns at-least-once off for that filter: no PUBACK, so a message in
+    flight when the gateway stops is lost. It said "subscribed to" only."""
+    broker = ScriptedBroker(lambda w, s, n: None)
+    filters = ["tenants/+/devices/+/events", "qos0/#"]
+    async with broker.running(), receiving(broker, filters=filters) as (_, stats, receiver):
+        await wait_until(receiver.connected.is_set, 10, "connected")
+    assert (stats.subscriptions_qos0, stats.subscriptions_refused) == (1, 0)
+    assert "granted qos0/# at QoS 0 only" in caplog.text
+
+
+async def test_a_qos_2_publish_is_a_protocol_error_not_a_puback() -> None:
+    """We subscribe at QoS 1 at most: a QoS 2 PUBLISH breaks the protocol, and
+    a PUBACK is no answer to it (QoS 2 needs PUBREC). It was taken as QoS 1."""
+
+    def script(writer: asyncio.StreamWriter, _s: Session, n: int) -> None:
+        qos = mqtt5.QoS.EXACTLY_ONCE if n == 0 else mqtt5.QoS.AT_LEAST_ONCE
+        writer.write(
+            mqtt5.PublishPacket("tenants/t/devices/d/events", b"{}", qos=qos, packet_id=1).write()
+        )
+
+    broker = ScriptedBroker(script)
+    async with broker.running(), receiving(broker) as (got, stats, _):
+        await wait_until(lambda: len(got) == 1, 10, "the QoS 1 message after the reconnect")
+    assert broker.sessions[0].pubacks == []
+    assert (stats.malformed_packets, stats.connects) == (1, 2)
+
+
+async def test_a_broker_that_drops_us_at_once_is_retried_ever_more_slowly() -> None:
+    """Each CONNACK used to reset the backoff, so a broker that accepts and
+    closes at once (a twin with our client id, a proxy) was reconnected to at
+    reconnect_min to 2 x reconnect_min for ever: 51 connections in 4 s here.
+    Only a connection that lasted SHORT_LIVED resets it now."""
+    broker = ScriptedBroker(lambda writer, _s, _n: writer.close())
+    async with broker.running():
+        config = MqttConfig(
+            host="127.0.0.1",
+            port=broker.port,
+            client_id=f"rx-{uuid.uuid4().hex[:8]}",
+            reconnect_min=0.05,
+            reconnect_max=5.0,
+        )
+        stop = asyncio.Event()
+        task = asyncio.create_task(
+            Receiver(config, ["tenants/+/devices/+/events"], Stats()).run(lambda d: None, stop)
+        )
+        await asyncio.sleep(4)
+        stop.set()
+        async with asyncio.timeout(10):
+            await task
+    # Caps doubling from 0.1 s towards 5 s: 4 s hold about 8 attempts.
+    assert 3 <= len(broker.sessions) <= 12, f"{len(broker.sessions)} connections in 4 s"
+
+
+async def test_stop_is_heard_while_the_suback_is_awaited() -> None:
+    """A broker that answers the CONNECT and pings but never the SUBSCRIBE
+    kept Receiver.run waiting for ever, and `gateway run` with it: SIGTERM
+    never completed."""
+    broker = ScriptedBroker(lambda w, s, n: None)
+    broker.answer_subscribe = False
+    async with broker.running():
+        config = MqttConfig(
+            host="127.0.0.1",
+            port=broker.port,
+            client_id=f"rx-{uuid.uuid4().hex[:8]}",
+            reconnect_min=0.05,
+            reconnect_max=0.1,
+        )
+        stats = Stats()
+        stop = asyncio.Event()
+        receiver = Receiver(config, ["tenants/+/devices/+/events"], stats)
+        task = asyncio.create_task(receiver.run(lambda d: None, stop))
+        await wait_until(lambda: len(broker.sessions) == 1 and stats.connects == 1, 10, "CONNACK")
+        await asyncio.sleep(0.5)
+        assert not receiver.connected.is_set()  # waiting for the SUBACK
+        stop.set()
+        done, _ = await asyncio.wait({task}, timeout=5)
+        if not done:
+            task.cancel()
+    assert done, "Receiver.run still running 5 s after stop"
+
+
+async def test_stop_is_heard_when_reads_were_paused_across_a_reconnect() -> None:
+    """The usual way to that wait: the pipeline queue is full (Cassandra slow),
+    reads are paused, the broker drops us, and the receiver reconnects paused,
+    so the SUBACK stays unread. SIGTERM then waited until the queue drained."""
+    broker = ScriptedBroker(lambda w, s, n: None, server_keep_alive=1)
+    async with broker.running():
+        config = MqttConfig(
+            host="127.0.0.1",
+            port=broker.port,
+            client_id=f"rx-{uuid.uuid4().hex[:8]}",
+            reconnect_min=0.05,
+            reconnect_max=0.1,
+        )
+        stop = asyncio.Event()
+        receiver = Receiver(config, ["tenants/+/devices/+/events"], Stats())
+        task = asyncio.create_task(receiver.run(lambda d: d.ack.done(), stop))
+        await wait_until(receiver.connected.is_set, 10, "connected")
+        receiver.pause_reading()  # the pipeline's queue is full
+        broker.writers[0].close()  # the broker drops us; a failed ping write tells
+        await wait_until(lambda: len(broker.sessions) == 2, 10, "the reconnect")
+        await asyncio.sleep(0.5)
+        assert not receiver.connected.is_set()  # its SUBACK is unread
+        stop.set()  # SIGTERM
+        done, _ = await asyncio.wait({task}, timeout=5)
+        receiver.resume_reading()
+        async with asyncio.timeout(10):
+            await task
+    assert done, "Receiver.run still running 5 s after stop"
+
+
+async def test_a_tls_file_unreadable_at_a_reconnect_is_retried_not_fatal(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The TLS files are read at each connect (renewed ones are used). One
+    missing mid-rotation raised FileNotFoundError out of Receiver.run, and
+    `gateway run` exited with a traceback. Now that connect fails and is
+    retried like any other; a file that is not PEM is a config error at load."""
+    ca, _ = self_signed(tmp_path)
+    config = MqttConfig(
+        host="127.0.0.1",
+        port=free_port(),  # nothing listens: each attempt fails and is retried
+        client_id=f"rx-{uuid.uuid4().hex[:8]}",
+        reconnect_min=0.05,
+        reconnect_max=0.1,
+        tls={"enabled": True, "ca_file": ca},  # type: ignore[arg-type]
+    )
+    ca.unlink()  # mid-rotation
+    stats = Stats()
+    stop = asyncio.Event()
+    task = asyncio.create_task(
+        Receiver(config, ["tenants/+/devices/+/events"], stats).run(lambda d: None, stop)
+    )
+    await wait_until(lambda: stats.disconnects >= 3 or task.done(), 10, "retries")
+    stop.set()
+    async with asyncio.timeout(10):
+        await task  # raises what Receiver.run raised
+    assert "mqtt.tls.ca_file: cannot load" in caplog.text
+    (tmp_path / "not.pem").write_text("a CA bundle, half written\n")
+    with pytest.raises(ValueError, match=r"ca_file: cannot load .*not\.pem"):
+        MqttConfig(tls={"enabled": True, "ca_file": tmp_path / "not.pem"})  # type: ignore[arg-type]
+
+
 # ------------------------------------------------------------ the real Mosquitto
 
 
@@ -425,3 +583,91 @@ async def test_two_receivers_with_one_client_id_are_told_so(
         async with asyncio.timeout(10):
             await asyncio.gather(*tasks)
     assert f"mqtt.client_id {config.client_id!r}" in caplog.text
+
+
+def clear_retained(topic: str) -> None:
+    subprocess.run(
+        ["mosquitto_pub", "-h", MQTT_HOST, "-p", str(MQTT_PORT), "-t", topic, "-r", "-n"],
+        check=True,
+        timeout=10,
+    )
+
+
+async def test_a_retained_message_never_beats_a_newer_event(db: Database, tenant: str) -> None:
+    """The broker sends a retained message to each new subscription. Without
+    a ``ts`` it used to be stamped with its receive time, so at every restart
+    (and every reconnect: it subscribed with Retain Handling 0) an old
+    retained "alarm" became the device's newest event again, over the "ok"
+    it sent since. A retained copy is now taken as a redelivery: behind
+    every timed write of the device."""
+    topic = f"tenants/{tenant}/devices/d1/events"
+    await asyncio.to_thread(mosquitto_pub, topic, b'{"state": "alarm"}', "-r")
+    try:
+        async with running_gateway() as gw:  # a new session: the retained copy comes
+            await gw.wait_handled(1)
+            await asyncio.to_thread(mosquitto_pub, topic, b'{"state": "ok"}')
+            await gw.wait_handled(2)
+        assert (await device_row(db, tenant, "d1")).state == "ok"
+        async with running_gateway() as gw:  # a new session again: the copy again
+            await gw.wait_handled(1)
+            assert gw.stats.no_ts == 1
+        assert (await device_row(db, tenant, "d1")).state == "ok"
+    finally:
+        await asyncio.to_thread(clear_retained, topic)
+
+
+async def test_a_retained_message_is_not_sent_again_to_our_session(tenant: str) -> None:
+    """Reconnecting to our session (a blip; here another connection with our
+    client id takes it over for a moment) subscribes again; with Retain
+    Handling 0 the broker sent the retained message again each time."""
+    topic = f"tenants/{tenant}/devices/d/events"
+    await asyncio.to_thread(mosquitto_pub, topic, b'{"state": "alarm"}', "-r")
+    config = MqttConfig(
+        host=MQTT_HOST,
+        port=MQTT_PORT,
+        client_id=f"rx-{uuid.uuid4().hex[:8]}",
+        session_expiry=5,
+        reconnect_min=0.05,
+        reconnect_max=0.1,
+    )
+    stats = Stats()
+    got: list[Delivery] = []
+    stop = asyncio.Event()
+    receiver = Receiver(config, [f"tenants/{tenant}/devices/+/events"], stats)
+    task = asyncio.create_task(receiver.run(lambda d: (got.append(d), d.ack.done()), stop))
+    try:
+        for connects in (1, 2, 3):
+            await wait_until(lambda c=connects: stats.connects == c and len(got) >= 1, 10, "up")
+            await asyncio.sleep(0.3)
+            # The takeover ends our connection; the session stays.
+            other = Connection(lambda p: None, None)
+            options = ConnectOptions(
+                client_id=config.client_id, clean_start=False, session_expiry=5, keepalive=30
+            )
+            await connect(other, MQTT_HOST, MQTT_PORT, options)
+            other.close()
+        await wait_until(lambda: stats.connects == 4, 10, "the last reconnect")
+        await asyncio.sleep(0.5)
+    finally:
+        stop.set()
+        async with asyncio.timeout(10):
+            await task
+        await asyncio.to_thread(clear_retained, topic)
+    assert [(d.payload, d.redelivered) for d in got] == [(b'{"state": "alarm"}', True)]
+
+
+async def test_templates_one_covering_the_other_take_a_message_once(tenant: str) -> None:
+    """A shard's template beside a wider one (README, "Scaling out") was two
+    subscriptions matching the same topics, and Mosquitto delivers a message
+    once per matching subscription: each was taken and written twice."""
+    shard = (
+        f'{{template = "tenants/{{tenant}}/devices/{{device_id}}/events", tenants = ["{tenant}"]}}'
+    )
+    wider = '{template = "tenants/{tenant}/{_}/{device_id}/events"}'
+    config = make_config(GATEWAY_TOPICS=f"[{shard}, {wider}]")
+    async with running_gateway(config) as gw:
+        payload = orjson.dumps({"ts": 1_700_000_000_000, "state": "on"})
+        await asyncio.to_thread(mosquitto_pub, f"tenants/{tenant}/devices/d1/events", payload)
+        await gw.wait_handled(1)
+        await asyncio.sleep(1)
+        assert (gw.stats.received, gw.stats.written) == (1, 1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.config import LimitsConfig, TopicTemplate
+from gateway.config import Config, LimitsConfig, TopicTemplate
 from gateway.errors import DecodeError
 from gateway.ingest.topics import TopicMatcher
 
@@ -82,16 +82,48 @@ def test_a_shard_leaves_other_tenants_to_later_templates() -> None:
     shard = TopicTemplate(template="{tenant}/{device_id}", tenants=["acme"])
     rest = TopicTemplate(template="{_}/{device_id}", tenant="others")
     matcher = _matcher(shard, rest)
-    assert matcher.subscriptions == ["acme/+", "+/+"]
+    # "+/+" covers "acme/+": subscribed to both, Mosquitto delivers each acme
+    # message twice (tests/test_receive.py), so only the wider one is subscribed.
+    assert matcher.subscriptions == ["+/+"]
     assert matcher.match("acme/d1") == ("acme", "d1")
     assert matcher.match("initech/d1") == ("others", "d1")
 
 
-def test_duplicate_subscriptions_are_merged() -> None:
+def test_duplicate_and_covered_subscriptions_are_merged() -> None:
     one = TopicTemplate(template="a/{device_id}", tenant="x")
     two = TopicTemplate(template="a/{device_id}", tenant="y")
     three = TopicTemplate(template="{_}/{device_id}", tenant="z")
-    assert _matcher(one, two, three).subscriptions == ["a/+", "+/+"]
+    assert _matcher(one, two).subscriptions == ["a/+"]
+    assert _matcher(one, two, three).subscriptions == ["+/+"]
+    # A shard's filters under another template's '+' at the tenant level.
+    shard = TopicTemplate(tenants=["acme", "globex"])
+    ignored = TopicTemplate(template="tenants/{tenant}/{_}/{device_id}/events")
+    assert _matcher(shard, ignored).subscriptions == ["tenants/+/+/+/events"]
+    assert _matcher(shard, TopicTemplate()).subscriptions == ["tenants/+/devices/+/events"]
+
+
+def test_templates_that_overlap_without_one_covering_the_other_are_refused() -> None:
+    """Neither filter can be left out, and the broker would deliver a message
+    matching both twice: the config says which two, and a topic both match."""
+    with pytest.raises(
+        ValueError,
+        match=r"topics\.1 \(a/acme/\+/\+\) and topics\.0 "
+        r"\(a/\+/x/\+\) both match topics such as 'a/acme/x/x'",
+    ):
+        Config(
+            topics=[
+                TopicTemplate(template="a/{tenant}/x/{device_id}"),
+                TopicTemplate(template="a/acme/{_}/{device_id}", tenant="acme"),
+            ]
+        )
+    # Shards of different tenants, or templates of different shapes, share nothing.
+    Config(
+        topics=[
+            TopicTemplate(tenants=["acme"]),
+            TopicTemplate(template="tenants/{tenant}/{_}/{device_id}/x", tenants=["acme"]),
+        ]
+    )
+    Config(topics=[TopicTemplate(tenants=["acme"]), TopicTemplate(tenants=["globex"])])
 
 
 def test_ignored_level() -> None:

@@ -36,7 +36,7 @@ from gateway.store.write_session import (
     value_bytes,
 )
 
-from .helpers import ACSYLLA_PLATFORM, DRIVERS, make_config
+from .helpers import ACSYLLA_PLATFORM, DRIVERS, make_config, self_signed
 
 # Some write sessions are read back through `db`, which lives on the session
 # loop (conftest.py): every session is opened, and its tests run, on that loop.
@@ -239,8 +239,7 @@ def test_auto_prefers_acsylla_and_falls_back_for_tls(tmp_path: Path) -> None:
     assert choose_driver(CassandraConfig(tls=tls)) == "python"
     with pytest.raises(ConfigError, match=r"cassandra\.tls\.ca_file"):
         make_config(GATEWAY_CASSANDRA__DRIVER="acsylla", GATEWAY_CASSANDRA__TLS__ENABLED="true")
-    ca = tmp_path / "ca.pem"
-    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    ca, _ = self_signed(tmp_path)
     with_ca = {"enabled": True, "ca_file": ca}
     assert choose_driver(CassandraConfig(driver="acsylla", tls=with_ca)) == "acsylla"
 

@@ -52,7 +52,9 @@ from mqtt5 import (
     PubAckPacket,
     PublishPacket,
     QoS,
+    RetainHandling,
     SubAckPacket,
+    SubAckReasonCode,
     SubscribePacket,
     TopicFilter,
     read,
@@ -72,6 +74,15 @@ T = TypeVar("T")
 
 class ConnectionLost(BrokerError):
     """The connection closed: by the broker, the network, or us on a protocol error."""
+
+
+@dataclass(frozen=True, slots=True)
+class Granted:
+    """A SUBACK's bad news: filters refused (with the reason code's name), and
+    filters granted QoS 0 only (no PUBACK, so no redelivery: at most once)."""
+
+    refused: list[str]
+    at_most_once: list[str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +192,11 @@ class Connection(asyncio.Protocol):
                 if packet.topic_alias is not None:
                     # We advertise Topic Alias Maximum 0: an alias is a protocol error.
                     self._abort(DisconnectReasonCode.TOPIC_ALIAS_INVALID, "topic alias received")
+                    return
+                if packet.qos == QoS.EXACTLY_ONCE:
+                    # We subscribe at QoS 1 at most (and a publisher gets no
+                    # PUBLISH): QoS 2 would need PUBREC, not our PUBACK.
+                    self._abort(DisconnectReasonCode.PROTOCOL_ERROR, "QoS 2 PUBLISH received")
                     return
                 self._on_publish(packet)
             else:
@@ -292,20 +308,37 @@ class Connection(asyncio.Protocol):
             raise BrokerError(f"broker refused the connection: {connack.reason_code.name}")
         return connack
 
-    async def subscribe(self, filters: list[str]) -> list[str]:
-        """Subscribe at QoS 1; return the filters the broker refused, with the reason."""
+    async def subscribe(self, filters: list[str]) -> Granted:
+        """Subscribe at QoS 1; return what the broker refused or granted at QoS 0 only.
+
+        A retained message is sent only when the subscription is new (Retain
+        Handling 1), so reconnecting to our session does not hand us the
+        tenant's retained messages again; live messages come with the retain
+        flag cleared (Retain As Published off), so a PUBLISH flagged retain is
+        always such a stored copy, sent because we subscribed.
+        """
         self._next_id = self._next_id % 65535 + 1
         pid = self._next_id
         waiter: asyncio.Future[SubAckPacket] = self._loop.create_future()
         self._subacks[pid] = waiter
-        topic_filters = [TopicFilter(f, max_qos=QoS.AT_LEAST_ONCE) for f in filters]
+        topic_filters = [
+            TopicFilter(
+                f,
+                max_qos=QoS.AT_LEAST_ONCE,
+                retain_as_published=False,
+                retain_handling=RetainHandling.SEND_IF_SUBSCRIPTION_NOT_EXISTS,
+            )
+            for f in filters
+        ]
         self.send(SubscribePacket(pid, topic_filters).write())
         suback = await self._until_closed(waiter)
-        return [
-            f"{topic}: {code.name}"
-            for topic, code in zip(filters, suback.reason_codes, strict=False)
-            if int(code) >= 0x80
-        ]
+        pairs = list(zip(filters, suback.reason_codes, strict=False))
+        return Granted(
+            refused=[f"{topic}: {code.name}" for topic, code in pairs if int(code) >= 0x80],
+            at_most_once=[
+                topic for topic, code in pairs if code == SubAckReasonCode.GRANTED_QOS_AT_MOST_ONCE
+            ],
+        )
 
     async def keepalive(self, interval: float) -> None:
         """Ping when we have been quiet; close when the broker has been silent too long.

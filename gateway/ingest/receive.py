@@ -34,26 +34,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import ssl
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Protocol
 
 from mqtt5 import PublishPacket
 
 from ..config import MqttConfig
-from ..errors import BrokerError
+from ..errors import BrokerError, ConfigError
 from ..stats import Stats
-from .connection import Connection, ConnectOptions, connect
+from .connection import Connection, ConnectOptions, Granted, connect
 
 log = logging.getLogger(__name__)
 
+# A connection closed under SHORT_LIVED s after it opened does not reset the
+# reconnect backoff: a broker that accepts and drops us at once (a twin with
+# our client id, an overloaded broker, a proxy) is retried ever more slowly.
+SHORT_LIVED = 10.0
 # Another client with our client id (Receiver._closed_after): this many
-# connections in a row, each closed under TWIN_UPTIME s after opening, within
-# TWIN_WINDOW s.
+# connections in a row, each short-lived, within TWIN_WINDOW s.
 TWIN_CLOSES = 3
-TWIN_UPTIME = 10.0
 TWIN_WINDOW = 60.0
 
 # Room for the fixed header, topic and properties on top of the payload limit.
@@ -202,6 +205,7 @@ class Receiver:
         self._max_packet_size = max_packet_size(max_payload_bytes)
         self._shutdown_deadline = shutdown_deadline
         self._connection: Connection | None = None
+        self._tls: ssl.SSLContext | None = None
         self._paused = False
         self._had_session = False
         # When recent connections were closed by the broker soon after they
@@ -245,9 +249,9 @@ class Receiver:
         another connects with that id: two instances given one client id take
         the session from each other, each reconnect ending the other's, for
         ever. Say so once TWIN_CLOSES connections in a row lasted under
-        TWIN_UPTIME seconds within TWIN_WINDOW, at most once per TWIN_WINDOW."""
+        SHORT_LIVED seconds within TWIN_WINDOW, at most once per TWIN_WINDOW."""
         now = time.monotonic()
-        if seconds >= TWIN_UPTIME:
+        if seconds >= SHORT_LIVED:
             self._short_lived.clear()
             return
         self._short_lived.append(now)
@@ -279,7 +283,7 @@ class Receiver:
                 conn = Connection(self._on_publish(tracker, handler), self._max_packet_size)
                 self._connection = conn
                 connack = await connect(
-                    conn, cfg.host, cfg.port, self._options(), tls=cfg.tls.context()
+                    conn, cfg.host, cfg.port, self._options(), tls=self._tls_context()
                 )
                 # Pings from the CONNACK on: paused reads (a full queue) hold
                 # the SUBACK back too, and the broker must not drop us meanwhile.
@@ -289,22 +293,14 @@ class Receiver:
                     conn.pause_reading()
                 self._stats.connects += 1
                 connected_at = time.monotonic()
-                attempt = 0
                 self._session(connack.session_present)
-                refused = await conn.subscribe(self._subscriptions)
-                for reason in refused:
-                    self._stats.subscriptions_refused += 1
-                    log.error("the broker refused the subscription %s", reason)
-                log.info(
-                    "connected to %s://%s:%d as %r, subscribed to %s",
-                    "mqtts" if cfg.tls.enabled else "mqtt",
-                    cfg.host,
-                    cfg.port,
-                    cfg.client_id,
-                    ", ".join(self._subscriptions),
-                )
-                self.connected.set()
-                await _until_stopped_or_closed(conn, stop)
+                # Stop is heard while the SUBACK is awaited too: a broker that
+                # never answers, or reads paused since before this connect.
+                granted = await _unless_stopped(conn.subscribe(self._subscriptions), stop)
+                if granted is not None:
+                    self._granted(granted)
+                    self.connected.set()
+                    await _until_stopped_or_closed(conn, stop)
                 # Stopping: take no more messages; let what we hold be
                 # written and acknowledged before disconnecting.
                 tracker.taking = False
@@ -321,7 +317,10 @@ class Receiver:
                 self.connected.clear()
                 self._stats.disconnects += 1
                 if connected_at is not None:
-                    self._closed_after(time.monotonic() - connected_at)
+                    lasted = time.monotonic() - connected_at
+                    if lasted >= SHORT_LIVED:
+                        attempt = 0  # it was up a while: the first retry comes soon
+                    self._closed_after(lasted)
                 if self._connection is not None and self._connection.malformed:
                     self._stats.malformed_packets += 1
                 # The connection is gone: acks that complete during the wait
@@ -359,6 +358,38 @@ class Receiver:
         if self._connection is not None:
             self._connection.puback(packet_ids)
 
+    def _tls_context(self) -> ssl.SSLContext | None:
+        """The TLS files read anew at each connect (renewed certificates are
+        used); while they cannot be read (mid-rotation), the last good ones."""
+        try:
+            self._tls = self._config.tls.context()
+        except ConfigError as exc:
+            if self._tls is None:
+                raise BrokerError(f"mqtt.tls.{exc}") from None  # retried as a failed connect
+            log.warning("mqtt.tls.%s; connecting with the files read before", exc)
+        return self._tls
+
+    def _granted(self, granted: Granted) -> None:
+        cfg = self._config
+        for reason in granted.refused:
+            self._stats.subscriptions_refused += 1
+            log.error("the broker refused the subscription %s", reason)
+        for topic_filter in granted.at_most_once:
+            self._stats.subscriptions_qos0 += 1
+            log.error(
+                "the broker granted %s at QoS 0 only (its max_qos or an ACL?): messages on "
+                "it are not acknowledged, so one in flight when the gateway stops is lost",
+                topic_filter,
+            )
+        log.info(
+            "connected to %s://%s:%d as %r, subscribed to %s",
+            "mqtts" if cfg.tls.enabled else "mqtt",
+            cfg.host,
+            cfg.port,
+            cfg.client_id,
+            ", ".join(self._subscriptions),
+        )
+
     def _session(self, present: bool) -> None:
         if present:
             self._had_session = True
@@ -388,11 +419,32 @@ class Receiver:
                     content_type=packet.content_type,
                     received_ms=int(time.time() * 1000),
                     ack=tracker.track(packet.packet_id or 0, int(packet.qos)),
-                    redelivered=packet.duplicate,
+                    # A retained copy (sent because we subscribed: live messages
+                    # come with retain cleared) is as old as a redelivery.
+                    redelivered=packet.duplicate or packet.retain,
                 )
             )
 
         return on_publish
+
+
+async def _unless_stopped(
+    coro: Coroutine[object, object, Granted], stop: asyncio.Event
+) -> Granted | None:
+    """``coro``'s result, or None if ``stop`` is set first (``coro`` is then cancelled)."""
+    task = asyncio.ensure_future(coro)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        stopped.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    return None
 
 
 async def _until_stopped_or_closed(conn: Connection, stop: asyncio.Event) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..config import LimitsConfig, TopicTemplate
 from ..errors import DecodeError
-from ..topic_filters import has_control
+from ..topic_filters import covers, has_control
 
 _NAMED = {"{tenant}": "tenant", "{device_id}": "device_id", "{_}": "_"}
 
@@ -45,21 +45,13 @@ def _compile(template: TopicTemplate) -> _Compiled:
     parts = template.template.split("/")
     levels = tuple(None if part in _NAMED else part for part in parts)
     tenant_index = parts.index("{tenant}") if "{tenant}" in parts else None
-    wildcards = ["+" if level is None else level for level in levels]
-    subscriptions = ["/".join(wildcards)]
-    if template.tenants:
-        assert tenant_index is not None  # guaranteed by TopicTemplate
-        subscriptions = [
-            "/".join([*wildcards[:tenant_index], name, *wildcards[tenant_index + 1 :]])
-            for name in template.tenants
-        ]
     return _Compiled(
         levels=levels,
         tenant_index=tenant_index,
         device_index=parts.index("{device_id}"),
         fixed_tenant=template.tenant,
         only_tenants=frozenset(template.tenants) if template.tenants else None,
-        subscriptions=tuple(subscriptions),
+        subscriptions=tuple(template.filters()),
         fixed=tuple((i, level) for i, level in enumerate(levels) if level is not None),
     )
 
@@ -73,9 +65,24 @@ class TopicMatcher:
 
     @property
     def subscriptions(self) -> list[str]:
-        # Two templates may share a filter (e.g. differing only in fixed words
-        # that a '+' covers); subscribe once.
-        return list(dict.fromkeys(s for t in self._templates for s in t.subscriptions))
+        """The templates' filters, each once, leaving out any that another
+        covers (``a/x/+`` under ``a/+/+``): the broker would deliver a message
+        once per matching subscription. Templates that overlap otherwise are
+        refused by the config."""
+        kept: list[str] = []
+        for n, template in enumerate(self._templates):
+            # One template's filters differ in a fixed tenant: only another's can cover them.
+            others = [
+                tuple(f.split("/"))
+                for m, t in enumerate(self._templates)
+                if m != n and len(t.levels) == len(template.levels)
+                for f in t.subscriptions
+            ]
+            for f in template.subscriptions:
+                mine = tuple(f.split("/"))
+                if not any(o != mine and covers(o, mine) for o in others):
+                    kept.append(f)
+        return list(dict.fromkeys(kept))
 
     def match(self, topic: str) -> tuple[str, str]:
         """Return (tenant, device_id) for a topic, or raise DecodeError('topic')."""

@@ -107,6 +107,12 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
         "Topic filters the broker refused to subscribe us to.",
     ),
     (
+        "gateway_mqtt_subscriptions_qos0_total",
+        "subscriptions_qos0",
+        "Topic filters the broker granted at QoS 0 only: no acknowledgement, "
+        "so messages on them can be lost.",
+    ),
+    (
         "gateway_backpressure_seconds_total",
         "throttled_s",
         "Seconds with mqtt.receive_maximum messages unacknowledged "
