@@ -109,3 +109,72 @@ async def test_leftovers_anywhere_in_a_long_page_are_left_out_and_deleted(
         (tenant,),
     )
     assert {r.device_id for r in rows} == set(devices) - leftovers
+
+
+async def test_every_instance_gives_a_state_the_same_verdict_within_the_budget(
+    db: Database, tenant: str
+) -> None:
+    """max_states_per_tenant = 2; both instances know "s1". A registers "s2";
+    B, not yet refreshed (states_refresh, 10 s), was handed "s3" and
+    registered it past the budget, and A then refused "s3" (too_many_states)
+    while B stored it: one state, two verdicts. A state new to an instance is
+    now looked for in a fresh read first."""
+    env = {"GATEWAY_PIPELINE__MAX_STATES_PER_TENANT": "2"}
+    a_cfg = make_config(**env)
+    b_cfg = make_config(**env).model_copy(
+        update={"topics": [TopicTemplate(template="sites/{device_id}/events", tenant=tenant)]}
+    )
+    t0 = 1_790_000_000_000
+
+    def via_a(device: str, state: str) -> tuple[str, bytes]:
+        return f"tenants/{tenant}/devices/{device}/events", orjson.dumps({"ts": t0, "state": state})
+
+    def via_b(device: str, state: str) -> tuple[str, bytes]:
+        return f"sites/{device}/events", orjson.dumps({"ts": t0, "state": state})
+
+    async with running_gateway(a_cfg) as a, running_gateway(b_cfg) as b:
+        await publish([via_a("d0", "s1"), via_b("d1", "s1")])
+        await a.wait_handled(1)
+        await b.wait_handled(1)
+        await publish([via_a("d2", "s2")])
+        await a.wait_handled(2)
+        await publish([via_b("d3", "s3")])  # B's cache still says one state
+        await b.wait_handled(2)
+        await publish([via_a("d4", "s3")])
+        await a.wait_handled(3)
+        verdicts = (a.stats.rejected, b.stats.rejected)
+    assert sorted(await queries.known_states(db, tenant)) == ["s1", "s2"]
+    assert verdicts == (1, 1)  # "s3" refused by both
+
+
+async def test_share_group_members_leave_exact_state_counts(db: Database, tenant: str) -> None:
+    """Two members of a share group, 21 devices going alarm, ok, alarm, ok,
+    each device's events dealt to both. A member whose last write for a device
+    was in the same state skipped its deletes, not knowing the other had
+    moved the device: /states counted all 21 in "alarm" as well as in "ok".
+    In a share group every event writes its deletes."""
+    env = {"GATEWAY_MQTT__SHARE_GROUP": f"g{tenant}"}
+    devices = [f"d{i:02d}" for i in range(21)]
+    t0 = 1_790_000_000_000
+    async with (
+        running_gateway(make_config(**env)) as one,
+        running_gateway(make_config(**env)) as two,
+    ):
+        for r, state in enumerate(("alarm", "ok", "alarm", "ok")):
+            await publish(
+                (
+                    f"tenants/{tenant}/devices/{d}/events",
+                    orjson.dumps({"ts": t0 + r, "state": state}),
+                )
+                for d in devices
+            )
+            total = (r + 1) * len(devices)
+            await one.wait_for(
+                lambda s, t=total: (
+                    s.written + two.stats.written >= t and s.acked + two.stats.acked >= t
+                )
+            )
+        split = (one.stats.received, two.stats.received)
+    assert min(split) > 0, split  # both members took part
+    counts = dict(await queries.state_counts(db, make_config(), tenant))
+    assert counts == {"ok": 21, "alarm": 0}, (counts, split)

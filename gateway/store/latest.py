@@ -52,7 +52,9 @@ Promises and bounds:
   the first event of a device after start-up (or after its memory entry was
   evicted) and by every event whose state differs from the last one this
   process wrote for the device, which is its newest for sure; an event in the
-  same state writes only its inserts. So a steady device leaves no fresh
+  same state writes only its inserts. Not in a share group
+  (``mqtt.share_group``): there another member may have moved the device
+  since, so every event writes its deletes. So a steady device leaves no fresh
   tombstones, and those of real changes expire after ``gc_grace_seconds``.
   Safe under failures: a write that fails is retried until it lands or the
   gateway stops, and after a restart every device starts again with a full
@@ -158,6 +160,10 @@ class LatestState:
         self._config = config
         self._stats = stats
         self._max_states = config.pipeline.max_states_per_tenant
+        # Whether this process alone writes its devices (topic shards: yes; a
+        # share group: no, a device's events are dealt to every member, and
+        # another may have moved it since this one last wrote it).
+        self._sole_writer = config.mqtt.share_group is None
         self._refresh = config.pipeline.states_refresh
         self._rotate_after = config.pipeline.rotate_after_deletes
         # Partitions due for a rotation, or found mid-rotation or with a
@@ -232,11 +238,24 @@ class LatestState:
         return list(new)
 
     async def register(self, states: list[tuple[str, str]]) -> None:
-        """Record new states in tenant_states, within each tenant's budget."""
+        """Record new states in tenant_states, within each tenant's budget.
+
+        A state new to this process is first looked for in a fresh read of
+        the tenant's states (once per tenant and call): another instance may
+        have registered it, or others, since this one last read them. So every
+        instance gives a state the same verdict, and the budget holds unless
+        two instances register different states at the same moment."""
+        fresh: set[str] = set()
         for tenant, state in states:
             known = await self._known(tenant)
-            if state not in known.states:
-                await self._register_state(tenant, state, known)
+            if state in known.states:
+                continue
+            if tenant not in fresh:
+                fresh.add(tenant)
+                known = await self._known(tenant, fresh=True)
+                if state in known.states:
+                    continue
+            await self._register_state(tenant, state, known)
 
     async def over_budget(self, events: list[Event]) -> list[Event]:
         """After :meth:`register`: the events whose state is over the tenant's
@@ -444,13 +463,14 @@ class LatestState:
         entry = self._newest.peek((tenant, device))
         previous: str | None = None
         if entry is not None and entry.sure:
-            if entry.written == event.state:
+            if entry.written == event.state and self._sole_writer:
                 # Same state as this process's last write for the device, whose
                 # deletes cover every other state: nothing to delete again.
                 self._stats.deletes_saved += 1
                 return out
             previous, entry.written = entry.written, event.state
-        part.live += 1
+        if previous != event.state:
+            part.live += 1
         for other in tenant_states.states:
             if other == event.state:
                 continue
@@ -488,9 +508,9 @@ class LatestState:
         known = self._tenants.peek(tenant)
         return None if known is None else self._part(known, state, bucket)
 
-    async def _known(self, tenant: str) -> _TenantStates:
+    async def _known(self, tenant: str, *, fresh: bool = False) -> _TenantStates:
         known = self._tenants.get(tenant)
-        if known is not None and time.monotonic() - known.loaded_at < self._refresh:
+        if known is not None and not fresh and time.monotonic() - known.loaded_at < self._refresh:
             return known
         rows, parts = await asyncio.gather(
             self._requests.execute(self._select_states, (tenant,)),
