@@ -312,8 +312,8 @@ async def open_gateway(
         worker: RollupWorker | None = None
         if marks is not None and config.rollups.worker:
             # A session of its own (the same driver as the write path's): its
-            # reads never queue behind the write path's in-flight cap. Started
-            # before any mark is written, so its cursor is never ahead of one.
+            # reads never queue behind the write path's in-flight cap. Its
+            # cursor is never ahead of a mark: RollupMarks.prepare started it.
             rollup_session = await stack.enter_async_context(open_write_session(config.cassandra))
             await rollup_session.plan_packing("the roll-up worker")
             worker = RollupWorker(rollup_session, config, stats)

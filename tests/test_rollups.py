@@ -618,3 +618,21 @@ async def test_a_worker_on_the_python_driver_equals_the_raw_rows(
         await w.start(minute)
         await settle(w, minute)
     await assert_rollups_match_raw(db, tenant, "meter")
+
+
+@pytest.mark.asyncio(loop_scope="session")  # the module's session lives on that loop
+async def test_a_worker_started_after_another_instance_finds_its_first_marks(
+    session: WriteSession,
+) -> None:
+    """Instance B (rollups.worker = false) started and wrote marks; the only
+    worker, on instance A, started a minute later on a keyspace without a
+    cursor, and began its cursor at its own start: B's first marks were
+    behind it and their windows never rolled up. Every instance that writes
+    marks now starts the cursor, whoever comes first."""
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    start_b = time.time()
+    await rollups.RollupMarks(make_config(), Stats(), lambda: start_b, name=name).prepare(session)
+    worker_a = RollupWorker(session, make_config(), Stats(), name=name, clock=lambda: start_b + 120)
+    await worker_a.start()
+    b_minute = int(start_b * 1000) - int(start_b * 1000) % MINUTE_MS
+    assert worker_a.cursor_ms == b_minute

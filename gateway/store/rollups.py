@@ -99,6 +99,9 @@ HOUR_MS = 3_600_000
 MARK_SHARDS = 16
 VALUE_METRIC = "value"
 PROGRESS = "default"
+# A cursor starts at the minute the first instance to write marks (or the
+# worker) started, never later: a compare-and-set, whoever comes first.
+INIT_CURSOR = "INSERT INTO {keyspace}.rollup_progress (name, minute) VALUES (?, ?) IF NOT EXISTS"
 # Windows the worker recomputes together (their raw rows are in memory at
 # once: the bound on the worker's memory, GROUP windows' rows), and devices per
 # read of theirs (device_id IN ...): 1,000 windows of one minute cost about 30
@@ -140,17 +143,31 @@ class RollupMarks:
 
     _insert: Prepared
 
-    def __init__(self, config: Config, stats: Stats, clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        config: Config,
+        stats: Stats,
+        clock: Callable[[], float] = time.time,
+        *,
+        name: str = PROGRESS,
+    ):
         self._stats = stats
         self._clock = clock
+        self._name = name
         self._written: LRU[tuple[str, str, int, int], bool] = LRU(config.rollups.mark_cache_size)
 
     async def prepare(self, session: WriteSession) -> None:
+        """Prepare, and start the worker's cursor at this minute unless it has
+        one: this instance's marks are never older than the cursor, whether or
+        not it runs the worker, and whenever the worker starts."""
         self._insert = await session.prepare(
             "INSERT INTO {keyspace}.rollup_marks "
             "(minute, shard, tenant, device_id, window_start) VALUES (?, ?, ?, ?, ?)",
             timestamps=(0, 4),
         )
+        init = await session.prepare(INIT_CURSOR, timestamps=(1,))
+        now_ms = int(self._clock() * 1000)
+        await session.execute(session.bind(init, (self._name, now_ms - now_ms % MINUTE_MS)))
 
     def writes(self, event: Event, pending: Pending) -> list[Write]:
         if event.value_num is None and not event.metrics:
@@ -260,16 +277,15 @@ class RollupWorker:
 
     async def start(self, first_minute_ms: int | None = None) -> None:
         """Prepare, and read the cursor (a new one starts at this minute, or at
-        ``first_minute_ms``; no mark can be older than that)."""
+        ``first_minute_ms``; no mark can be older than that). An instance that
+        writes marks starts it too (RollupMarks.prepare), so the worker of one
+        instance started after another finds the other's first marks."""
         prepare = self._session.prepare
         self._read_cursor = await prepare(
             "SELECT toUnixTimestamp(minute) AS minute_ms FROM {keyspace}.rollup_progress "
             "WHERE name = ?"
         )
-        self._init_cursor = await prepare(
-            "INSERT INTO {keyspace}.rollup_progress (name, minute) VALUES (?, ?) IF NOT EXISTS",
-            timestamps=(1,),
-        )
+        self._init_cursor = await prepare(INIT_CURSOR, timestamps=(1,))
         self._write_cursor = await prepare(
             "INSERT INTO {keyspace}.rollup_progress (name, minute) VALUES (?, ?)", timestamps=(1,)
         )
