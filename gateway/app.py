@@ -31,11 +31,11 @@ from typing import Any
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from .config import Config
-from .errors import CassandraUnreachable, SchemaError
+from .errors import CassandraUnreachable, ConfigError, SchemaError
 from .ingest.pipeline import Classifier, Flow, NoFlow, Pipeline
 from .ingest.receive import Handler, Receiver
 from .ingest.sampling import Sampler
-from .ingest.spool import Spool, SpoolSource
+from .ingest.spool import Spool, SpoolSource, stranded
 from .sd_notify import Notifier
 from .spooling import spool_until_reachable, unreachable_since
 from .stats import Stats
@@ -62,6 +62,9 @@ log = logging.getLogger(__name__)
 
 # Seconds between two probes of the event loop's lag (Gateway._probe_loop).
 LAG_PROBE = 0.1
+# Without an answer from Cassandra for this long (no traffic), the link is
+# probed (Gateway._watch_link), so /healthz tells a dead link on a quiet site.
+LINK_PROBE = 5.0
 
 
 class Gateway:
@@ -173,6 +176,7 @@ class Gateway:
             tasks.create_task(self._status(stop))
             tasks.create_task(self._until_stop(self._rotation.run(), stop))
             tasks.create_task(self._until_stop(self._probe_loop(), stop))
+            tasks.create_task(self._until_stop(self._watch_link(), stop))
             if self._rollups is not None:
                 tasks.create_task(self._until_stop(self._rollups.run(), stop))
             tasks.create_task(self._signal_ready(stop, ready))
@@ -188,6 +192,17 @@ class Gateway:
             before = loop.time()
             await asyncio.sleep(LAG_PROBE)
             observe(max(0.0, loop.time() - before - LAG_PROBE))
+
+    async def _watch_link(self) -> None:
+        """While Cassandra has not answered for LINK_PROBE seconds (nothing to
+        write), ask it something small (Requests.probe)."""
+        requests = self._requests
+        probe = await requests.session.prepare("SELECT release_version FROM system.local")
+        while True:
+            await asyncio.sleep(LINK_PROBE)
+            if time.monotonic() - requests.answered_at >= LINK_PROBE:
+                # Shielded: a stop lets it end on the driver's own timeout.
+                await asyncio.shield(requests.probe(probe))
 
     async def _until_stop(self, work: Coroutine[Any, Any, None], stop: asyncio.Event) -> None:
         """Run ``work`` until ``stop``: state-partition rotations (store/rotate.py),
@@ -306,9 +321,10 @@ async def open_gateway(
         rejects = Rejects(config, stats)
         marks = RollupMarks(config, stats) if config.rollups.enabled else None
         metadata = Metadata(requests, sink, config, stats) if config.metadata.enabled else None
-        for writer in (latest, rotation, telemetry, rejects, marks, metadata):
-            if writer is not None:
-                await writer.prepare(session)
+        # Together: each statement is a round trip, and over a slow link (1 s)
+        # one after another they took over a minute before READY.
+        writers = (latest, rotation, telemetry, rejects, marks, metadata)
+        await asyncio.gather(*(w.prepare(session) for w in writers if w is not None))
         worker: RollupWorker | None = None
         if marks is not None and config.rollups.worker:
             # A session of its own (the same driver as the write path's): its
@@ -429,6 +445,8 @@ async def run(
     at once: nothing could be taken meanwhile (the broker's persistent session
     keeps the backlog either way), and the service manager restarts it."""
     stats = stats or Stats()
+    if not config.spool.enabled and (said := stranded(config.spool.path)):
+        raise ConfigError(said)
     since: float | None = None
     while True:
         try:

@@ -48,6 +48,7 @@ in spool mode (it feeds the same queue as the MQTT receiver does otherwise).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -76,6 +77,16 @@ RETRY_MAX = 5.0
 # The bound and the full disk are each logged at most this often (the status
 # line, /healthz and /metrics say the rest).
 LOG_EVERY = 60.0
+# Disk kept back beside the spool (PATH-reserve) for deletes: a spool that
+# filled its own file system could otherwise never delete what Cassandra
+# has (each delete needs room in the WAL), and stayed full for good.
+RESERVE_BYTES = 512 * 1024
+# The WAL is checkpointed at this many pages (of 4 KiB; SQLite's default is
+# 1,000) and cut back to RESERVE_BYTES after: on a small file system a WAL of
+# 4 MB took room the spooled messages needed (about 11 KB per message on 2 MB).
+WAL_PAGES = 128
+# Records deleted per commit on the reserve's room (Spool._delete_on_reserve).
+RESERVE_SLICE = 50
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS spool (
@@ -108,6 +119,36 @@ class Record:
     redelivered: bool = False
 
 
+def peek(path: Path) -> tuple[int, int, int | None] | None:
+    """A spool file's messages, payload bytes and oldest receive time (ms),
+    read only; None when there is no file. Raises sqlite3.Error when it
+    cannot be read."""
+    if not path.exists():
+        return None
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+        depth, size, oldest = db.execute(
+            "SELECT count(*), coalesce(sum(length(payload)), 0), min(received_ms) FROM spool"
+        ).fetchone()
+    return int(depth), int(size), oldest
+
+
+def stranded(path: Path) -> str | None:
+    """With ``spool.enabled`` false: what to say if a spool file at ``path``
+    still holds messages. They were acknowledged to the broker when spooled
+    and are nowhere else, so the gateway does not start over them."""
+    try:
+        found = peek(path)
+    except sqlite3.Error:
+        return None  # not a spool of ours (or not readable): nothing of ours stranded
+    if found is None or found[0] == 0:
+        return None
+    return (
+        f"spool.enabled is false, but the spool {path} holds {found[0]} messages that were "
+        "acknowledged to the broker and are in no other place: run with spool.enabled = "
+        "true until `gateway check` shows it empty, or remove the file to drop them"
+    )
+
+
 class Spool:
     """An ordered, durable queue of raw messages. Use as ``async with``."""
 
@@ -126,6 +167,9 @@ class Spool:
         self.disk_full_since: float | None = None
         self._db: sqlite3.Connection | None = None
         self._inode = 0  # the file's, at open: another means it was removed or replaced
+        self._wal_inode = 0  # its WAL's, once it exists: the same
+        self.reserve = path.with_name(path.name + "-reserve")
+        self._reserved = False  # whether the reserve is on disk
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spool")
         self._room = asyncio.Event()
         self._room.set()
@@ -218,11 +262,20 @@ class Spool:
 
     async def delete(self, seqs: Sequence[int], size: int) -> None:
         """Forget records Cassandra has; ``size`` is their payload bytes.
-        :class:`SpoolDiskFull` if the disk is full: they are all still there."""
+        :class:`SpoolDiskFull` if the disk is full even with the reserve given
+        back: they are all still there."""
         try:
             await self._call(self._delete, list(seqs))
         except sqlite3.Error as exc:
-            raise self._error(exc, f"deleting {len(seqs)} written messages") from None
+            error = self._error(exc, f"deleting {len(seqs)} written messages")
+            if not isinstance(error, SpoolDiskFull) or not self._reserved:
+                raise error from None
+            try:
+                await self._call(self._delete_on_reserve, list(seqs))
+            except sqlite3.Error as again:
+                raise self._error(again, f"deleting {len(seqs)} written messages") from None
+        if not self._reserved:
+            await self._call(self._restore)
         self.disk_full_since = None
         self.depth -= len(seqs)
         self.bytes -= size
@@ -270,6 +323,8 @@ class Spool:
             self._check_ours(db)  # before anything is written to the file
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=FULL")
+            db.execute(f"PRAGMA wal_autocheckpoint={WAL_PAGES}")
+            db.execute(f"PRAGMA journal_size_limit={RESERVE_BYTES}")
             db.execute(_SCHEMA)
             columns = {row[1] for row in db.execute("PRAGMA table_info(spool)")}
             if "redelivered" not in columns:
@@ -283,6 +338,8 @@ class Spool:
         self.depth, self.bytes, self._oldest_ms = count, size, oldest
         self._inode = os.stat(self.path).st_ino
         self._db = db
+        self._note_wal()
+        self._restore()
 
     def _check_ours(self, db: sqlite3.Connection) -> None:
         tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
@@ -302,15 +359,65 @@ class Spool:
                 )
 
     def _same_file(self) -> None:
+        """The file and its WAL are the ones opened: what SQLite writes into a
+        removed one is gone at the next start (a removed WAL takes every
+        commit since the last checkpoint with it)."""
+        wal = Path(f"{self.path}-wal")
+        for what, known in ((self.path, self._inode), (wal, self._wal_inode)):
+            if not known:
+                continue
+            try:
+                inode = os.stat(what).st_ino
+            except OSError:
+                inode = -1
+            if inode != known:
+                raise SpoolError(
+                    f"spool {self.path}: {what} was removed or replaced while open; "
+                    "nothing more is acknowledged into it"
+                )
+
+    def _note_wal(self) -> None:
+        if not self._wal_inode:
+            with contextlib.suppress(OSError):
+                self._wal_inode = os.stat(f"{self.path}-wal").st_ino
+
+    def _delete_on_reserve(self, seqs: list[int]) -> None:
+        """The disk is full: give the reserve back to the file system and
+        delete on its room, a few records per commit (each commit's WAL
+        frames are few, and the WAL is cut back after), then put the reserve
+        back if the deletes made room for it. One call on the spool thread,
+        so no append takes the room meanwhile."""
+        with contextlib.suppress(FileNotFoundError):
+            self.reserve.unlink()
+        self._reserved = False
+        log.warning(
+            "spool disk full at %s: gave back its reserve of %d bytes, so that what "
+            "Cassandra has can be deleted",
+            self.path,
+            RESERVE_BYTES,
+        )
+        for start in range(0, len(seqs), RESERVE_SLICE):
+            self._delete(seqs[start : start + RESERVE_SLICE])
+        self._restore()
+
+    def _restore(self) -> None:
+        """Put the reserve back if there is room: the WAL cut back first."""
+        if self.reserve.exists():
+            self._reserved = True
+            return
+        db = self._db
+        assert db is not None
+        with contextlib.suppress(sqlite3.Error):
+            db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         try:
-            inode = os.stat(self.path).st_ino
+            with open(self.reserve, "wb") as out:
+                out.write(bytes(RESERVE_BYTES))
+                out.flush()
+                os.fsync(out.fileno())
+            self._reserved = True
         except OSError:
-            inode = -1
-        if inode != self._inode:
-            raise SpoolError(
-                f"spool {self.path}: the file was removed or replaced while open; "
-                "nothing more is acknowledged into it"
-            )
+            with contextlib.suppress(OSError):
+                self.reserve.unlink()  # a part of one is no reserve; tried again later
 
     def _close(self) -> None:
         if self._db is not None:
@@ -333,6 +440,7 @@ class Spool:
                 assert cursor.lastrowid is not None
                 seqs.append(cursor.lastrowid)
             db.execute("COMMIT")
+            self._note_wal()
         except BaseException:
             # Some errors (SQLITE_FULL among them) roll the transaction back themselves.
             if db.in_transaction:
@@ -466,9 +574,10 @@ class SpoolSource:
                 return  # stopping while full: the inbox is unacknowledged, redelivered later
             # No more than the bound allows (at least one: there is room).
             taken = self.spool.fits(len(d.payload) for d in self._inbox)
-            batch = self._inbox[:taken]
-            if not await self._commit(batch):
+            taken = await self._commit(self._inbox[:taken])
+            if not taken:
                 return  # stopping while the disk is full: as above
+            batch = self._inbox[:taken]
             del self._inbox[:taken]  # deliveries that arrived meanwhile stay behind
             for delivery in batch:
                 delivery.ack.done()
@@ -483,9 +592,11 @@ class SpoolSource:
                 # this commit, and nothing else would end the wait.
                 self._inbox_ready.set()
 
-    async def _commit(self, batch: list[Delivery]) -> bool:
-        """Commit ``batch`` to the spool, retrying while the disk is full (True),
-        unless the source is closed first (False: nothing of it committed)."""
+    async def _commit(self, batch: list[Delivery]) -> int:
+        """Commit the first of ``batch`` to the spool; how many (at least one),
+        or 0 if the source is closed first (nothing of it committed). While
+        the disk is full it retries, with half as many each time: a little
+        room left (deletes freed pages) takes a small commit, never a large one."""
         records: list[Appended] = [
             (d.received_ms, d.topic, d.content_type, d.payload, d.redelivered) for d in batch
         ]
@@ -497,11 +608,12 @@ class SpoolSource:
                 self._flow.pause_reading()  # the broker keeps the rest meanwhile
                 self._disk_full(exc, "not acknowledged, the broker keeps them in our session")
                 if not await _sleep_unless(self._closed, delay):
-                    return False
+                    return 0
                 delay = min(RETRY_MAX, 2 * delay)
+                records = records[: max(1, len(records) // 2)]
                 continue
             self._disk_room()
-            return True
+            return len(records)
 
     async def _room(self) -> bool:
         """Wait until the spool has room (True), or the source is closed (False)."""

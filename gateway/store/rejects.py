@@ -14,9 +14,8 @@ import logging
 import time
 from dataclasses import dataclass
 
-from cassandra.util import uuid_from_time
-
 from ..config import Config
+from ..identity import rejection_id
 from ..stats import Stats
 from .sink import Pending, Write
 from .write_session import UNSET, Prepared, WriteSession
@@ -69,7 +68,7 @@ class Rejects:
                     rejection.tenant,
                     hour,
                     rejection.received_ms,
-                    uuid_from_time(rejection.received_ms / 1000),
+                    rejection_id(rejection.received_ms, rejection.topic, rejection.payload),
                     rejection.topic,
                     rejection.device_id if rejection.device_id is not None else UNSET,
                     rejection.reason,

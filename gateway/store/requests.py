@@ -55,14 +55,35 @@ class Requests:
         self._give_up_after = config.give_up_after
         self._stats = stats
         self._failing_since: float | None = None
+        # Since when the idle link's probe (:meth:`probe`) fails, if it does.
+        self._probe_failing_since: float | None = None
+        self.answered_at = time.monotonic()  # the last answer Cassandra gave
         # Set (and replaced) when requests succeed again after failures.
         self._recovered = asyncio.Event()
 
     @property
     def failing_for(self) -> float | None:
-        """Seconds requests have been failing, or None when they succeed."""
-        since = self._failing_since
+        """Seconds requests (or, while none are sent, the link's probe) have
+        been failing, or None when they succeed."""
+        since = self._failing_since or self._probe_failing_since
         return None if since is None else time.monotonic() - since
+
+    async def probe(self, prepared: Prepared) -> None:
+        """Ask Cassandra something small, once, not retried: while nothing is
+        written, :attr:`failing_for` would otherwise say nothing of a link
+        that went down (/healthz said "ok" for as long as a quiet site sent
+        nothing). The driver's request timeout bounds it."""
+        try:
+            await self.session.execute(self.session.bind(prepared, ()))
+        except self._transient:
+            if self._probe_failing_since is None:
+                self._probe_failing_since = time.monotonic()
+                log.warning("Cassandra does not answer (no writes meanwhile)")
+            return
+        self.answered_at = time.monotonic()
+        if self._probe_failing_since is not None:
+            log.warning("Cassandra answers again")
+            self._probe_failing_since = None
 
     def bind(self, prepared: Prepared, values: tuple[Any, ...]) -> Any:
         try:
@@ -156,6 +177,8 @@ class Requests:
             except Exception as exc:
                 raise SinkError(f"Cassandra refused a write: {short(exc)}") from None
             limit.answered(answered - sent)
+            self.answered_at = answered
+            self._probe_failing_since = None
             if self._failing_since is not None:
                 log.warning(
                     "Cassandra writes succeed again after %.1f s",

@@ -281,47 +281,61 @@ class RollupWorker:
         writes marks starts it too (RollupMarks.prepare), so the worker of one
         instance started after another finds the other's first marks."""
         prepare = self._session.prepare
-        self._read_cursor = await prepare(
-            "SELECT toUnixTimestamp(minute) AS minute_ms FROM {keyspace}.rollup_progress "
-            "WHERE name = ?"
-        )
-        self._init_cursor = await prepare(INIT_CURSOR, timestamps=(1,))
-        self._write_cursor = await prepare(
-            "INSERT INTO {keyspace}.rollup_progress (name, minute) VALUES (?, ?)", timestamps=(1,)
-        )
-        self._read_marks = await prepare(
-            "SELECT tenant, device_id, toUnixTimestamp(window_start) AS window_ms "
-            "FROM {keyspace}.rollup_marks WHERE minute = ? AND shard = ?",
-            timestamps=(0,),
-        )
-        # Each read covers READ_IN devices (device_id IN ?), see recompute().
-        # Timestamps are read as epoch ms, and the metrics map as JSON: cheaper
-        # to decode, in either driver, than datetimes and the driver's map type.
-        self._read_index = await prepare(
-            "SELECT tenant, device_id, toUnixTimestamp(bucket_start) AS bucket_ms, shard, "
-            "bucket_seconds FROM {keyspace}.telemetry_partitions "
-            "WHERE tenant = ? AND device_id IN ? AND bucket_start <= ? AND bucket_start > ?",
-            timestamps=(2, 3),
-        )
-        self._read_raw = await prepare(
-            "SELECT tenant, device_id, toUnixTimestamp(ts) AS ts_ms, event_id, value_num, "
-            "toJson(metrics) AS metrics FROM {keyspace}.telemetry "
-            "WHERE tenant = ? AND device_id IN ? AND bucket_start = ? AND shard = ? "
-            "AND ts >= ? AND ts <= ?",
-            timestamps=(2, 4, 5),
-        )
-        self._read_minutes = await prepare(
-            "SELECT tenant, device_id, metric, toUnixTimestamp(start) AS start_ms, count, min, "
-            "max, sum, last, toUnixTimestamp(last_ts) AS last_ms, last_id FROM {keyspace}.rollups "
-            "WHERE tenant = ? AND device_id IN ? AND step = 60 AND bucket = ? AND metric IN ? "
-            "AND start >= ? AND start < ?",
-            timestamps=(2, 4, 5),
-        )
-        self._write = await prepare(
-            "INSERT INTO {keyspace}.rollups (tenant, device_id, step, bucket, metric, start, "
-            "count, min, max, sum, last, last_ts, last_id) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) USING TTL ? AND TIMESTAMP ?",
-            timestamps=(3, 5, 11),
+        # Together: each is a round trip, a second or more over a slow link.
+        (
+            self._read_cursor,
+            self._init_cursor,
+            self._write_cursor,
+            self._read_marks,
+            self._read_index,
+            self._read_raw,
+            self._read_minutes,
+            self._write,
+        ) = await asyncio.gather(
+            prepare(
+                "SELECT toUnixTimestamp(minute) AS minute_ms FROM {keyspace}.rollup_progress "
+                "WHERE name = ?"
+            ),
+            prepare(INIT_CURSOR, timestamps=(1,)),
+            prepare(
+                "INSERT INTO {keyspace}.rollup_progress (name, minute) VALUES (?, ?)",
+                timestamps=(1,),
+            ),
+            prepare(
+                "SELECT tenant, device_id, toUnixTimestamp(window_start) AS window_ms "
+                "FROM {keyspace}.rollup_marks WHERE minute = ? AND shard = ?",
+                timestamps=(0,),
+            ),
+            # Each read covers READ_IN devices (device_id IN ?), see recompute().
+            # Timestamps are read as epoch ms, and the metrics map as JSON: cheaper
+            # to decode, in either driver, than datetimes and the driver's map type.
+            prepare(
+                "SELECT tenant, device_id, toUnixTimestamp(bucket_start) AS bucket_ms, shard, "
+                "bucket_seconds FROM {keyspace}.telemetry_partitions "
+                "WHERE tenant = ? AND device_id IN ? AND bucket_start <= ? AND bucket_start > ?",
+                timestamps=(2, 3),
+            ),
+            prepare(
+                "SELECT tenant, device_id, toUnixTimestamp(ts) AS ts_ms, event_id, value_num, "
+                "toJson(metrics) AS metrics FROM {keyspace}.telemetry "
+                "WHERE tenant = ? AND device_id IN ? AND bucket_start = ? AND shard = ? "
+                "AND ts >= ? AND ts <= ?",
+                timestamps=(2, 4, 5),
+            ),
+            prepare(
+                "SELECT tenant, device_id, metric, toUnixTimestamp(start) AS start_ms, count, "
+                "min, max, sum, last, toUnixTimestamp(last_ts) AS last_ms, last_id "
+                "FROM {keyspace}.rollups "
+                "WHERE tenant = ? AND device_id IN ? AND step = 60 AND bucket = ? AND metric IN ? "
+                "AND start >= ? AND start < ?",
+                timestamps=(2, 4, 5),
+            ),
+            prepare(
+                "INSERT INTO {keyspace}.rollups (tenant, device_id, step, bucket, metric, start, "
+                "count, min, max, sum, last, last_ts, last_id) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) USING TTL ? AND TIMESTAMP ?",
+                timestamps=(3, 5, 11),
+            ),
         )
         now_ms = int(self._clock() * 1000)
         first = first_minute_ms if first_minute_ms is not None else now_ms - now_ms % MINUTE_MS

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sqlite3
 import time
 
@@ -19,12 +20,16 @@ import aiomqtt
 
 from ..config import Config
 from ..errors import ConfigError, SinkError
+from ..ingest.spool import peek, stranded
 from ..store.schema import missing_from
 from ..store.write_session import open_write_session
 from .mqtt_client import mqtt_client
 
 # (ok, the check's line, and when it failed the one sentence that says what is wrong)
 Result = tuple[bool, str, str]
+# The spool's file system with less than this free is full: a commit of
+# messages meets the full disk well before the last byte.
+DISK_FULL_BELOW = 64 * 1024
 
 
 async def _broker(config: Config) -> Result:
@@ -72,15 +77,20 @@ async def _cassandra(config: Config) -> Result:
 
 def _spool(config: Config) -> Result:
     path = config.spool.path
-    if not path.exists():
-        return True, f"spool: empty ({path} not created yet)", ""
+    free = shutil.disk_usage(path.parent).free if path.parent.is_dir() else DISK_FULL_BELOW
+    full_disk = (
+        f"the spool's disk is full ({free} bytes free where {path} is): "
+        "acknowledgements paused until there is room"
+    )
     try:
-        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
-            depth, size, oldest = db.execute(
-                "SELECT count(*), coalesce(sum(length(payload)), 0), min(received_ms) FROM spool"
-            ).fetchone()
+        found = peek(path)
     except sqlite3.Error as exc:
+        if free < DISK_FULL_BELOW:  # reading needs room too (its -shm file)
+            return False, f"spool: DISK FULL, cannot read {path}: {exc}", full_disk
         return False, f"spool: cannot read {path}: {exc}", f"cannot read the spool {path}: {exc}"
+    if found is None:
+        return True, f"spool: empty ({path} not created yet)", ""
+    depth, size, oldest = found
     age = 0.0 if oldest is None else max(0.0, time.time() - oldest / 1000)
     # The bounds as the gateway applies them (ingest/spool.py, Spool.full).
     bound = (
@@ -90,13 +100,26 @@ def _spool(config: Config) -> Result:
         if size >= config.spool.max_bytes
         else None
     )
-    state = "FULL (acknowledgements paused)" if bound else "ok"
+    problem = (
+        full_disk
+        if free < DISK_FULL_BELOW
+        else f"the spool is full ({bound}): acknowledgements paused"
+    )
+    state = "DISK FULL" if free < DISK_FULL_BELOW else "FULL" if bound else "ok"
+    if state != "ok":
+        state += " (acknowledgements paused)"
     return (
-        bound is None,
+        state == "ok",
         f"spool: {state}, {depth} messages ({size} bytes) waiting, oldest {age:.0f} s "
         f"({path}; drain rate: gateway_spool_drained_total in /metrics)",
-        f"the spool is full ({bound}): acknowledgements paused",
+        problem,
     )
+
+
+def _spool_off(config: Config) -> Result | None:
+    """With the spool off: a spool file left holding messages is a problem."""
+    said = stranded(config.spool.path)
+    return None if said is None else (False, f"spool: off; {said}", said)
 
 
 async def run(config: Config) -> int:
@@ -104,6 +127,8 @@ async def run(config: Config) -> int:
     results = [await _broker(config), await _cassandra(config)]
     if config.spool.enabled:
         results.append(_spool(config))
+    elif (left := _spool_off(config)) is not None:
+        results.append(left)
     problems = [problem for ok, _, problem in results if not ok]
     if problems:
         more = len(problems) - 1
