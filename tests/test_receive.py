@@ -55,18 +55,23 @@ def publish_packet(pid: int, payload: bytes = b"{}", **kw: object) -> bytes:
     ).write()
 
 
+def scripted_config(broker: ScriptedBroker, reconnect_max: float = 0.1) -> MqttConfig:
+    """A receiver's config for the scripted broker, reconnecting fast."""
+    return MqttConfig(
+        host="127.0.0.1",
+        port=broker.port,
+        client_id=f"rx-{uuid.uuid4().hex[:8]}",
+        reconnect_min=0.05,
+        reconnect_max=reconnect_max,
+    )
+
+
 @asynccontextmanager
 async def receiving(
     broker: ScriptedBroker, *, filters: list[str] | None = None
 ) -> AsyncIterator[tuple[list[Delivery], Stats, Receiver]]:
     """A Receiver on the scripted broker that acknowledges every message at once."""
-    config = MqttConfig(
-        host="127.0.0.1",
-        port=broker.port,
-        client_id=f"rx-{uuid.uuid4().hex[:8]}",
-        reconnect_min=0.05,
-        reconnect_max=0.1,
-    )
+    config = scripted_config(broker)
     stats = Stats()
     got: list[Delivery] = []
 
@@ -363,13 +368,7 @@ async def test_a_broker_that_drops_us_at_once_is_retried_ever_more_slowly() -> N
     Only a connection that lasted SHORT_LIVED resets it now."""
     broker = ScriptedBroker(lambda writer, _s, _n: writer.close())
     async with broker.running():
-        config = MqttConfig(
-            host="127.0.0.1",
-            port=broker.port,
-            client_id=f"rx-{uuid.uuid4().hex[:8]}",
-            reconnect_min=0.05,
-            reconnect_max=5.0,
-        )
+        config = scripted_config(broker, reconnect_max=5.0)
         stop = asyncio.Event()
         task = asyncio.create_task(
             Receiver(config, ["tenants/+/devices/+/events"], Stats()).run(lambda d: None, stop)
@@ -389,13 +388,7 @@ async def test_stop_is_heard_while_the_suback_is_awaited() -> None:
     broker = ScriptedBroker(lambda w, s, n: None)
     broker.answer_subscribe = False
     async with broker.running():
-        config = MqttConfig(
-            host="127.0.0.1",
-            port=broker.port,
-            client_id=f"rx-{uuid.uuid4().hex[:8]}",
-            reconnect_min=0.05,
-            reconnect_max=0.1,
-        )
+        config = scripted_config(broker)
         stats = Stats()
         stop = asyncio.Event()
         receiver = Receiver(config, ["tenants/+/devices/+/events"], stats)
@@ -416,13 +409,7 @@ async def test_stop_is_heard_when_reads_were_paused_across_a_reconnect() -> None
     so the SUBACK stays unread. SIGTERM then waited until the queue drained."""
     broker = ScriptedBroker(lambda w, s, n: None, server_keep_alive=1)
     async with broker.running():
-        config = MqttConfig(
-            host="127.0.0.1",
-            port=broker.port,
-            client_id=f"rx-{uuid.uuid4().hex[:8]}",
-            reconnect_min=0.05,
-            reconnect_max=0.1,
-        )
+        config = scripted_config(broker)
         stop = asyncio.Event()
         receiver = Receiver(config, ["tenants/+/devices/+/events"], Stats())
         task = asyncio.create_task(receiver.run(lambda d: d.ack.done(), stop))
