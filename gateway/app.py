@@ -197,12 +197,11 @@ class Gateway:
         """While Cassandra has not answered for LINK_PROBE seconds (nothing to
         write), ask it something small (Requests.probe)."""
         requests = self._requests
-        probe = await requests.session.prepare("SELECT release_version FROM system.local")
         while True:
             await asyncio.sleep(LINK_PROBE)
             if time.monotonic() - requests.answered_at >= LINK_PROBE:
                 # Shielded: a stop lets it end on the driver's own timeout.
-                await asyncio.shield(requests.probe(probe))
+                await asyncio.shield(requests.probe())
 
     async def _until_stop(self, work: Coroutine[Any, Any, None], stop: asyncio.Event) -> None:
         """Run ``work`` until ``stop``: state-partition rotations (store/rotate.py),
@@ -324,7 +323,9 @@ async def open_gateway(
         # Together: each statement is a round trip, and over a slow link (1 s)
         # one after another they took over a minute before READY.
         writers = (latest, rotation, telemetry, rejects, marks, metadata)
-        await asyncio.gather(*(w.prepare(session) for w in writers if w is not None))
+        await asyncio.gather(
+            requests.prepare_probe(), *(w.prepare(session) for w in writers if w is not None)
+        )
         worker: RollupWorker | None = None
         if marks is not None and config.rollups.worker:
             # A session of its own (the same driver as the write path's): its

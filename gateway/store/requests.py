@@ -41,6 +41,8 @@ BACKOFF_MAX = 10.0
 # Last values per read of :meth:`Requests.read_keys` (one ``IN`` list): a chunk
 # of 500 devices met for the first time costs 5 requests, not 500.
 IN_MAX = 100
+# What :meth:`Requests.probe` asks: small, and answered by any node.
+PROBE = "SELECT release_version FROM system.local"
 # A key read by :meth:`Requests.read_keys`: partition (or prefix), last value.
 Key = tuple[str, ...]
 
@@ -68,14 +70,19 @@ class Requests:
         since = self._failing_since or self._probe_failing_since
         return None if since is None else time.monotonic() - since
 
-    async def probe(self, prepared: Prepared) -> None:
+    async def prepare_probe(self) -> None:
+        """Prepare :meth:`probe`'s statement (at start, with the others: once
+        the link is down it cannot be prepared)."""
+        self._probe = await self.session.prepare(PROBE)
+
+    async def probe(self) -> None:
         """Ask Cassandra something small, once, not retried: while nothing is
         written, :attr:`failing_for` would otherwise say nothing of a link
         that went down (/healthz said "ok" for as long as a quiet site sent
         nothing). The driver's request timeout bounds it."""
         try:
-            await self.session.execute(self.session.bind(prepared, ()))
-        except self._transient:
+            await self.session.execute(self.session.bind(self._probe, ()))
+        except Exception:  # whatever the driver says of a dead link: it is down
             if self._probe_failing_since is None:
                 self._probe_failing_since = time.monotonic()
                 log.warning("Cassandra does not answer (no writes meanwhile)")
