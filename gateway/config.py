@@ -450,7 +450,9 @@ class TenantConfig(_Model):
     # Cassandra's TTL is whole seconds, at most 20 years.
     ttl: Annotated[LongDuration, Field(ge=60)] = 30 * 86400.0
     # Roll-up rows (gateway/store/rollups.py) outlive the raw rows they summarise.
-    rollup_ttl_1m: Annotated[LongDuration, Field(ge=60)] = 90 * 86400.0
+    # At least 2 h: an hour is merged from its minutes, and under an hour's
+    # worth of them the merge of a live hour lost the expired ones.
+    rollup_ttl_1m: Annotated[LongDuration, Field(ge=7200)] = 90 * 86400.0
     rollup_ttl_1h: Annotated[LongDuration, Field(ge=3600)] = 2 * 365 * 86400.0
 
     @field_validator("telemetry_bucket", "fast_bucket", "slow_bucket")

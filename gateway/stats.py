@@ -130,6 +130,7 @@ class Stats:
     rollup_mark_evictions: int = 0  # marks forgotten at rollups.mark_cache_size (rewritten if seen)
     metadata_cache_evictions: int = 0  # metadata entries forgotten at metadata.cache_size
     rollup_windows: int = 0  # 1-minute windows recomputed from their raw rows
+    rollup_windows_kept: int = 0  # aggregates kept over a recompute from expired rows
     rollup_failures: int = 0  # roll-up worker passes that failed (retried; marks stay)
     rollup_lag_s: float = 0.0  # how far the roll-up worker is behind its due minutes
     rollup_paced_s: float = 0.0  # time the worker waited to spread a minute (rollups.spread)

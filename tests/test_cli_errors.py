@@ -104,6 +104,11 @@ def test_rollup_range_errors_come_before_connecting(gateway: Run) -> None:
         gateway, "rollup", "--tenant", "t", "d", "--step", "1m", "--since", "1h", "--until", "2h"
     )
     assert "--since: must be before --until" in err
+    # --until alone, before the default --since (24 h ago): it was --since
+    # that was blamed, which the user never gave.
+    for command in ("rollup", "history"):
+        err = _fails(gateway, command, "--tenant", "t", "d", "--until", "2d")
+        assert "--until: must be after --since, 24 h ago unless given" in err, err
 
 
 def test_init_writes_where_config_says_and_refuses_two_places(

@@ -31,8 +31,13 @@ from hypothesis import strategies as st
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from gateway.config import LimitsConfig
 from gateway.identity import event_identity, state_bucket
+from gateway.ingest.decode import Decoder
+from gateway.store import telemetry as telemetry_module
 from gateway.store.database import Database
+from gateway.store.sink import Pending
+from gateway.store.write_session import Prepared
 
 from .helpers import (
     DRIVERS,
@@ -508,3 +513,32 @@ async def test_forget_session_ends_a_persistent_session(tenant: str) -> None:
         async with asyncio.timeout(10):
             first = await anext(c.messages.__aiter__())
         assert first.payload == b"now"
+
+
+def test_a_partition_index_entry_is_written_again_before_it_expires(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The index entry of a raw partition was written once per run, with the
+    TTL from that write: a gateway up longer than the TTL that wrote a late
+    row into the same partition left that row unfindable (history and the
+    roll-ups read partitions through the index; probe of the roll-ups). It is
+    written again once half the TTL has passed."""
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    config = make_config(GATEWAY_TENANTS__DEFAULT__ADAPTIVE_BUCKETS="false")  # one bucket size
+    writer = telemetry_module.Telemetry(config)
+    writer._insert_row = writer._insert_partition = Prepared("", None, ())  # never executed
+    decoder = Decoder(LimitsConfig())
+
+    def index_writes(ts_ms: int) -> int:
+        event = decoder.decode("t", "d", orjson.dumps({"ts": ts_ms, "value": 1}), None, ts_ms)
+        writes = writer.writes(event, Pending(lambda: None))
+        return sum(w.partition[0] == "partitions" for w in writes)  # type: ignore[index]
+
+    ttl = config.tenant("t").ttl
+    base = 1_790_000_000_000
+    assert index_writes(base) == 1
+    clock[0] += ttl / 2 - 1
+    assert index_writes(base + 1) == 0  # remembered
+    clock[0] += 2
+    assert index_writes(base + 2) == 1  # half the TTL on: written again, with a fresh TTL

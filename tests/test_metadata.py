@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import orjson
+import pytest
 
 from gateway.config import Config, TopicTemplate
 from gateway.store import queries
@@ -228,3 +229,24 @@ async def test_past_the_cache_bound_an_entry_is_read_again_not_written_or_counte
         assert gw.stats.metadata_reads == reads + 2
         assert gw.stats.metadata_writes == 2 + 60 + 60
     assert await queries.meta_entry_count(db, tenant) == 2 + 60 + 60
+
+
+async def test_a_metadata_list_cut_at_its_bound_says_so(
+    db: Database, tenant: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lists stop at queries.MAX_META (10,000) entries, while
+    metadata.max_per_tenant may be set to 10,000,000: 10,050 devices of a
+    tag value listed 10,000, with nothing to say the rest were left out
+    (probe of the metadata). The answer now says "truncated", the CLI says
+    the list is longer. MAX_META is lowered here to 3, for 5 devices."""
+    config = make_config(GATEWAY_TOPICS=TOPICS)
+    async with running_gateway(config) as gw:
+        await publish([(topic(tenant, f"d{i}"), event({"floor": "4"})) for i in range(5)])
+        await gw.wait_handled(5)
+    monkeypatch.setattr(queries, "MAX_META", 3)
+    tokens = TokenStore(tmp_path / "tokens.jsonl")
+    async with client(db, make_config(), tokens, tenant) as api:
+        status, body, _ = await api.get(f"/api/v1/tenants/{tenant}/meta/devices?tag=floor=4")
+        assert (status, len(body["devices"]), body["truncated"]) == (200, 3, True)
+        status, body, _ = await api.get(f"/api/v1/tenants/{tenant}/meta/tags")
+        assert (body["tags"], body["truncated"]) == (["floor"], False)

@@ -22,6 +22,7 @@ import pytest_asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gateway.errors import QueryError
 from gateway.stats import Stats
 from gateway.store import queries, rollups
 from gateway.store.database import Database
@@ -636,3 +637,155 @@ async def test_a_worker_started_after_another_instance_finds_its_first_marks(
     await worker_a.start()
     b_minute = int(start_b * 1000) - int(start_b * 1000) % MINUTE_MS
     assert worker_a.cursor_ms == b_minute
+
+
+@pytest.mark.asyncio(loop_scope="session")  # the module's session lives on that loop
+async def test_rollup_lag_grows_while_the_worker_waits_out_write_retries(
+    session: WriteSession,
+) -> None:
+    """While this process's writes are retried the worker finishes no minute,
+    and it returned before measuring the lag: the gauge stayed 0 with the
+    cursor ten minutes behind, for as long as retries kept coming."""
+    stats = Stats()
+    worker = RollupWorker(
+        session,
+        make_config(GATEWAY_ROLLUPS__GRACE="30s"),
+        stats,
+        name=f"test-{uuid.uuid4().hex[:8]}",
+        clock=lambda: time.time() + 600,
+    )
+    await worker.start(minute_now())  # the cursor: this minute; the worker's clock: 10 min on
+    stats.retries += 1  # the write path retried a request just now
+    assert await worker.catch_up() == 0  # it waits
+    assert stats.rollup_lag_s > 480, stats.rollup_lag_s
+
+
+async def test_one_tag_parser_for_states_and_metadata(
+    db: Database, tenant: str, gateway: RunningGateway, tmp_path: Path
+) -> None:
+    """A value holding '=' (site = "v=1"): the state list read
+    ``tag=site:v=1`` as site, "v=1" (':' first), /meta/devices as "site:v",
+    "1" ('=' first), and found nothing. Both split at the first ':' or '='."""
+    payload = {"state": "on", "value": 1, "tags": {"site": "v=1", "at": "12:30"}}
+    await publish_and_wait(gateway, [(topic(tenant, "colon"), orjson.dumps(payload))])
+    tokens = TokenStore(tmp_path / "tokens.jsonl")
+    async with client(db, make_config(), tokens, tenant) as api:
+        for spelling in ("site:v%3D1", "site=v%3D1", "at=12:30", "at:12:30"):
+            status, meta, _ = await api.get(f"/api/v1/tenants/{tenant}/meta/devices?tag={spelling}")
+            assert status == 200, meta
+            assert meta["devices"] == ["colon"], (spelling, meta)
+            status, listed, _ = await api.get(
+                f"/api/v1/tenants/{tenant}/states/on/devices?tag={spelling}"
+            )
+            assert [d["device_id"] for d in listed["devices"]] == ["colon"], (spelling, listed)
+    assert queries.parse_tag("site:v=1") == ("site", "v=1")
+    assert queries.parse_tag("at=12:30") == ("at", "12:30")
+    for bad in ("=x", ":x", "x"):
+        with pytest.raises(QueryError, match="expected KEY:VALUE or KEY=VALUE"):
+            queries.parse_tag(bad)
+
+
+async def _expire_raw(db: Database, tenant: str, device: str) -> None:
+    """Delete a device's raw rows, as their TTL would (not waited for here)."""
+    for part in await db.execute(
+        f"SELECT bucket_start, shard FROM {db.keyspace}.telemetry_partitions "
+        "WHERE tenant = %s AND device_id = %s",
+        (tenant, device),
+    ):
+        await db.execute(
+            f"DELETE FROM {db.keyspace}.telemetry WHERE tenant = %s AND device_id = %s "
+            "AND bucket_start = %s AND shard = %s",
+            (tenant, device, part.bucket_start, part.shard),
+        )
+
+
+def _ago(days: int) -> int:
+    """An hour start ``days`` days ago (epoch ms)."""
+    return (int(time.time() * 1000) - days * 86_400_000) // HOUR_MS * HOUR_MS
+
+
+async def test_a_copy_after_the_raw_rows_expired_does_not_shrink_the_rollup(
+    db: Database, tenant: str, gateway: RunningGateway, session: WriteSession
+) -> None:
+    """Five events rolled up (count 5, sum 15); their raw rows then expire
+    (30 days; deleted here, as the TTL would, rather than waited for) while
+    the 1-minute roll-up is kept 90 days. A copy of one of them arrives: the
+    window was recomputed from the one raw row left, count 1, sum 1, and its
+    hour with it (probe of the roll-ups). Now the stored aggregate, which
+    counted the expired rows, is kept."""
+    stats = Stats()
+    worker = RollupWorker(session, make_config(), stats, name=f"test-{uuid.uuid4().hex[:8]}")
+    await worker.start()
+    window = _ago(31) + 5 * MINUTE_MS
+    sent = [
+        (topic(tenant, "d1"), orjson.dumps({"ts": window + i, "value": i + 1})) for i in range(5)
+    ]
+    since, until = (
+        datetime.fromtimestamp(window / 1000, UTC),
+        datetime.fromtimestamp((window + MINUTE_MS) / 1000, UTC),
+    )
+    first = minute_now()
+    await publish_and_wait(gateway, sent)
+    await settle(worker, first)
+    (before,) = await queries.rollups(db, tenant, "d1", "value", 60, since, until)
+    assert (before.count, before.sum) == (5, 15.0)
+    await _expire_raw(db, tenant, "d1")
+    first = minute_now()
+    await publish_and_wait(gateway, sent[:1])  # a copy of the first event
+    await settle(worker, first)
+    (after,) = await queries.rollups(db, tenant, "d1", "value", 60, since, until)
+    hour_start = window - window % HOUR_MS
+    hour = await queries.rollups(
+        db,
+        tenant,
+        "d1",
+        "value",
+        3600,
+        datetime.fromtimestamp(hour_start / 1000, UTC),
+        datetime.fromtimestamp((hour_start + HOUR_MS) / 1000, UTC),
+    )
+    assert [(after.count, after.sum)] + [(h.count, h.sum) for h in hour] == [(5, 15.0), (5, 15.0)]
+    assert stats.rollup_windows_kept >= 1  # (this worker also recomputes other tests' marks)
+
+
+async def test_an_hour_keeps_what_its_expired_minutes_counted(
+    db: Database, tenant: str, gateway: RunningGateway, session: WriteSession
+) -> None:
+    """An hour is re-merged from its 1-minute rows. A late event into an hour
+    whose minutes have expired (90 days after they were written; deleted
+    here rather than waited for) re-wrote it from the one minute left: count 1 where it was 5 (probe
+    of the roll-ups, with rollup_ttl_1m under an hour, now refused). The
+    stored hour is kept; the late event's own minute is rolled up."""
+    stats = Stats()
+    worker = RollupWorker(session, make_config(), stats, name=f"test-{uuid.uuid4().hex[:8]}")
+    await worker.start()
+    hour_ms = _ago(91)
+    sent = [
+        (topic(tenant, "d1"), orjson.dumps({"ts": hour_ms + m * MINUTE_MS, "value": m + 1}))
+        for m in range(5)
+    ]
+    hour = (
+        datetime.fromtimestamp(hour_ms / 1000, UTC),
+        datetime.fromtimestamp((hour_ms + HOUR_MS) / 1000, UTC),
+    )
+    first = minute_now()
+    await publish_and_wait(gateway, sent)
+    await settle(worker, first)
+    (before,) = await queries.rollups(db, tenant, "d1", "value", 3600, *hour)
+    assert (before.count, before.sum) == (5, 15.0)
+    # Raw rows go after 30 days, the minutes after 90: both gone by now.
+    await _expire_raw(db, tenant, "d1")
+    await db.execute(
+        f"DELETE FROM {db.keyspace}.rollups WHERE tenant = %s AND device_id = %s "
+        "AND step = 60 AND bucket = %s",
+        (tenant, "d1", queries.rollup_bucket(hour_ms, 60)),
+    )
+    first = minute_now()
+    late = orjson.dumps({"ts": hour_ms + 10 * MINUTE_MS, "value": 100})
+    await publish_and_wait(gateway, [(topic(tenant, "d1"), late)])
+    await settle(worker, first)
+    (after,) = await queries.rollups(db, tenant, "d1", "value", 3600, *hour)
+    minutes = await queries.rollups(db, tenant, "d1", "value", 60, *hour)
+    assert (after.count, after.sum) == (5, 15.0)
+    assert [(m.count, m.sum) for m in minutes] == [(1, 100.0)]
+    assert stats.rollup_windows_kept >= 1  # (this worker also recomputes other tests' marks)

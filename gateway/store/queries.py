@@ -151,13 +151,16 @@ def decode_cursor(cursor: str, buckets: int) -> tuple[int, Position]:
 
 
 def parse_tag(tag: str) -> tuple[str, str]:
-    """``KEY:VALUE``, or ``KEY=VALUE`` (the form of /meta/devices and the CLI)."""
-    key, sep, value = tag.partition(":")
-    if not sep:
-        key, sep, value = tag.partition("=")
-    if not sep or not key:
-        raise bad_parameter("tag", f"expected KEY:VALUE or KEY=VALUE, e.g. floor:3 (got {tag!r})")
-    return key, value
+    """``KEY:VALUE`` or ``KEY=VALUE``, split at the first ``:`` or ``=``: the
+    value may hold either (``site:v=1``, ``at=12:30``), a key neither. One
+    parser for every ``tag`` parameter and the CLI's KEY=VALUE (the metadata
+    endpoint split at '=' first, the states one at ':' first)."""
+    cut = min((i for i in (tag.find(":"), tag.find("=")) if i >= 0), default=-1)
+    if cut <= 0:
+        raise bad_parameter(
+            "tag", f"expected KEY:VALUE or KEY=VALUE, e.g. floor:3 or floor=3 (got {tag!r})"
+        )
+    return tag[:cut], tag[cut + 1 :]
 
 
 async def state_generations(db: Database, tenant: str, state: str) -> dict[int, int]:
@@ -750,6 +753,17 @@ def parse_step(text: str) -> int:
         raise bad_parameter("step", f"expected 1m or 1h (got {text!r})") from None
 
 
+def check_order(since: datetime, until: datetime, *, since_given: bool, flag: str = "") -> None:
+    """``since`` before ``until``, or the QueryError naming the one given:
+    ``until`` alone before the default ``since`` (24 h ago) blamed ``since``,
+    which the user never gave. ``flag``: ``--`` for the CLI's option names."""
+    if since < until:
+        return
+    if since_given:
+        raise bad_parameter(f"{flag}since", f"must be before {flag}until")
+    raise bad_parameter(f"{flag}until", f"must be after {flag}since, 24 h ago unless given")
+
+
 def check_rollup_range(step: int, since: datetime, until: datetime) -> tuple[int, int]:
     """The epoch ms of the first window of [since, until) and of its end, or
     the QueryError that names the bad parameter (checked before any read)."""
@@ -798,20 +812,27 @@ async def rollups(
 
 # -- metadata (written by store/metadata.py) ---------------------------------
 
-# Entries one metadata answer lists at most (metadata.max_per_tenant bounds them too).
+# Entries one metadata answer lists at most: each query reads one more, so
+# that a list cut there says so (meta_cut). metadata.max_per_tenant may be
+# set far above it (10,000,000).
 MAX_META = 10_000
+
+
+def meta_cut(found: list[str]) -> tuple[list[str], bool]:
+    """A metadata list as answered (at most MAX_META), and whether it was cut."""
+    return found[:MAX_META], len(found) > MAX_META
 
 
 async def meta_metrics(db: Database, tenant: str) -> list[str]:
     stmt = await db.prepared(
-        f"SELECT metric FROM {db.keyspace}.meta_metrics WHERE tenant = ? LIMIT {MAX_META}"
+        f"SELECT metric FROM {db.keyspace}.meta_metrics WHERE tenant = ? LIMIT {MAX_META + 1}"
     )
     return [r.metric for r in await db.execute(stmt, (tenant,))]
 
 
 async def meta_tag_keys(db: Database, tenant: str) -> list[str]:
     stmt = await db.prepared(
-        f"SELECT tag_key FROM {db.keyspace}.meta_tag_keys WHERE tenant = ? LIMIT {MAX_META}"
+        f"SELECT tag_key FROM {db.keyspace}.meta_tag_keys WHERE tenant = ? LIMIT {MAX_META + 1}"
     )
     return [r.tag_key for r in await db.execute(stmt, (tenant,))]
 
@@ -819,7 +840,7 @@ async def meta_tag_keys(db: Database, tenant: str) -> list[str]:
 async def meta_tag_values(db: Database, tenant: str, key: str) -> list[str]:
     stmt = await db.prepared(
         f"SELECT tag_value FROM {db.keyspace}.meta_tag_values WHERE tenant = ? AND tag_key = ? "
-        f"LIMIT {MAX_META}"
+        f"LIMIT {MAX_META + 1}"
     )
     return [r.tag_value for r in await db.execute(stmt, (tenant, key))]
 
@@ -828,7 +849,7 @@ async def meta_tag_devices(db: Database, tenant: str, key: str, value: str) -> l
     """Devices that have carried tag ``key`` = ``value`` (ever: entries are never removed)."""
     stmt = await db.prepared(
         f"SELECT device_id FROM {db.keyspace}.meta_tag_devices "
-        f"WHERE tenant = ? AND tag_key = ? AND tag_value = ? LIMIT {MAX_META}"
+        f"WHERE tenant = ? AND tag_key = ? AND tag_value = ? LIMIT {MAX_META + 1}"
     )
     return [r.device_id for r in await db.execute(stmt, (tenant, key, value))]
 
@@ -841,13 +862,3 @@ async def meta_entry_count(db: Database, tenant: str) -> int:
     )
     rows = await db.execute(stmt, (tenant,))
     return int(rows[0].reserved or 0) if rows else 0
-
-
-def parse_tag_value(text: str) -> tuple[str, str]:
-    """``KEY=VALUE`` (the CLI's form; the API's ``tag`` takes KEY:VALUE too)."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        key, sep, value = text.partition(":")
-    if not sep or not key:
-        raise bad_parameter("tag", f"expected KEY=VALUE, e.g. floor=3 (got {text!r})")
-    return key, value

@@ -290,6 +290,7 @@ class RollupWorker:
             self._read_index,
             self._read_raw,
             self._read_minutes,
+            self._read_counts,
             self._write,
         ) = await asyncio.gather(
             prepare(
@@ -329,6 +330,12 @@ class RollupWorker:
                 "WHERE tenant = ? AND device_id IN ? AND step = 60 AND bucket = ? AND metric IN ? "
                 "AND start >= ? AND start < ?",
                 timestamps=(2, 4, 5),
+            ),
+            prepare(
+                "SELECT tenant, device_id, metric, toUnixTimestamp(start) AS start_ms, count "
+                "FROM {keyspace}.rollups WHERE tenant = ? AND device_id IN ? AND step = ? "
+                "AND bucket = ? AND metric IN ? AND start = ?",
+                timestamps=(3, 5),
             ),
             prepare(
                 "INSERT INTO {keyspace}.rollups (tenant, device_id, step, bucket, metric, start, "
@@ -383,14 +390,16 @@ class RollupWorker:
             # its mark. Wait until they have gone through for a grace period.
             self._retries_seen = stats.retries
             self._quiet_since = time.monotonic()
-        if time.monotonic() - self._quiet_since < self._grace_ms / 1000 and stats.retries:
-            return 0
         done = 0
         while True:
             now_ms = int(self._clock() * 1000)
             due_at = self._cursor + MINUTE_MS + self._grace_ms
+            # Measured before any wait: while retries hold the worker back the
+            # lag grows, so a worker stalled by a flaky link shows.
             stats.rollup_lag_s = max(0.0, (now_ms - due_at) / 1000)
             if due_at > now_ms:
+                return done
+            if time.monotonic() - self._quiet_since < self._grace_ms / 1000 and stats.retries:
                 return done
             await self.process_minute(self._cursor, spread=self._pace(now_ms - due_at))
             self._cursor += MINUTE_MS
@@ -445,9 +454,10 @@ class RollupWorker:
             group = ordered[first : first + GROUP]
             read_at = time.time()  # before any of the group's reads began
             raw = await self._raw(group)
+            computed = {w: self._minute(raw.get(w, {})) for w in group}
+            await self._keep_larger(computed, 60, lambda tenant: self._config.tenant(tenant).ttl)
             writes: list[_Bound] = []
-            for tenant, device, start in group:
-                aggregates = self._minute(raw.get((tenant, device, start), {}))
+            for (tenant, device, start), aggregates in computed.items():
                 ttl = int(self._config.tenant(tenant).rollup_ttl_1m)
                 writes.append(self._rows(tenant, device, 60, start, aggregates, ttl, read_at))
                 if aggregates:
@@ -557,12 +567,61 @@ class RollupWorker:
                     )
                 )
 
+        merged = {
+            key: {metric: merge(p) for metric, p in minutes.items()}
+            for key, minutes in sorted(parts.items())
+        }
+        await self._keep_larger(
+            merged, 3600, lambda tenant: self._config.tenant(tenant).rollup_ttl_1m
+        )
         writes = []
-        for (tenant, device_id, hour_ms), minutes in sorted(parts.items()):
+        for (tenant, device_id, hour_ms), aggregates in merged.items():
             ttl = int(self._config.tenant(tenant).rollup_ttl_1h)
-            aggregates = {metric: merge(p) for metric, p in minutes.items()}
             writes.append(self._rows(tenant, device_id, 3600, hour_ms, aggregates, ttl, read_at))
         await self._store(writes)
+
+    async def _keep_larger(
+        self,
+        computed: dict[Window, dict[str, Aggregate]],
+        step: int,
+        source_ttl: Callable[[str], float],
+    ) -> None:
+        """Leave out of ``computed`` each aggregate that counts fewer rows than
+        the one stored for its window, where what it was computed from (raw
+        rows for a minute, minutes for an hour; their TTL ``source_ttl``) may
+        have expired: those rows only ever go by TTL, so fewer means expired,
+        and the stored aggregate, which counted them, stays. A copy or a late
+        event arriving after that shrank the window to itself (5 events to 1).
+        Only windows that old are read back; a late event into one is not
+        added (it may be a copy of a counted one: the rows that would tell
+        are gone). Counted: ``rollup_windows_kept``."""
+        now_ms = int(self._clock() * 1000)
+        span = step * 1000  # a window's rows expire no sooner than its start plus their TTL
+        old = {
+            window: aggregates
+            for window, aggregates in computed.items()
+            if aggregates and window[2] + source_ttl(window[0]) * 1000 - span <= now_ms
+        }
+        if not old:
+            return
+        by_start: dict[tuple[str, int], list[str]] = {}
+        metrics_of: dict[tuple[str, int], set[str]] = {}
+        for (tenant, device, start), aggregates in old.items():
+            by_start.setdefault((tenant, start), []).append(device)
+            metrics_of.setdefault((tenant, start), set()).update(aggregates)
+
+        def read_counts(key: tuple[str, int], devices: list[str]) -> Any:
+            tenant, start = key
+            bucket = queries.rollup_bucket(start, step)
+            values = (tenant, devices, step, bucket, sorted(metrics_of[key]), start)
+            return self._session.read(self._read_counts, values)
+
+        for r in await self._read_in(by_start, read_counts):
+            aggregates = old.get((r["tenant"], r["device_id"], r["start_ms"]), {})
+            mine = aggregates.get(r["metric"])
+            if mine is not None and r["count"] is not None and r["count"] > mine.count:
+                del aggregates[r["metric"]]
+                self._stats.rollup_windows_kept += 1
 
     def _rows(
         self,

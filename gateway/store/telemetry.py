@@ -21,12 +21,15 @@ includes the event's content hash, so a redelivered copy overwrites itself
 partition and readers drop it: they de-duplicate by (ts, event_id)).
 The memory of already-indexed partitions is an LRU of
 ``pipeline.partition_cache_size`` entries (forgetting one costs one idempotent
-index write); the shard counts are an LRU of the same size.
+index write), each with the time its entry was written: an entry is written
+again once half the TTL has passed, so it never expires under rows written
+later; the shard counts are an LRU of the same size.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Hashable
 
 from ..config import Config
@@ -58,7 +61,8 @@ class Telemetry:
         # Per device: (last event time, smoothed gap between events), both ms.
         self._gaps: LRU[tuple[str, str], tuple[int, float | None]] = LRU(size)
         self._max_shards = config.hot_partitions.max_shards
-        self._indexed: LRU[tuple[str, str, int, int, int], bool] = LRU(size)
+        # When each partition's index entry was last written (monotonic s).
+        self._indexed: LRU[tuple[str, str, int, int, int], float] = LRU(size)
 
     async def prepare(self, session: WriteSession) -> None:
         self._insert_row = await session.prepare(
@@ -151,8 +155,13 @@ class Telemetry:
             )
         ]
         indexed = (*key, bucket_seconds)
-        if not self._indexed.touch(indexed):
-            # The index entry outlives the data it points to by one bucket.
+        written_at = self._indexed.get(indexed)
+        now = time.monotonic()
+        if written_at is None or now - written_at >= ttl / 2:
+            # The index entry outlives the data it points to by one bucket,
+            # counted from its own write: written again once half the TTL has
+            # passed, a late row into an old partition stays findable (it was
+            # written once per run, and expired under a gateway up longer).
             out.append(
                 Write(
                     ("partitions", event.tenant, event.device_id),
@@ -168,7 +177,7 @@ class Telemetry:
                     pending,
                 )
             )
-            self._indexed.put(indexed, True)
+            self._indexed.put(indexed, now)
         return out
 
 

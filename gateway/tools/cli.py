@@ -639,12 +639,20 @@ async def _device(config: Config, args: argparse.Namespace) -> int:
     return 0
 
 
-async def _history(config: Config, args: argparse.Namespace) -> int:
-    now = datetime.now(UTC)
+def _time_range(args: argparse.Namespace, now: datetime) -> tuple[datetime, datetime]:
+    """--since and --until (the last 24 h unless given), in order."""
     since = _time_arg("--since", args.since, now - timedelta(hours=24))
     until = _time_arg("--until", args.until, now)
-    if since >= until:
-        raise ConfigError("--since: must be before --until")
+    try:
+        queries.check_order(since, until, since_given=bool(args.since), flag="--")
+    except QueryError as exc:
+        raise ConfigError(str(exc)) from None
+    return since, until
+
+
+async def _history(config: Config, args: argparse.Namespace) -> int:
+    now = datetime.now(UTC)
+    since, until = _time_range(args, now)
     async with connect(config.cassandra) as db:
         # One more than asked: whether the limit left any out.
         rows = await queries.history(db, args.tenant, args.device_id, since, until, args.limit + 1)
@@ -664,14 +672,11 @@ async def _history(config: Config, args: argparse.Namespace) -> int:
 
 async def _rollup(config: Config, args: argparse.Namespace) -> int:
     now = datetime.now(UTC)
-    since = _time_arg("--since", args.since, now - timedelta(hours=24))
-    until = _time_arg("--until", args.until, now)
+    since, until = _time_range(args, now)
     try:
         step = queries.parse_step(args.step)
     except QueryError as exc:
         raise ConfigError(f"--{exc}") from None
-    if since >= until:
-        raise ConfigError("--since: must be before --until")
     try:
         queries.check_rollup_range(step, since, until)
     except QueryError as exc:
@@ -707,7 +712,7 @@ async def _meta(config: Config, args: argparse.Namespace) -> int:
     what = args.meta_command
     if what == "devices":
         try:
-            key, value = queries.parse_tag_value(args.tag)
+            key, value = queries.parse_tag(args.tag)
         except QueryError as exc:
             raise ConfigError(str(exc)) from None
     async with connect(config.cassandra) as db:
@@ -727,12 +732,16 @@ async def _meta(config: Config, args: argparse.Namespace) -> int:
             found = await queries.meta_tag_values(db, args.tenant, args.key)
         else:
             found = await queries.meta_tag_devices(db, args.tenant, key, value)
+    found, cut = queries.meta_cut(found)
+    more = f"; the list is longer, cut at {queries.MAX_META:,}" if cut else ""
     if args.json:
         _print_json(found)
+        if cut:
+            print(f"({len(found)} for tenant {args.tenant!r}{more})", file=sys.stderr)
     else:
         for entry in found:
             print(entry)
-        print(f"({len(found)} for tenant {args.tenant!r})", file=sys.stderr)
+        print(f"({len(found)} for tenant {args.tenant!r}{more})", file=sys.stderr)
     return 0
 
 

@@ -283,8 +283,6 @@ class ReadApi:
         tenant, device = request.match_info["tenant"], request.match_info["device_id"]
         query = request.query
         since, until = _day_range(query)
-        if since >= until:
-            raise queries.bad_parameter("since", "must be before until")
         limit = _int(query, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
         cursor = query.get("cursor") or None
         page = await queries.history_page(self._db, tenant, device, since, until, limit, cursor)
@@ -322,20 +320,24 @@ class ReadApi:
         db = self._db
         if what == "devices":
             text = request.query.get("tag", "")
-            key, value = queries.parse_tag_value(text)
+            key, value = queries.parse_tag(text)
         else:
             key = request.match_info.get("key", "")
 
         async def compute() -> tuple[Any, float]:
+            # "truncated": the list holds queries.MAX_META entries and there are more.
             if what == "metrics":
-                return {"tenant": tenant, "metrics": await queries.meta_metrics(db, tenant)}, 0
+                found, cut = queries.meta_cut(await queries.meta_metrics(db, tenant))
+                return {"tenant": tenant, "metrics": found, "truncated": cut}, 0
             if what == "tags":
-                return {"tenant": tenant, "tags": await queries.meta_tag_keys(db, tenant)}, 0
+                found, cut = queries.meta_cut(await queries.meta_tag_keys(db, tenant))
+                return {"tenant": tenant, "tags": found, "truncated": cut}, 0
             if what == "values":
-                found = await queries.meta_tag_values(db, tenant, key)
-                return {"tenant": tenant, "tag": key, "values": found}, 0
-            found = await queries.meta_tag_devices(db, tenant, key, value)
-            return {"tenant": tenant, "tag": key, "value": value, "devices": found}, 0
+                found, cut = queries.meta_cut(await queries.meta_tag_values(db, tenant, key))
+                return {"tenant": tenant, "tag": key, "values": found, "truncated": cut}, 0
+            found, cut = queries.meta_cut(await queries.meta_tag_devices(db, tenant, key, value))
+            answer = {"tenant": tenant, "tag": key, "value": value, "devices": found}
+            return answer | {"truncated": cut}, 0
 
         return await self._cached(f"meta:{request.path_qs}", COUNTS_TTL, compute)
 
@@ -382,7 +384,10 @@ def _int(query: Any, name: str, default: int, low: int, high: int) -> int:
 def _day_range(query: Any) -> tuple[datetime, datetime]:
     """``since`` and ``until`` from the query: the last 24 hours unless given."""
     now = datetime.now(UTC)
-    return _time(query, "since", now - timedelta(hours=24), now), _time(query, "until", now, now)
+    since = _time(query, "since", now - timedelta(hours=24), now)
+    until = _time(query, "until", now, now)
+    queries.check_order(since, until, since_given=bool(query.get("since")))
+    return since, until
 
 
 def _time(query: Any, name: str, default: datetime, now: datetime) -> datetime:

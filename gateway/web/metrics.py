@@ -214,6 +214,12 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
         "1-minute windows recomputed from their raw rows.",
     ),
     (
+        "gateway_rollup_windows_kept_total",
+        "rollup_windows_kept",
+        "Roll-up aggregates kept as stored because a recompute found fewer rows "
+        "(the rows it would read had expired).",
+    ),
+    (
         "gateway_rollup_paced_seconds_total",
         "rollup_paced_s",
         "Time the roll-up worker waited to spread a minute's work over rollups.spread.",
