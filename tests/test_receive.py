@@ -462,6 +462,18 @@ async def test_a_tls_file_unreadable_at_a_reconnect_is_retried_not_fatal(
 # ------------------------------------------------------------ the real Mosquitto
 
 
+def mosquitto_config(prefix: str, reconnect_max: float = 0.1) -> MqttConfig:
+    """A receiver's config for the real Mosquitto: a session of 5 s, fast reconnects."""
+    return MqttConfig(
+        host=MQTT_HOST,
+        port=MQTT_PORT,
+        client_id=f"{prefix}-{uuid.uuid4().hex[:8]}",
+        session_expiry=5,
+        reconnect_min=0.05,
+        reconnect_max=reconnect_max,
+    )
+
+
 def mosquitto_pub(topic: str, payload: bytes, *args: str) -> None:
     subprocess.run(
         [
@@ -548,14 +560,7 @@ async def test_two_receivers_with_one_client_id_are_told_so(
     session from each other, each reconnect closing the other's connection,
     for ever; the log said only "connection closed by the broker"."""
     caplog.set_level(logging.WARNING, logger="gateway.ingest.receive")
-    config = MqttConfig(
-        host=MQTT_HOST,
-        port=MQTT_PORT,
-        client_id=f"twin-{uuid.uuid4().hex[:8]}",
-        session_expiry=5,
-        reconnect_min=0.05,
-        reconnect_max=0.2,
-    )
+    config = mosquitto_config("twin", reconnect_max=0.2)
     stop = asyncio.Event()
     twins = [Receiver(config, ["twins/never/#"], Stats()) for _ in range(2)]
     tasks = [asyncio.create_task(r.run(lambda d: d.ack.done(), stop)) for r in twins]
@@ -609,14 +614,7 @@ async def test_a_retained_message_is_not_sent_again_to_our_session(tenant: str) 
     Handling 0 the broker sent the retained message again each time."""
     topic = f"tenants/{tenant}/devices/d/events"
     await asyncio.to_thread(mosquitto_pub, topic, b'{"state": "alarm"}', "-r")
-    config = MqttConfig(
-        host=MQTT_HOST,
-        port=MQTT_PORT,
-        client_id=f"rx-{uuid.uuid4().hex[:8]}",
-        session_expiry=5,
-        reconnect_min=0.05,
-        reconnect_max=0.1,
-    )
+    config = mosquitto_config("rx")
     stats = Stats()
     got: list[Delivery] = []
     stop = asyncio.Event()

@@ -76,7 +76,7 @@ import logging
 import math
 import time
 import zlib
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from fractions import Fraction
@@ -247,6 +247,19 @@ def merge(parts: list[Aggregate]) -> Aggregate:
 def _sum_of_sums(sums: list[float | None]) -> float | None:
     known = [s for s in sums if s is not None]
     return exact_sum(known) if len(known) == len(sums) else None
+
+
+def _by_start(
+    windows: Mapping[Window, Iterable[str]],
+) -> tuple[dict[tuple[str, int], list[str]], dict[tuple[str, int], set[str]]]:
+    """Windows (with their metrics) grouped for reads ``device_id IN (...)``:
+    the devices of each (tenant, start), and the metrics asked of them."""
+    devices: dict[tuple[str, int], list[str]] = {}
+    metrics_of: dict[tuple[str, int], set[str]] = {}
+    for (tenant, device, start), metrics in windows.items():
+        devices.setdefault((tenant, start), []).append(device)
+        metrics_of.setdefault((tenant, start), set()).update(metrics)
+    return devices, metrics_of
 
 
 class RollupWorker:
@@ -536,11 +549,7 @@ class RollupWorker:
         """Recompute these hours (tenant, device, hour) from their minutes, for
         the metrics given."""
         read_at = time.time()
-        by_hour: dict[tuple[str, int], list[str]] = {}
-        metrics_of: dict[tuple[str, int], set[str]] = {}
-        for (tenant, device_id, hour_ms), metrics in hours.items():
-            by_hour.setdefault((tenant, hour_ms), []).append(device_id)
-            metrics_of.setdefault((tenant, hour_ms), set()).update(metrics)
+        by_hour, metrics_of = _by_start(hours)
 
         def read_minutes(key: tuple[str, int], devices: list[str]) -> Any:
             tenant, hour_ms = key
@@ -604,11 +613,7 @@ class RollupWorker:
         }
         if not old:
             return
-        by_start: dict[tuple[str, int], list[str]] = {}
-        metrics_of: dict[tuple[str, int], set[str]] = {}
-        for (tenant, device, start), aggregates in old.items():
-            by_start.setdefault((tenant, start), []).append(device)
-            metrics_of.setdefault((tenant, start), set()).update(aggregates)
+        by_start, metrics_of = _by_start(old)
 
         def read_counts(key: tuple[str, int], devices: list[str]) -> Any:
             tenant, start = key
