@@ -349,6 +349,8 @@ async def open_gateway(
             spool = await stack.enter_async_context(
                 Spool(config.spool.path, config.spool.max_records, config.spool.max_bytes)
             )
+            if isinstance(stats.spool, Spool):
+                spool.carry_over(stats.spool)  # spool-only mode came first (spooling.py)
             stats.spool = spool
             log.info("spool %s: %d messages waiting", config.spool.path, spool.depth)
         # In spool mode the spool source, not the pipeline, holds the broker back.

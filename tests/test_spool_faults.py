@@ -411,8 +411,8 @@ async def test_a_spool_that_filled_its_own_disk_drains_once_cassandra_answers(
     the link down until the spool itself fills it: no filler anyone could
     remove. When Cassandra answered, every delete needed room in SQLite's WAL
     and failed, so nothing was ever removed and it stayed "DISK FULL" for
-    good (probe of the edge host: 3 minutes, across restarts). It now gives
-    back the reserve it keeps beside the spool for those deletes."""
+    good (probe of the edge host: 3 minutes, across restarts). Appends now
+    leave the deletes room for their WAL."""
     api = free_port()
     base = int(time.time() * 1000)
     messages = [
@@ -542,3 +542,37 @@ async def test_rejections_written_again_from_the_spool_are_one_row_each(
         )
         rows += found[0][0]
     assert rows == 20
+
+
+async def test_the_spool_full_from_spool_only_mode_is_reported_once(
+    tenant: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Started with Cassandra away, the gateway spools alone until the spool
+    is full; when Cassandra answers it opens the full gateway on the same
+    file. That reopening said "spool full" a second time and then "room again
+    after 0 s", and /healthz's "full since" jumped to the switch (probe of
+    the edge host). Since when it is full now goes on across the switch."""
+    caplog.set_level(logging.INFO, logger="gateway")
+    bound = 100
+    async with proxy() as link:
+        await link.cut()  # away from the start: spool-only mode
+        env = _spool_env(
+            tenant,
+            tmp_path / "spool.sqlite",
+            link.port,
+            free_port(),
+            GATEWAY_SPOOL__MAX_RECORDS=str(bound),
+        )
+        async with running_gateway(make_config(**env)) as gw:
+            await publish((topic(tenant, f"d{i % 10}"), f'{{"value": {i}}}') for i in range(300))
+            await gw.wait_for(lambda s: s.acked >= bound, deadline=30)
+            full_at = time.monotonic()
+            await asyncio.sleep(4)
+            await link.start()
+            await gw.wait_for(lambda s: s.acked == 300 and s.spool.depth == 0, deadline=90)
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("spool full at" in m for m in said) == 1, said
+    (room,) = [m for m in said if "spool has room again" in m]
+    seconds = float(re.search(r"after (\d+) s", room)[1])  # type: ignore[index]
+    assert seconds >= 4, room
+    assert seconds <= time.monotonic() - full_at + 1, room

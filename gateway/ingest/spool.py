@@ -52,6 +52,7 @@ import contextlib
 import logging
 import math
 import os
+import shutil
 import sqlite3
 import time
 from collections.abc import Iterable, Sequence
@@ -77,9 +78,11 @@ RETRY_MAX = 5.0
 # The bound and the full disk are each logged at most this often (the status
 # line, /healthz and /metrics say the rest).
 LOG_EVERY = 60.0
-# Disk kept back beside the spool (PATH-reserve) for deletes: a spool that
-# filled its own file system could otherwise never delete what Cassandra
-# has (each delete needs room in the WAL), and stayed full for good.
+# Room kept for deletes (each needs WAL room; without it a spool that filled
+# its own file system could never delete what Cassandra has, and stayed full
+# for good): appends leave this much free (Spool._append), and a reserve file
+# of this size beside the spool (PATH-reserve) is given back to deletes that
+# meet a disk filled by something else.
 RESERVE_BYTES = 512 * 1024
 # The WAL is checkpointed at this many pages (of 4 KiB; SQLite's default is
 # 1,000) and cut back to RESERVE_BYTES after: on a small file system a WAL of
@@ -149,6 +152,10 @@ def stranded(path: Path) -> str | None:
     )
 
 
+class _NoHeadroom(Exception):
+    """An append would leave the deletes too little room (Spool._append)."""
+
+
 class Spool:
     """An ordered, durable queue of raw messages. Use as ``async with``."""
 
@@ -165,6 +172,11 @@ class Spool:
         # writes fail for a full disk (None: not so).
         self.full_since: float | None = None
         self.disk_full_since: float | None = None
+        # Since when (wall time) a spool reopened by the same process (spool-
+        # only mode gave way to the full gateway) was full, or its disk: said
+        # already, and its times go on (carry_over).
+        self.carried_full: float | None = None
+        self.carried_disk: float | None = None
         self._db: sqlite3.Connection | None = None
         self._inode = 0  # the file's, at open: another means it was removed or replaced
         self._wal_inode = 0  # its WAL's, once it exists: the same
@@ -203,6 +215,17 @@ class Spool:
     @property
     def full(self) -> bool:
         return self.depth >= self.max_records or self.bytes >= self.max_bytes
+
+    def carry_over(self, before: Spool) -> None:
+        """This file was open a moment ago as ``before`` (spool-only mode,
+        spooling.py, gave way to the full gateway): since when it is full, or
+        its disk is, goes on, and is not reported afresh ("room again after
+        0 s"). A disk found full before is taken as still full until a write
+        succeeds."""
+        if before.full_since is not None and self.full:
+            self.full_since = self.carried_full = before.full_since
+        if before.disk_full_since is not None:
+            self.disk_full_since = self.carried_disk = before.disk_full_since
 
     def oldest_age(self) -> float:
         """Seconds since the oldest spooled message arrived (0 when empty)."""
@@ -247,6 +270,13 @@ class Spool:
             seqs: list[int] = await self._call(self._append, list(records))
         except sqlite3.Error as exc:
             raise self._error(exc, f"a commit of {len(records)} messages") from None
+        except _NoHeadroom as exc:
+            if self.disk_full_since is None:
+                self.disk_full_since = time.time()
+            raise SpoolDiskFull(
+                f"spool disk full at {self.path}: a commit of {len(records)} messages "
+                f"refused ({exc})"
+            ) from None
         self.disk_full_since = None
         self.depth += len(records)
         self.bytes += sum(len(r[3]) for r in records)
@@ -384,9 +414,8 @@ class Spool:
     def _delete_on_reserve(self, seqs: list[int]) -> None:
         """The disk is full: give the reserve back to the file system and
         delete on its room, a few records per commit (each commit's WAL
-        frames are few, and the WAL is cut back after), then put the reserve
-        back if the deletes made room for it. One call on the spool thread,
-        so no append takes the room meanwhile."""
+        frames are few), then put the reserve back if there is room for it.
+        One call on the spool thread, so no append takes the room meanwhile."""
         with contextlib.suppress(FileNotFoundError):
             self.reserve.unlink()
         self._reserved = False
@@ -401,14 +430,14 @@ class Spool:
         self._restore()
 
     def _restore(self) -> None:
-        """Put the reserve back if there is room: the WAL cut back first."""
+        """Put the reserve back once there is room for it and as much again
+        for the WAL: made sooner, it took the room the WAL's next frames need,
+        and appends (and the deletes after them) starved."""
         if self.reserve.exists():
             self._reserved = True
             return
-        db = self._db
-        assert db is not None
-        with contextlib.suppress(sqlite3.Error):
-            db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        if shutil.disk_usage(self.path.parent).free < 2 * RESERVE_BYTES:
+            return
         try:
             with open(self.reserve, "wb") as out:
                 out.write(bytes(RESERVE_BYTES))
@@ -428,6 +457,18 @@ class Spool:
         db = self._db
         assert db is not None
         self._same_file()
+        # Appends leave the deletes room for their WAL frames: a spool that
+        # filled its own file system could otherwise never delete what
+        # Cassandra has (each delete needs WAL room), and stayed full.
+        # Pages that deletes freed inside the file are room too (reused first).
+        need = RESERVE_BYTES + 2 * sum(len(r[3]) for r in records)
+        free = shutil.disk_usage(self.path.parent).free
+        if free < need:
+            (pages,) = db.execute("PRAGMA freelist_count").fetchone()
+            (page_size,) = db.execute("PRAGMA page_size").fetchone()
+            free += pages * page_size
+        if free < need:
+            raise _NoHeadroom(f"{free} bytes free, {need} kept for it and for deletes")
         db.execute("BEGIN IMMEDIATE")
         try:
             seqs = []
@@ -537,6 +578,14 @@ class SpoolSource:
         self._full_reported: float | None = None
         self._disk_logged = -math.inf
         self._disk_reported: float | None = None
+        # Carried over from spool-only mode: said already, and since then.
+        now, wall = time.monotonic(), time.time()
+        if spool.carried_full is not None:
+            self._full_logged = now
+            self._full_reported = now - (wall - spool.carried_full)
+        if spool.carried_disk is not None:
+            self._disk_logged = now
+            self._disk_reported = now - (wall - spool.carried_disk)
 
     def accept(self, delivery: Delivery) -> None:
         """The receiver's handler: append first, acknowledge once committed."""
