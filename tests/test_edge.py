@@ -330,8 +330,14 @@ def test_ctrl_c_ends_a_check_while_cassandra_accepts_and_never_answers() -> None
         stderr=subprocess.PIPE,
         text=True,
     )
+    accepted: list[socket.socket] = []
     try:
-        time.sleep(3)  # connecting: the connection is accepted, nothing comes back
+        # Connecting: the connection is accepted, nothing comes back. Waited
+        # for, not slept on: on a loaded box (a CI run) the CLI took over 3 s
+        # to import, and the Ctrl-C landed in the import instead.
+        silent.settimeout(60)
+        accepted.append(silent.accept()[0])
+        time.sleep(0.5)
         assert proc.poll() is None, proc.communicate()
         interrupted = time.monotonic()
         proc.send_signal(signal.SIGINT)
@@ -343,6 +349,8 @@ def test_ctrl_c_ends_a_check_while_cassandra_accepts_and_never_answers() -> None
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        for conn in accepted:
+            conn.close()
         silent.close()
 
 
