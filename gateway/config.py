@@ -276,9 +276,13 @@ class TopicTemplate(_Model):
             )
         return self
 
+    def pattern(self) -> tuple[str, ...]:
+        """Its levels as one filter's: named levels as '+'."""
+        return tuple("+" if part in _NAMED_LEVELS else part for part in self.template.split("/"))
+
     def filters(self) -> list[str]:
-        """Its topic filters: named levels as '+', one filter per listed tenant."""
-        parts = ["+" if part in _NAMED_LEVELS else part for part in self.template.split("/")]
+        """Its topic filters: the pattern, or one per listed tenant."""
+        parts = self.pattern()
         if not self.tenants:
             return ["/".join(parts)]
         at = self.template.split("/").index("{tenant}")
@@ -750,11 +754,8 @@ def _no_partial_overlap(topics: list[TopicTemplate]) -> None:
     such a message once for each. One that covers the other is fine: only
     the wider one is subscribed (ingest/topics.py); overlapping otherwise,
     neither can go, so the config is refused, naming a topic both match."""
-    shapes = [tuple(t.template.split("/")) for t in topics]
     for i, j in itertools.combinations(range(len(topics)), 2):
-        wide_i = tuple("+" if x in _NAMED_LEVELS else x for x in shapes[i])
-        wide_j = tuple("+" if x in _NAMED_LEVELS else x for x in shapes[j])
-        if overlap(wide_i, wide_j) is None:
+        if overlap(topics[i].pattern(), topics[j].pattern()) is None:
             continue  # no topic fits both templates (the usual case: one check)
         for a, b in itertools.product(_levels(topics[i]), _levels(topics[j])):
             if covers(a, b) or covers(b, a) or (topic := overlap(a, b)) is None:

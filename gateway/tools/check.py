@@ -100,12 +100,9 @@ def _spool(config: Config) -> Result:
         if size >= config.spool.max_bytes
         else None
     )
-    problem = (
-        full_disk
-        if free < DISK_FULL_BELOW
-        else f"the spool is full ({bound}): acknowledgements paused"
-    )
-    state = "DISK FULL" if free < DISK_FULL_BELOW else "FULL" if bound else "ok"
+    disk_full = free < DISK_FULL_BELOW
+    problem = full_disk if disk_full else f"the spool is full ({bound}): acknowledgements paused"
+    state = "DISK FULL" if disk_full else "FULL" if bound else "ok"
     if state != "ok":
         state += " (acknowledgements paused)"
     return (

@@ -733,14 +733,13 @@ async def _meta(config: Config, args: argparse.Namespace) -> int:
         else:
             found = await queries.meta_tag_devices(db, args.tenant, key, value)
     found, cut = queries.meta_cut(found)
-    more = f"; the list is longer, cut at {queries.MAX_META:,}" if cut else ""
     if args.json:
         _print_json(found)
-        if cut:
-            print(f"({len(found)} for tenant {args.tenant!r}{more})", file=sys.stderr)
     else:
         for entry in found:
             print(entry)
+    if cut or not args.json:  # with --json, said only when the list is cut
+        more = f"; the list is longer, cut at {queries.MAX_META:,}" if cut else ""
         print(f"({len(found)} for tenant {args.tenant!r}{more})", file=sys.stderr)
     return 0
 

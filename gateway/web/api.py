@@ -325,19 +325,20 @@ class ReadApi:
             key = request.match_info.get("key", "")
 
         async def compute() -> tuple[Any, float]:
-            # "truncated": the list holds queries.MAX_META entries and there are more.
+            answer: dict[str, Any] = {"tenant": tenant}
             if what == "metrics":
-                found, cut = queries.meta_cut(await queries.meta_metrics(db, tenant))
-                return {"tenant": tenant, "metrics": found, "truncated": cut}, 0
-            if what == "tags":
-                found, cut = queries.meta_cut(await queries.meta_tag_keys(db, tenant))
-                return {"tenant": tenant, "tags": found, "truncated": cut}, 0
-            if what == "values":
-                found, cut = queries.meta_cut(await queries.meta_tag_values(db, tenant, key))
-                return {"tenant": tenant, "tag": key, "values": found, "truncated": cut}, 0
-            found, cut = queries.meta_cut(await queries.meta_tag_devices(db, tenant, key, value))
-            answer = {"tenant": tenant, "tag": key, "value": value, "devices": found}
-            return answer | {"truncated": cut}, 0
+                name, found = "metrics", await queries.meta_metrics(db, tenant)
+            elif what == "tags":
+                name, found = "tags", await queries.meta_tag_keys(db, tenant)
+            elif what == "values":
+                answer["tag"] = key
+                name, found = "values", await queries.meta_tag_values(db, tenant, key)
+            else:
+                answer |= {"tag": key, "value": value}
+                name, found = "devices", await queries.meta_tag_devices(db, tenant, key, value)
+            # "truncated": the list holds queries.MAX_META entries and there are more.
+            answer[name], answer["truncated"] = queries.meta_cut(found)
+            return answer, 0
 
         return await self._cached(f"meta:{request.path_qs}", COUNTS_TTL, compute)
 
