@@ -32,7 +32,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from gateway.errors import SpoolError
+from gateway.errors import SpoolDiskFull, SpoolError
 from gateway.ingest.spool import Spool
 from gateway.store.database import Database
 
@@ -339,10 +339,10 @@ def _tiny_disk(where: Path, size: str) -> Iterator[Path]:
         subprocess.run(["umount", str(where)], check=False)
 
 
-def _fill(path: Path) -> None:
-    """Fill the file system ``path`` is on with ``path``."""
-    path.write_bytes(b"\0" * shutil.disk_usage(path.parent).free)
-    assert shutil.disk_usage(path.parent).free == 0
+def _fill(path: Path, leave: int = 0) -> None:
+    """Fill the file system ``path`` is on with ``path``, but ``leave`` bytes."""
+    path.write_bytes(b"\0" * (shutil.disk_usage(path.parent).free - leave))
+    assert 0 <= shutil.disk_usage(path.parent).free - leave < 8192  # a block or two
 
 
 async def test_disk_full_is_not_acknowledged_and_flows_once_there_is_room(
@@ -461,6 +461,27 @@ def test_check_says_the_spool_disk_is_full(tmp_path: Path) -> None:
         _fill(disk / "filler")
         env = base_env(GATEWAY_SPOOL__ENABLED="true", GATEWAY_SPOOL__PATH=str(path))
         done = run_cli("check", env=env)
+    assert done.returncode == 1, done.stdout
+    assert done.stdout.splitlines()[0].startswith("the spool's disk is full"), done.stdout
+    assert "spool: DISK FULL" in done.stdout
+
+
+async def test_check_and_the_gateway_agree_when_the_spool_disk_is_nearly_full(
+    tmp_path: Path,
+) -> None:
+    """256 KiB free on the spool's file system: `gateway check` said "spool:
+    ok" (its rule was 64 KiB), while the gateway refused every append there,
+    since appends leave the deletes 512 KiB plus twice their payload. Both now
+    apply the spool's one rule."""
+    with _tiny_disk(tmp_path / "disk", "2m") as disk:
+        path = disk / "spool.sqlite"
+        async with Spool(path, 1000, 1 << 20) as spool:
+            await spool.append([(int(time.time() * 1000), "t/a", None, b"{}")] * 100)
+            _fill(disk / "filler", leave=256 * 1024)
+            with pytest.raises(SpoolDiskFull):
+                await spool.append([(int(time.time() * 1000), "t/a", None, b"{}")])
+        env = base_env(GATEWAY_SPOOL__ENABLED="true", GATEWAY_SPOOL__PATH=str(path))
+        done = await asyncio.to_thread(run_cli, "check", env=env)
     assert done.returncode == 1, done.stdout
     assert done.stdout.splitlines()[0].startswith("the spool's disk is full"), done.stdout
     assert "spool: DISK FULL" in done.stdout

@@ -60,7 +60,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from ..errors import SpoolDiskFull, SpoolError
 from ..stats import Stats
@@ -122,17 +122,40 @@ class Record:
     redelivered: bool = False
 
 
-def peek(path: Path) -> tuple[int, int, int | None] | None:
-    """A spool file's messages, payload bytes and oldest receive time (ms),
-    read only; None when there is no file. Raises sqlite3.Error when it
-    cannot be read."""
+class Peeked(NamedTuple):
+    """What a spool file holds, read without opening it for writing."""
+
+    depth: int  # messages
+    size: int  # payload bytes
+    oldest_ms: int | None  # the oldest message's receive time
+    freed: int  # bytes of pages that deletes freed inside the file (appends reuse them)
+
+
+def peek(path: Path) -> Peeked | None:
+    """A spool file's contents, read only; None when there is no file.
+    Raises sqlite3.Error when it cannot be read."""
     if not path.exists():
         return None
     with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
         depth, size, oldest = db.execute(
             "SELECT count(*), coalesce(sum(length(payload)), 0), min(received_ms) FROM spool"
         ).fetchone()
-    return int(depth), int(size), oldest
+        return Peeked(int(depth), int(size), oldest, _freed(db))
+
+
+def room_needed(payload: int) -> int:
+    """The room (free bytes on the file system, plus pages that deletes freed
+    inside the spool) an append of ``payload`` bytes needs: it leaves the
+    deletes room for their WAL. A spool that filled its own file system could
+    otherwise never delete what Cassandra has (each delete needs WAL room),
+    and stayed full. `gateway check` applies the same rule."""
+    return RESERVE_BYTES + 2 * payload
+
+
+def _freed(db: sqlite3.Connection) -> int:
+    (pages,) = db.execute("PRAGMA freelist_count").fetchone()
+    (page_size,) = db.execute("PRAGMA page_size").fetchone()
+    return int(pages) * int(page_size)
 
 
 def stranded(path: Path) -> str | None:
@@ -143,10 +166,10 @@ def stranded(path: Path) -> str | None:
         found = peek(path)
     except sqlite3.Error:
         return None  # not a spool of ours (or not readable): nothing of ours stranded
-    if found is None or found[0] == 0:
+    if found is None or found.depth == 0:
         return None
     return (
-        f"spool.enabled is false, but the spool {path} holds {found[0]} messages that were "
+        f"spool.enabled is false, but the spool {path} holds {found.depth} messages that were "
         "acknowledged to the broker and are in no other place: run with spool.enabled = "
         "true until `gateway check` shows it empty, or remove the file to drop them"
     )
@@ -457,16 +480,10 @@ class Spool:
         db = self._db
         assert db is not None
         self._same_file()
-        # Appends leave the deletes room for their WAL frames: a spool that
-        # filled its own file system could otherwise never delete what
-        # Cassandra has (each delete needs WAL room), and stayed full.
-        # Pages that deletes freed inside the file are room too (reused first).
-        need = RESERVE_BYTES + 2 * sum(len(r[3]) for r in records)
+        need = room_needed(sum(len(r[3]) for r in records))
         free = shutil.disk_usage(self.path.parent).free
         if free < need:
-            (pages,) = db.execute("PRAGMA freelist_count").fetchone()
-            (page_size,) = db.execute("PRAGMA page_size").fetchone()
-            free += pages * page_size
+            free += _freed(db)  # reused first
         if free < need:
             raise _NoHeadroom(f"{free} bytes free, {need} kept for it and for deletes")
         db.execute("BEGIN IMMEDIATE")

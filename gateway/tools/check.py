@@ -20,16 +20,13 @@ import aiomqtt
 
 from ..config import Config
 from ..errors import ConfigError, SinkError
-from ..ingest.spool import peek, stranded
+from ..ingest.spool import peek, room_needed, stranded
 from ..store.schema import missing_from
 from ..store.write_session import open_write_session
 from .mqtt_client import mqtt_client
 
 # (ok, the check's line, and when it failed the one sentence that says what is wrong)
 Result = tuple[bool, str, str]
-# The spool's file system with less than this free is full: a commit of
-# messages meets the full disk well before the last byte.
-DISK_FULL_BELOW = 64 * 1024
 
 
 async def _broker(config: Config) -> Result:
@@ -77,37 +74,46 @@ async def _cassandra(config: Config) -> Result:
 
 def _spool(config: Config) -> Result:
     path = config.spool.path
-    free = shutil.disk_usage(path.parent).free if path.parent.is_dir() else DISK_FULL_BELOW
-    full_disk = (
-        f"the spool's disk is full ({free} bytes free where {path} is): "
-        "acknowledgements paused until there is room"
-    )
+    free = shutil.disk_usage(path.parent).free if path.parent.is_dir() else 0
+    # The gateway's own rule (ingest/spool.py, room_needed): a message of the
+    # largest size allowed would not be spooled, and acknowledgements pause.
+    need = room_needed(config.limits.max_payload_bytes)
+
+    def full_disk(room: int) -> str:
+        return (
+            f"the spool's disk is full ({room} bytes of room for {path}, which keeps "
+            f"{need} for a message of limits.max_payload_bytes and for deletes): "
+            "acknowledgements paused until there is room"
+        )
+
     try:
         found = peek(path)
     except sqlite3.Error as exc:
-        if free < DISK_FULL_BELOW:  # reading needs room too (its -shm file)
-            return False, f"spool: DISK FULL, cannot read {path}: {exc}", full_disk
+        if free < need:  # reading needs room too (its -shm file)
+            return False, f"spool: DISK FULL, cannot read {path}: {exc}", full_disk(free)
         return False, f"spool: cannot read {path}: {exc}", f"cannot read the spool {path}: {exc}"
     if found is None:
         return True, f"spool: empty ({path} not created yet)", ""
-    depth, size, oldest = found
-    age = 0.0 if oldest is None else max(0.0, time.time() - oldest / 1000)
+    age = 0.0 if found.oldest_ms is None else max(0.0, time.time() - found.oldest_ms / 1000)
     # The bounds as the gateway applies them (ingest/spool.py, Spool.full).
     bound = (
-        f"{depth} messages, spool.max_records"
-        if depth >= config.spool.max_records
-        else f"{size} bytes, spool.max_bytes"
-        if size >= config.spool.max_bytes
+        f"{found.depth} messages, spool.max_records"
+        if found.depth >= config.spool.max_records
+        else f"{found.size} bytes, spool.max_bytes"
+        if found.size >= config.spool.max_bytes
         else None
     )
-    disk_full = free < DISK_FULL_BELOW
-    problem = full_disk if disk_full else f"the spool is full ({bound}): acknowledgements paused"
+    room = free + found.freed
+    disk_full = room < need
+    problem = (
+        full_disk(room) if disk_full else f"the spool is full ({bound}): acknowledgements paused"
+    )
     state = "DISK FULL" if disk_full else "FULL" if bound else "ok"
     if state != "ok":
         state += " (acknowledgements paused)"
     return (
         state == "ok",
-        f"spool: {state}, {depth} messages ({size} bytes) waiting, oldest {age:.0f} s "
+        f"spool: {state}, {found.depth} messages ({found.size} bytes) waiting, oldest {age:.0f} s "
         f"({path}; drain rate: gateway_spool_drained_total in /metrics)",
         problem,
     )
