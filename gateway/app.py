@@ -24,9 +24,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
-from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 
@@ -59,6 +59,7 @@ from .web.server import AddRoutes, build_app, serve
 from .web.tokens import TokenStore
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Seconds between two probes of the event loop's lag (Gateway._probe_loop).
 LAG_PROBE = 0.1
@@ -275,6 +276,13 @@ class Gateway:
             ready.set()
 
 
+async def _enter_if(
+    wanted: bool, stack: AsyncExitStack, manager: Callable[[], AbstractAsyncContextManager[T]]
+) -> T | None:
+    """What ``manager()`` gives, entered into ``stack``, when ``wanted``."""
+    return await stack.enter_async_context(manager()) if wanted else None
+
+
 async def _check_schema(session: WriteSession, config: Config) -> None:
     missing = missing_from(session.keyspace, await session.tables())
     if missing:
@@ -291,8 +299,27 @@ async def open_gateway(
     """Build every part of the gateway, in dependency order; close them in reverse."""
     stats = stats or Stats()
     async with AsyncExitStack() as stack:
-        session = await stack.enter_async_context(open_write_session(config.cassandra))
+        # The sessions open together: each takes several round trips (12 s
+        # over a link of 1 s round trips), and one after another they took
+        # three times that before READY. What went wrong with the write
+        # path's is said first, and the schema check names what is missing.
+        write, rollup_session, reader = await asyncio.gather(
+            stack.enter_async_context(open_write_session(config.cassandra)),
+            _enter_if(
+                config.rollups.enabled and config.rollups.worker,
+                stack,
+                lambda: open_write_session(config.cassandra),
+            ),
+            _enter_if(config.api.enabled, stack, lambda: connect(config.cassandra)),
+            return_exceptions=True,
+        )
+        if isinstance(write, BaseException):
+            raise write
+        session = write
         await _check_schema(session, config)
+        for failed in (rollup_session, reader):
+            if isinstance(failed, BaseException):
+                raise failed
         await session.plan_packing()
         log.info("writing to Cassandra through %s", session.name)
         cassandra = config.cassandra
@@ -320,21 +347,22 @@ async def open_gateway(
         rejects = Rejects(config, stats)
         marks = RollupMarks(config, stats) if config.rollups.enabled else None
         metadata = Metadata(requests, sink, config, stats) if config.metadata.enabled else None
+        worker: RollupWorker | None = None
+        if isinstance(rollup_session, WriteSession):
+            # A session of its own (the same driver as the write path's): its
+            # reads never queue behind the write path's in-flight cap. Its
+            # cursor is never ahead of a mark: RollupMarks.prepare starts it
+            # at this minute too, and marks are written after READY.
+            await rollup_session.plan_packing("the roll-up worker")
+            worker = RollupWorker(rollup_session, config, stats)
         # Together: each statement is a round trip, and over a slow link (1 s)
         # one after another they took over a minute before READY.
         writers = (latest, rotation, telemetry, rejects, marks, metadata)
         await asyncio.gather(
-            requests.prepare_probe(), *(w.prepare(session) for w in writers if w is not None)
+            requests.prepare_probe(),
+            *(w.prepare(session) for w in writers if w is not None),
+            *(() if worker is None else (worker.start(),)),
         )
-        worker: RollupWorker | None = None
-        if marks is not None and config.rollups.worker:
-            # A session of its own (the same driver as the write path's): its
-            # reads never queue behind the write path's in-flight cap. Its
-            # cursor is never ahead of a mark: RollupMarks.prepare started it.
-            rollup_session = await stack.enter_async_context(open_write_session(config.cassandra))
-            await rollup_session.plan_packing("the roll-up worker")
-            worker = RollupWorker(rollup_session, config, stats)
-            await worker.start()
         sampler = Sampler(config.sampling)
         classifier = Classifier(config, sampler, stats)
         receiver = Receiver(
@@ -393,10 +421,9 @@ async def open_gateway(
             shutdown_deadline=shutdown_deadline,
             rollups=worker,
         )
-        if config.api.enabled:
-            # The read side gets a session of its own (the CLI's driver): its
+        if isinstance(reader, Database):
+            # The read side has a session of its own (the CLI's driver): its
             # reads never queue behind the write path's in-flight cap.
-            reader = await stack.enter_async_context(connect(config.cassandra))
             app = build_app(
                 metrics=gateway_registry(stats, noisy=gateway.noisy_rates, spool=spool),
                 health=gateway.health,

@@ -185,41 +185,53 @@ class LatestState:
         self._wake = asyncio.Event()
 
     async def prepare(self, session: WriteSession) -> None:
-        self._insert_state = await session.prepare(
-            "INSERT INTO {keyspace}.latest_events_by_state "
-            "(tenant, state, bucket, gen, device_hash, device_id, ts, value, tags) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
-            timestamps=(6,),
-        )
-        self._delete_state = await session.prepare(
-            "DELETE FROM {keyspace}.latest_events_by_state USING TIMESTAMP ? "
-            "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ? "
-            "AND device_hash = ? AND device_id = ?"
-        )
-        self._select_parts = await session.prepare(
-            "SELECT state, bucket, gen, next_gen, rotating_since, live, retired_gen "
-            "FROM {keyspace}.state_partitions WHERE tenant = ?"
-        )
-        self._insert_device = await session.prepare(
-            "INSERT INTO {keyspace}.latest_events_by_device "
-            "(tenant, device_id, state, state_event_id, ts, value, value_num, metrics, tags) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
-            timestamps=(4,),
-        )
-        self._select_states = await session.prepare(
-            "SELECT state, registered_at, state_buckets FROM {keyspace}.tenant_states "
-            "WHERE tenant = ?"
-        )
-        self._record_buckets = await session.prepare(RECORD_STATE_BUCKETS)
-        self._register = await session.prepare(
-            "INSERT INTO {keyspace}.tenant_states (tenant, state, registered_at) "
-            "VALUES (?, ?, ?) IF NOT EXISTS",
-            timestamps=(2,),
-        )
-        self._newest_state = await session.prepare(
-            "SELECT device_id, WRITETIME(state) AS wt, state_event_id "
-            "FROM {keyspace}.latest_events_by_device "
-            "WHERE tenant = ? AND device_id IN ?"
+        # Together: each is a round trip, a second or more over a slow link.
+        (
+            self._insert_state,
+            self._delete_state,
+            self._select_parts,
+            self._insert_device,
+            self._select_states,
+            self._record_buckets,
+            self._register,
+            self._newest_state,
+        ) = await asyncio.gather(
+            session.prepare(
+                "INSERT INTO {keyspace}.latest_events_by_state "
+                "(tenant, state, bucket, gen, device_hash, device_id, ts, value, tags) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
+                timestamps=(6,),
+            ),
+            session.prepare(
+                "DELETE FROM {keyspace}.latest_events_by_state USING TIMESTAMP ? "
+                "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ? "
+                "AND device_hash = ? AND device_id = ?"
+            ),
+            session.prepare(
+                "SELECT state, bucket, gen, next_gen, rotating_since, live, retired_gen "
+                "FROM {keyspace}.state_partitions WHERE tenant = ?"
+            ),
+            session.prepare(
+                "INSERT INTO {keyspace}.latest_events_by_device "
+                "(tenant, device_id, state, state_event_id, ts, value, value_num, metrics, tags) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
+                timestamps=(4,),
+            ),
+            session.prepare(
+                "SELECT state, registered_at, state_buckets FROM {keyspace}.tenant_states "
+                "WHERE tenant = ?"
+            ),
+            session.prepare(RECORD_STATE_BUCKETS),
+            session.prepare(
+                "INSERT INTO {keyspace}.tenant_states (tenant, state, registered_at) "
+                "VALUES (?, ?, ?) IF NOT EXISTS",
+                timestamps=(2,),
+            ),
+            session.prepare(
+                "SELECT device_id, WRITETIME(state) AS wt, state_event_id "
+                "FROM {keyspace}.latest_events_by_device "
+                "WHERE tenant = ? AND device_id IN ?"
+            ),
         )
 
     async def new_states(self, events: list[Event]) -> list[tuple[str, str]]:

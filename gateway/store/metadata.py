@@ -136,24 +136,35 @@ class Metadata:
             "v": ("meta_tag_values", ("tenant", "tag_key", "tag_value")),
             "d": ("meta_tag_devices", ("tenant", "tag_key", "tag_value", "device_id")),
         }
-        self._insert, self._exists = {}, {}
-        for kind, (table, columns) in tables.items():
-            self._insert[kind] = await session.prepare(
-                f"INSERT INTO {{keyspace}}.{table} ({', '.join(columns)}) "
-                f"VALUES ({', '.join('?' for _ in columns)})"
-            )
-            self._exists[kind] = await session.prepare(
-                f"SELECT {columns[-1]} AS found FROM {{keyspace}}.{table} WHERE "
-                + " AND ".join(f"{c} = ?" for c in columns[:-1])
-                + f" AND {columns[-1]} IN ?"
-            )
-        self._count_first = await session.prepare(
-            "INSERT INTO {keyspace}.meta_entry_counts (tenant, reserved) VALUES (?, ?) "
-            "IF NOT EXISTS"
+        # Together: each is a round trip, a second or more over a slow link.
+        kinds = list(tables)
+        *prepared, self._count_first, self._count_move = await asyncio.gather(
+            *(
+                session.prepare(
+                    f"INSERT INTO {{keyspace}}.{table} ({', '.join(columns)}) "
+                    f"VALUES ({', '.join('?' for _ in columns)})"
+                )
+                for table, columns in tables.values()
+            ),
+            *(
+                session.prepare(
+                    f"SELECT {columns[-1]} AS found FROM {{keyspace}}.{table} WHERE "
+                    + " AND ".join(f"{c} = ?" for c in columns[:-1])
+                    + f" AND {columns[-1]} IN ?"
+                )
+                for table, columns in tables.values()
+            ),
+            session.prepare(
+                "INSERT INTO {keyspace}.meta_entry_counts (tenant, reserved) VALUES (?, ?) "
+                "IF NOT EXISTS"
+            ),
+            session.prepare(
+                "UPDATE {keyspace}.meta_entry_counts SET reserved = ? WHERE tenant = ? "
+                "IF reserved = ?"
+            ),
         )
-        self._count_move = await session.prepare(
-            "UPDATE {keyspace}.meta_entry_counts SET reserved = ? WHERE tenant = ? IF reserved = ?"
-        )
+        self._insert = dict(zip(kinds, prepared[: len(kinds)], strict=True))
+        self._exists = dict(zip(kinds, prepared[len(kinds) :], strict=True))
 
     def writes_now(self, event: Event, pending: Pending) -> list[Write] | None:
         """The rows of the event's new entries if each of its entries is

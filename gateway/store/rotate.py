@@ -95,42 +95,53 @@ class StateRotation:
         self._wake = asyncio.Event()
 
     async def prepare(self, session: WriteSession) -> None:
-        self._begin = await session.prepare(
-            "UPDATE {keyspace}.state_partitions SET next_gen = ?, rotating_since = ? "
-            "WHERE tenant = ? AND state = ? AND bucket = ? IF gen = ? AND next_gen = null",
-            timestamps=(1,),
-        )
-        self._begin_first = await session.prepare(
-            "INSERT INTO {keyspace}.state_partitions "
-            "(tenant, state, bucket, gen, next_gen, rotating_since) "
-            "VALUES (?, ?, ?, 0, 1, ?) IF NOT EXISTS",
-            timestamps=(3,),
-        )
-        self._page = await session.prepare(
-            "SELECT device_hash, device_id, ts, value, tags, WRITETIME(ts) AS wt "
-            "FROM {keyspace}.latest_events_by_state "
-            "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ? "
-            f"AND (device_hash, device_id) > (?, ?) LIMIT {PAGE}"
-        )
-        self._copy = await session.prepare(
-            "INSERT INTO {keyspace}.latest_events_by_state "
-            "(tenant, state, bucket, gen, device_hash, device_id, ts, value, tags) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
-            timestamps=(6,),
-        )
-        self._switch = await session.prepare(
-            "UPDATE {keyspace}.state_partitions SET gen = ?, next_gen = null, "
-            "rotating_since = null, live = ?, retired_gen = ?, retired_at = ? "
-            "WHERE tenant = ? AND state = ? AND bucket = ? IF gen = ? AND next_gen = ?",
-            timestamps=(3,),
-        )
-        self._drop = await session.prepare(
-            "DELETE FROM {keyspace}.latest_events_by_state USING TIMESTAMP ? "
-            "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ?"
-        )
-        self._dropped = await session.prepare(
-            "UPDATE {keyspace}.state_partitions SET retired_gen = null, retired_at = null "
-            "WHERE tenant = ? AND state = ? AND bucket = ? IF retired_gen = ?"
+        # Together: each is a round trip, a second or more over a slow link.
+        (
+            self._begin,
+            self._begin_first,
+            self._page,
+            self._copy,
+            self._switch,
+            self._drop,
+            self._dropped,
+        ) = await asyncio.gather(
+            session.prepare(
+                "UPDATE {keyspace}.state_partitions SET next_gen = ?, rotating_since = ? "
+                "WHERE tenant = ? AND state = ? AND bucket = ? IF gen = ? AND next_gen = null",
+                timestamps=(1,),
+            ),
+            session.prepare(
+                "INSERT INTO {keyspace}.state_partitions "
+                "(tenant, state, bucket, gen, next_gen, rotating_since) "
+                "VALUES (?, ?, ?, 0, 1, ?) IF NOT EXISTS",
+                timestamps=(3,),
+            ),
+            session.prepare(
+                "SELECT device_hash, device_id, ts, value, tags, WRITETIME(ts) AS wt "
+                "FROM {keyspace}.latest_events_by_state "
+                "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ? "
+                f"AND (device_hash, device_id) > (?, ?) LIMIT {PAGE}"
+            ),
+            session.prepare(
+                "INSERT INTO {keyspace}.latest_events_by_state "
+                "(tenant, state, bucket, gen, device_hash, device_id, ts, value, tags) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
+                timestamps=(6,),
+            ),
+            session.prepare(
+                "UPDATE {keyspace}.state_partitions SET gen = ?, next_gen = null, "
+                "rotating_since = null, live = ?, retired_gen = ?, retired_at = ? "
+                "WHERE tenant = ? AND state = ? AND bucket = ? IF gen = ? AND next_gen = ?",
+                timestamps=(3,),
+            ),
+            session.prepare(
+                "DELETE FROM {keyspace}.latest_events_by_state USING TIMESTAMP ? "
+                "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ?"
+            ),
+            session.prepare(
+                "UPDATE {keyspace}.state_partitions SET retired_gen = null, retired_at = null "
+                "WHERE tenant = ? AND state = ? AND bucket = ? IF retired_gen = ?"
+            ),
         )
 
     async def begin_due(self) -> None:
