@@ -284,6 +284,40 @@ async def test_redelivered_event_without_ts_does_not_beat_a_newer_one(
     assert (await device_row(db, tenant, "fan")).state == "off"
 
 
+async def test_redelivered_event_without_ts_beats_an_older_one_without_ts(
+    db: Database, tenant: str
+) -> None:
+    """Case 6, the other side: a device that never sends ts. Its "off" in
+    flight when the gateway stopped came back as a redelivery and went behind
+    every write of the device, the "on" stored before it too, so the device
+    stayed "on" (state-view probe: 3 of 3 after a SIGKILL, 5 of 5 after a
+    reconnect). A redelivery goes behind timed writes only."""
+    client_id = f"nots2-{tenant}"
+    async with proxy() as p:
+        config = make_config(
+            GATEWAY_CASSANDRA__PORT=str(p.port),
+            GATEWAY_CASSANDRA__GIVE_UP_AFTER="3",
+            GATEWAY_MQTT__CLIENT_ID=client_id,
+        )
+        try:
+            async with running_gateway(config) as gw:
+                await publish([msg(tenant, "fan", state="on")])  # no ts: stamped now
+                await gw.wait_for(lambda s: s.acked >= 1)
+                await p.cut()
+                await publish([msg(tenant, "fan", state="off")])  # no ts, published later
+                await gw.wait_for(lambda s: s.received >= 2)
+                async with asyncio.timeout(60):
+                    await gw.task
+        except BaseExceptionGroup:
+            pass  # gave up: "off" was not acknowledged, the broker keeps it
+    await asyncio.sleep(0.5)
+    config = make_config(GATEWAY_MQTT__CLIENT_ID=client_id)
+    async with running_gateway(config) as gw:
+        await gw.wait_handled(1)
+    assert (await device_row(db, tenant, "fan")).state == "off"
+    assert await states_of(db, tenant, "fan", ["on", "off"]) == ["off"]
+
+
 def _rfc3339(ms_: int, micros: int) -> str:
     base = datetime(1970, 1, 1, tzinfo=UTC) + timedelta(milliseconds=ms_, microseconds=micros)
     return base.strftime("%Y-%m-%dT%H:%M:%S.%fZ")

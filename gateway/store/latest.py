@@ -35,7 +35,9 @@ Promises and bounds:
   that became known after the newer event was written (its deletes missed
   it), an old event arriving after ``gc_grace_seconds`` let compaction purge
   the newer event's deletes, and a redelivered event without ``ts`` (MQTT
-  DUP), which the pipeline places behind every timed write.
+  DUP), which the pipeline places behind every timed write. After an untimed
+  write (``latest_events_by_device.state_untimed``) such a copy goes one µs
+  after it instead: it is newer than what was acknowledged before it.
 * Other gateway instances may register states; known states are re-read every
   ``pipeline.states_refresh`` seconds. Between two refreshes an instance can
   miss a brand-new state in its deletes (documented in the README).
@@ -106,6 +108,7 @@ class _Newest:
     # The state of the newest latest-table write this process has sent for the
     # device (None: none since start-up): while it stays, no deletes are needed.
     written: str | None = None
+    untimed: bool = False  # that write's event had no ts (stamped with its receive time)
 
 
 def state_value(text: str | None, num: float | None) -> str:
@@ -212,10 +215,10 @@ class LatestState:
                 "FROM {keyspace}.state_partitions WHERE tenant = ?"
             ),
             session.prepare(
-                "INSERT INTO {keyspace}.latest_events_by_device "
-                "(tenant, device_id, state, state_event_id, ts, value, value_num, metrics, tags) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
-                timestamps=(4,),
+                "INSERT INTO {keyspace}.latest_events_by_device (tenant, device_id, state, "
+                "state_event_id, state_untimed, ts, value, value_num, metrics, tags) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
+                timestamps=(5,),
             ),
             session.prepare(
                 "SELECT state, registered_at, state_buckets FROM {keyspace}.tenant_states "
@@ -228,7 +231,7 @@ class LatestState:
                 timestamps=(2,),
             ),
             session.prepare(
-                "SELECT device_id, WRITETIME(state) AS wt, state_event_id "
+                "SELECT device_id, WRITETIME(state) AS wt, state_event_id, state_untimed "
                 "FROM {keyspace}.latest_events_by_device "
                 "WHERE tenant = ? AND device_id IN ?"
             ),
@@ -369,6 +372,14 @@ class LatestState:
             entry = held[key]
             if newest.get(key) is not entry:
                 newest.put(key, entry)  # evicted while the chunk waited: back
+            if event.untimed_redelivery and entry.untimed and entry.write_ts >= event.write_ts:
+                # Behind timed writes only. After an untimed write the copy
+                # goes just after it: the broker resends what was not
+                # acknowledged in order, so it is newer than what was (probe:
+                # the device stayed "on" after its "off" came back). Not to
+                # its receive time: a timed event behind it in the resent
+                # stream must still win.
+                event.write_ts = entry.write_ts + 1
             # A newer write makes this one's latest writes moot at best, and
             # harmful when its deletes missed a state or were purged.
             if entry.write_ts == event.write_ts and entry.event_id:
@@ -389,6 +400,7 @@ class LatestState:
                 continue
             if event.write_ts > entry.write_ts:
                 entry.write_ts, entry.event_id = event.write_ts, event.event_id
+                entry.untimed = event.ts_from_receive
         return stale
 
     async def _read_newest(self, keys: list[tuple[str, str]]) -> dict[tuple[str, str], _Newest]:
@@ -407,12 +419,14 @@ class LatestState:
                 # Its event id settles a tie (prepare_chunk); 0 (unknown) for
                 # a row written before the column existed.
                 event_id = row.get("state_event_id") or 0
+                untimed = bool(row.get("state_untimed"))  # null (older rows): timed
                 if entry is None:
-                    entry = _Newest(wt, True, event_id)
+                    entry = _Newest(wt, True, event_id, untimed=untimed)
                 elif wt > entry.write_ts:
                     # Someone else's write, newer than this process's: forget
                     # what this process wrote (its event and its deletes).
                     entry.write_ts, entry.event_id, entry.written = wt, event_id, None
+                    entry.untimed = untimed
             elif entry is None:
                 entry = _Newest(-1, True)  # nothing stored, nothing seen yet
             entry.sure = True
@@ -432,6 +446,7 @@ class LatestState:
                     device,
                     event.state if event.state is not None else UNSET,
                     event.event_id if event.state is not None else UNSET,
+                    event.ts_from_receive if event.state is not None else UNSET,
                     event.ts_ms,
                     event.value_text,
                     event.value_num,
