@@ -38,7 +38,9 @@ from .sd_notify import Notifier
 from .stats import Stats
 from .store.write_session import open_write_session
 from .units import utc_text
+from .web.api import read_api_unavailable
 from .web.metrics import gateway_registry
+from .web.page import add_page
 from .web.server import build_app, serve
 
 log = logging.getLogger(__name__)
@@ -126,7 +128,13 @@ async def spool_until_reachable(
                     "spool_state": spool.state(),
                 }
 
-            app = build_app(metrics=gateway_registry(stats, spool=spool), health=health)
+            app = build_app(
+                metrics=gateway_registry(stats, spool=spool),
+                health=health,
+                # The page too (a reload finds it), over a read API that says
+                # it is not there yet.
+                extra=[read_api_unavailable(lambda: f"read API not ready: {state}"), add_page],
+            )
             await stack.enter_async_context(serve(app, config.api.host, config.api.port))
         notifier = notifier or Notifier()
         notifier.notify("READY=1", f"STATUS={state}")

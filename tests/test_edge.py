@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -217,6 +218,18 @@ async def test_starts_spooling_while_cassandra_is_unreachable_then_drains(
             assert str(checks["cassandra"]).startswith("spooling, Cassandra unreachable since ")
             assert isinstance(checks["spool"], int)
             assert checks["spool"] >= 300
+            # An open page keeps asking, and says "reconnecting": the read
+            # API answered 404 (no such path) here, and the page stopped for
+            # good; a reload found no page either.
+            code, body = await asyncio.to_thread(
+                http_get, api_port, f"/api/v1/tenants/{tenant}/states"
+            )
+            assert code == 503, body
+            assert orjson.loads(body)["error"] == "unavailable"
+            assert "spooling" in orjson.loads(body)["detail"]
+            code, body = await asyncio.to_thread(http_get, api_port, "/")
+            assert code == 200
+            assert b"<html" in body.lower()
             await gw.wait_for(
                 lambda _: any(
                     "status: spooling, Cassandra unreachable since " in r.getMessage()
@@ -235,11 +248,18 @@ async def test_starts_spooling_while_cassandra_is_unreachable_then_drains(
             await wait_until(all_stored, deadline=90, what="the spool drained into Cassandra")
 
             async def healthy() -> bool:
-                code, _ = await asyncio.to_thread(_healthz, api_port)
+                try:
+                    code, _ = await asyncio.to_thread(_healthz, api_port)
+                except urllib.error.URLError:
+                    return False  # between spool-only mode's server and the gateway's
                 return code == 200
 
             # Once the full gateway's MQTT session is up too (it may drain first).
             await wait_until(healthy, deadline=30, what="/healthz 200 after the drain")
+            code, _ = await asyncio.to_thread(
+                http_get, api_port, f"/api/v1/tenants/{tenant}/states"
+            )
+            assert code == 401  # the read API itself again: it asks for a token
     finally:
         await link.cut()
     for i in range(5):

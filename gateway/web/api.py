@@ -355,6 +355,23 @@ class ReadApi:
         return web.json_response(OPENAPI, dumps=lambda v: orjson.dumps(v).decode())
 
 
+def read_api_unavailable(why: Callable[[], str]) -> AddRoutes:
+    """The read API while the gateway only spools (Cassandra unreachable at
+    start, gateway/spooling.py): every path of it answers 503 with
+    Retry-After, so an open page says "reconnecting" and comes back by itself
+    once the full gateway takes over. A 404 (no such path) stopped it for good."""
+
+    async def unavailable(request: web.Request) -> web.StreamResponse:
+        return error_response(
+            request, 503, why(), code="unavailable", headers=[("Retry-After", "2")]
+        )
+
+    def add_routes(app: web.Application) -> None:
+        app.router.add_get(PREFIX + "/{path:.*}", unavailable)
+
+    return add_routes
+
+
 def read_api(db: Database, config: Config, tokens: TokenStore) -> AddRoutes:
     """The ``extra`` for :func:`gateway.web.server.build_app`."""
     return ReadApi(db, config, tokens).add_routes
