@@ -486,6 +486,75 @@ async def test_an_outage_shows_wherever_a_phone_is_scrolled(
     await expect(page.locator("#error")).to_be_hidden()
 
 
+# Where the status line draws "last update … ago": [that text, the boxes that
+# cut it off (an element clipping its overflow, or the window)], or null.
+STATUS_AGE = """() => {
+    const bar = document.getElementById('status');
+    const walker = document.createTreeWalker(bar, NodeFilter.SHOW_TEXT);
+    for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+        const start = node.data.indexOf('last update');
+        const end = node.data.indexOf(' ago', start);
+        if (start < 0 || end < 0) continue;
+        const range = document.createRange();
+        range.setStart(node, start);
+        range.setEnd(node, end + 4);
+        const r = range.getBoundingClientRect();
+        const cut = [];
+        for (let el = node.parentElement; el && bar.contains(el); el = el.parentElement) {
+            const box = el.getBoundingClientRect();
+            const clips = getComputedStyle(el).overflowX !== 'visible';
+            if (clips && (r.left < box.left - 0.5 || r.right > box.right + 0.5)) {
+                cut.push(el.id || el.className);
+            }
+        }
+        if (r.left < 0 || r.right > innerWidth || r.top < 0 || r.bottom > innerHeight) {
+            cut.push('window');
+        }
+        return [range.toString(), cut];
+    }
+    return null;
+}"""
+
+
+@pytest.mark.parametrize("size", [(360, 640), (320, 568)])
+async def test_an_outage_on_a_phone_still_says_how_old_the_data_is(
+    new_page: Callable[..., Awaitable[Page]],
+    url: str,
+    api: FakeApi,
+    screenshot: Shot,
+    size: tuple[int, int],
+) -> None:
+    # The probe at 360 px: "● reconnecting… 503 unavailable: Cassandr…", the
+    # age of the data on screen cut off after the error.
+    page = await new_page(phone=True, size=size)
+    await log_in(page, url, TENANT_TOKEN)
+    await page.goto(f"{url}#/t/acme/s/on")
+    await expect(page.locator("#device-rows tr")).to_have_count(3)
+    live = page.locator("#live")
+    await expect(live).to_contain_text("live")
+
+    api.fault = ApiError(503, "unavailable", "Cassandra did not answer")
+    await expect(live).to_contain_text("reconnecting", timeout=LIVE_MS + 1_000)
+    # The error is still said, after the age (cut short if it must be).
+    await expect(page.locator("#status")).to_contain_text("Cassandra did not answer")
+    age = re.compile(r"last update \d+ s ago")
+    await expect(page.locator("#status")).to_contain_text(age)
+    shown = await page.evaluate(STATUS_AGE)
+    assert shown is not None, "no age in the status line"
+    assert age.fullmatch(shown[0]), shown
+    assert shown[1] == [], f"{shown[0]!r} is cut off by {shown[1]}"
+    # It counts on, still whole.
+    await expect(page.locator("#status")).to_contain_text(
+        re.compile(r"last update [3-9] s ago"), timeout=5_000
+    )
+    shown = await page.evaluate(STATUS_AGE)
+    assert shown is not None, "no age in the status line"
+    assert shown[1] == [], f"{shown[0]!r} is cut off by {shown[1]}"
+    await no_horizontal_overflow(page)
+    await screenshot(page, f"outage-{size[0]}")
+    api.fault = None
+
+
 async def test_slow_answers_turn_live_into_stale_with_the_age(
     new_page: Callable[..., Awaitable[Page]], url: str, api: FakeApi, screenshot: Shot
 ) -> None:
@@ -646,6 +715,48 @@ async def test_badges_and_buttons_reach_wcag_aa_contrast(
     await expect(page.locator("#problem-link")).to_be_visible()
     low += [c for c in await page.evaluate(CONTRAST, "#problem-link") if c[1] < 4.5]
     assert low == [], f"under 4.5:1 in the {scheme} scheme: {low}"
+
+
+# The colours given to a state's tile, badge, chart, legend and history rows
+# in the view shown: [what, colour].
+STATE_COLOURS = """() => {
+    const view = document.querySelector('main > .view:not([hidden])');
+    return [
+        ...[...view.querySelectorAll('.tile, .badge, .legend li, .dot-label')].map((el) =>
+            [el.className || el.tagName, el.style.getPropertyValue('--state-color')]),
+        ...[...view.querySelectorAll('rect.state-seg, circle.point')].map((el) =>
+            [el.getAttribute('class'), el.getAttribute('fill')])];
+}"""
+
+
+async def test_states_named_like_object_properties_get_a_colour(
+    page: Page, url: str, api: FakeApi
+) -> None:
+    # The probe: a state named constructor had an invisible badge, its colour
+    # "hsl(function Object() { [native code] } 62% 42%)": the colour of a
+    # well-known name was looked up in a plain object, Object.prototype and
+    # all. (Names are looked up in lower case: "Constructor" too.)
+    names = ("constructor", "__proto__", "Constructor")
+    for name in names:
+        api.put("acme", f"d-{name}", "on", 1.0, at=ago(600))
+        api.put("acme", f"d-{name}", name, 2.0)
+    await log_in(page, url, TENANT_TOKEN)
+    for name in names:
+        await expect(page.locator(f'.tile[data-state="{name}"] .count')).to_have_text("1")
+    colour = re.compile(r"hsl\(\d+ 62% (42|28)%\)|hsl\(220 8% (55|42)%\)")
+    bad = [c for c in await page.evaluate(STATE_COLOURS) if not colour.fullmatch(c[1])]
+    for name in names:
+        await page.goto(f"{url}#/t/acme/d/d-{name}")
+        badge = page.locator('[data-testid="device-state"]')
+        await expect(badge).to_have_text(name)
+        await expect(page.locator("#history-rows tr")).to_have_count(2)
+        bad += [
+            [name, *c] for c in await page.evaluate(STATE_COLOURS) if not colour.fullmatch(c[1])
+        ]
+        background = await badge.evaluate("(el) => getComputedStyle(el).backgroundColor")
+        if background == "rgba(0, 0, 0, 0)":
+            bad.append([name, "badge background", background])
+    assert bad == [], f"not a colour: {bad}"
 
 
 ACTIVE = """() => { const el = document.activeElement;

@@ -131,15 +131,16 @@
   }
 
   // A stable colour per state: well-known names get the colour people expect,
-  // others a hue from a hash of the name.
-  const KNOWN_HUES = { on: 140, ok: 140, online: 140, running: 140, idle: 210, standby: 210,
-    warning: 38, warn: 38, degraded: 38, alarm: 0, error: 0, fault: 0, critical: 0, fail: 0,
-    failed: 0 };
+  // others a hue from a hash of the name. A Map, not an object: a state named
+  // "constructor" or "__proto__" must not find Object.prototype's members.
+  const KNOWN_HUES = new Map(Object.entries({ on: 140, ok: 140, online: 140, running: 140,
+    idle: 210, standby: 210, warning: 38, warn: 38, degraded: 38, alarm: 0, error: 0, fault: 0,
+    critical: 0, fail: 0, failed: 0 }));
   const GREY_STATES = new Set(["off", "offline", "unknown", "stopped", "closed"]);
   function stateColor(state) {
     const name = String(state).toLowerCase();
     if (GREY_STATES.has(name)) return "hsl(220 8% 55%)";
-    let hue = KNOWN_HUES[name];
+    let hue = KNOWN_HUES.get(name);
     if (hue === undefined) {
       let hash = 0;
       for (const ch of name) hash = (hash * 31 + ch.codePointAt(0)) >>> 0;
@@ -372,7 +373,8 @@
 
   // The status line at the top of the window, wherever the reader has
   // scrolled to: live (and the time of the data), stale (and its age),
-  // reconnecting (and what failed), or paused in a hidden tab.
+  // reconnecting (how old the data is, then what failed), or paused in a
+  // hidden tab.
   function renderLive() {
     const bar = $("status");
     const live = $("live");
@@ -394,21 +396,28 @@
     } else if (document.hidden) {
       [kind, text] = ["paused", "paused"];
     } else if (failures) {
+      // How old the data on screen is goes in the part never cut short; the
+      // error after it may be, on a phone ("503 unavailable: Cass…").
       [kind, text] = ["down", "reconnecting…"];
-      detail = [lastError, since].filter(Boolean).join(" · ");
+      if (since) time = ` · ${since}`;
+      detail = lastError || "";
     } else if (lastOk && now - lastOk <= STALE_MS) {
       [kind, text] = ["up", "live"];
       time = ` · ${new Date(lastOk).toLocaleTimeString()}`;
     } else if (lastOk) {
-      [kind, text] = ["stale", `stale · ${since}`];
+      [kind, text] = ["stale", "stale"];
+      time = ` · ${since}`;
       detail = "slow answers";
     } else if (now - viewSince > STALE_MS) {
-      [kind, text] = ["stale", `waiting · no answer for ${age(viewSince)}`];
+      [kind, text] = ["stale", "waiting"];
+      time = ` · no answer for ${age(viewSince)}`;
     } else {
       [kind, text] = ["wait", "connecting…"];
     }
+    // Where the line is too narrow, the detail goes first, then the word
+    // ("reconn…"): the time or age is always shown whole (style.css).
     if (live.textContent !== text + time) {
-      live.replaceChildren(text);
+      live.replaceChildren(h("span", { class: "live-word", text }));
       if (time) live.append(h("span", { class: "live-time", text: time }));
     }
     live.className = `live ${kind}`;
@@ -730,16 +739,26 @@
   }
 
   // Previous-page links: the cursor that led to each page, per list, kept for
-  // the tab so "previous" works after a reload too.
+  // the tab so "previous" works after a reload too. Keyed by cursors (from
+  // the API and the address): an object without a prototype (Object.hasOwn
+  // is newer than the ES2020 this page keeps to), so that a cursor
+  // "__proto__" or "constructor" is a key like any other.
   function prevKey(r) {
     return `gateway.prev:${JSON.stringify([r.tenant, r.state, r.prefix, r.tag])}`;
   }
   function prevMap(r) {
+    const map = Object.create(null);
     try {
-      return JSON.parse(sessionStorage.getItem(prevKey(r)) || "{}");
+      const saved = JSON.parse(sessionStorage.getItem(prevKey(r)) || "{}");
+      if (saved && typeof saved === "object") Object.assign(map, saved);
     } catch {
-      return {};
+      // a damaged entry: start afresh
     }
+    return map;
+  }
+  function prevOf(r) {
+    const map = prevMap(r);
+    return map[r.cursor] || null;
   }
   function rememberPrev(r, nextCursor) {
     const map = prevMap(r);
@@ -780,7 +799,7 @@
     const base = ["t", r.tenant, "s", r.state];
     const filters = { prefix: r.prefix, tag: r.tag };
     prev.onclick = () => {
-      const back = prevMap(r)[r.cursor];
+      const back = prevOf(r);
       go(href(base, back && back.cursor ? { ...filters, cursor: back.cursor, p: back.page }
         : filters));
     };
