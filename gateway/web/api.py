@@ -45,8 +45,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -62,10 +63,12 @@ from ..errors import QueryError
 from ..lru import LRU
 from ..store import queries
 from ..store.database import Database
-from .server import AddRoutes, error_response
+from .server import AddRoutes, error_response, once_per
 from .tokens import Grant, TokenStore, token_from_header
 
 log = logging.getLogger(__name__)
+# A request any holder of a token can repeat: its log line at most every 10 s.
+failures = once_per(10.0, logging.getLogger(f"{__name__}.cassandra"))
 
 PREFIX = "/api/v1"
 DEFAULT_LIMIT = 100
@@ -78,6 +81,9 @@ LIST_TTL = 0.5
 COUNTS_TTL = 1.0
 SLOW_COUNTS_TTL = 10.0
 CACHE_SIZE = 2048
+LIST_PARAMS = ("limit", "cursor", "prefix", "tag")
+HISTORY_PARAMS = ("since", "until", "limit", "cursor")
+ROLLUP_PARAMS = ("since", "until", "step", "metric")
 
 
 @dataclass(slots=True)
@@ -105,49 +111,59 @@ class ReadApi:
         self._inflight: dict[str, asyncio.Future[_Cached]] = {}
 
     def add_routes(self, app: web.Application) -> None:
+        # Each route and the query parameters it takes: any other (a typo such
+        # as "tags" or "Limit") is a 400, never silently unfiltered data.
         routes = [
-            ("/me", self._me),
-            ("/tenants/{tenant}/states", self._states),
-            ("/tenants/{tenant}/states/{state}/devices", self._devices),
-            ("/tenants/{tenant}/devices/{device_id}", self._device),
-            ("/tenants/{tenant}/devices/{device_id}/history", self._history),
-            ("/tenants/{tenant}/devices/{device_id}/rollups", self._rollups),
-            ("/tenants/{tenant}/meta/metrics", self._meta),
-            ("/tenants/{tenant}/meta/tags", self._meta),
-            ("/tenants/{tenant}/meta/tags/{key}/values", self._meta),
-            ("/tenants/{tenant}/meta/devices", self._meta),
-            ("/tenants/{tenant}/rejected", self._rejected),
+            ("/me", self._me, ()),
+            ("/tenants/{tenant}/states", self._states, ()),
+            ("/tenants/{tenant}/states/{state}/devices", self._devices, LIST_PARAMS),
+            ("/tenants/{tenant}/devices/{device_id}", self._device, ()),
+            ("/tenants/{tenant}/devices/{device_id}/history", self._history, HISTORY_PARAMS),
+            ("/tenants/{tenant}/devices/{device_id}/rollups", self._rollups, ROLLUP_PARAMS),
+            ("/tenants/{tenant}/meta/metrics", self._meta, ()),
+            ("/tenants/{tenant}/meta/tags", self._meta, ()),
+            ("/tenants/{tenant}/meta/tags/{key}/values", self._meta, ()),
+            ("/tenants/{tenant}/meta/devices", self._meta, ("tag",)),
+            ("/tenants/{tenant}/rejected", self._rejected, ("since", "limit")),
         ]
-        for path, handler in routes:
-            app.router.add_get(PREFIX + path, self._handle(handler))
+        for template, handler, params in routes:
+            # A segment is anything but "/": aiohttp's default also refuses
+            # "{" and "}", which states, devices and tenants may hold.
+            path = PREFIX + re.sub(r"\{(\w+)\}", r"{\1:[^/]+}", template)
+            app.router.add_get(path, self._handle(handler, frozenset(params)))
         app.router.add_get(PREFIX + "/openapi.json", self._openapi)
 
     # -- plumbing ---------------------------------------------------------
 
     def _handle(
-        self, handler: Callable[[web.Request, Grant], Awaitable[_Cached]]
+        self,
+        handler: Callable[[web.Request, Grant], Awaitable[_Cached]],
+        params: frozenset[str],
     ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def run(request: web.Request) -> web.StreamResponse:
             try:
                 # The token first: who may not read the tenant learns nothing
                 # about its parameters (401 or 403, never a 400).
                 grant = self._grant(request, request.match_info.get("tenant"))
-                for name, value in request.query.items():
-                    most = MAX_CURSOR if name == "cursor" else MAX_PARAM
-                    if len(value) > most:
-                        raise queries.bad_parameter(name, f"longer than {most} characters")
+                _check_params(request.query, params)
                 answer = await handler(request, grant)
             except _ApiError as exc:
-                headers = [("WWW-Authenticate", "Bearer")] if exc.status == 401 else []
+                headers = {401: [("WWW-Authenticate", "Bearer")], 503: [("Retry-After", "2")]}
                 return error_response(
-                    request, exc.status, exc.detail, code=exc.code, headers=headers
+                    request,
+                    exc.status,
+                    exc.detail,
+                    code=exc.code,
+                    headers=headers.get(exc.status, []),
                 )
             except QueryError as exc:
                 if exc.parameter is not None:
                     return error_response(request, 400, str(exc), code="bad_parameter")
                 return error_response(request, 503, str(exc), code="unavailable")
             except (DriverException, RequestExecutionException, NoHostAvailable, OSError) as exc:
-                log.warning("read API: Cassandra failed: %s", exc)
+                # Once per 10 s at most: pages left open through an outage
+                # ask every second or two each, and an edge host's disk is small.
+                failures.warning("read API: Cassandra failed: %s", exc)
                 detail = f"Cassandra did not answer: {type(exc).__name__}"
                 return error_response(
                     request, 503, detail, code="unavailable", headers=[("Retry-After", "2")]
@@ -169,6 +185,15 @@ class ReadApi:
         if token is None:
             raise _ApiError(401, "unauthorized", "send a read token: Authorization: Bearer <token>")
         grant = self._tokens.verify(token)
+        if grant is None and self._tokens.error is not None:
+            # The file could not be read (a half-written line): no token is
+            # accepted until it is fixed, but this one may be good. A 401
+            # logged every open page out and made it forget its token.
+            raise _ApiError(
+                503,
+                "unavailable",
+                "the gateway cannot read its tokens file now (its log says why); try again",
+            )
         if grant is None:
             raise _ApiError(401, "unauthorized", "unknown or revoked token")
         if tenant is not None and not grant.allows(tenant):
@@ -176,11 +201,16 @@ class ReadApi:
         return grant
 
     async def _cached(
-        self, key: str, ttl: float, compute: Callable[[], Awaitable[tuple[Any, float]]]
+        self,
+        key: str,
+        ttl: float,
+        compute: Callable[[], Awaitable[tuple[Any, float]]],
+        versioned: Callable[[Any], Any] | None = None,
     ) -> _Cached:
         """The answer for ``key``, computed at most once per ``ttl`` however
         many ask; ``compute`` returns the body and how long it may be kept
-        (``ttl`` when 0)."""
+        (``ttl`` when 0). The ETag covers ``versioned(body)`` (the whole
+        body when None)."""
         now = time.monotonic()
         found = self._cache.get(key)
         if found is not None and found.expires > now:
@@ -192,7 +222,7 @@ class ReadApi:
         self._inflight[key] = future
         try:
             body, keep = await compute()
-            answer = _answer(body)
+            answer = _answer(body, None if versioned is None else versioned(body))
             answer.expires = time.monotonic() + (keep or ttl)
             self._cache.put(key, answer)
             future.set_result(answer)
@@ -235,7 +265,9 @@ class ReadApi:
                 "states": [{"state": s, "devices": n} for s, n in counts],
             }, keep
 
-        return await self._cached(f"states:{tenant}", COUNTS_TTL, compute)
+        # The ETag leaves out "as_of" (the time of each count): the same
+        # counts are a 304, and the tiles are not redrawn every second.
+        return await self._cached(f"states:{tenant}", COUNTS_TTL, compute, _without_as_of)
 
     async def _devices(self, request: web.Request, grant: Grant) -> _Cached:
         tenant, state = request.match_info["tenant"], request.match_info["state"]
@@ -285,15 +317,18 @@ class ReadApi:
         since, until = _day_range(query)
         limit = _int(query, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
         cursor = query.get("cursor") or None
-        page = await queries.history_page(self._db, tenant, device, since, until, limit, cursor)
-        return _answer(
-            {
+
+        async def compute() -> tuple[Any, float]:
+            page = await queries.history_page(self._db, tenant, device, since, until, limit, cursor)
+            return {
                 "tenant": tenant,
                 "device_id": device,
                 "events": [e.as_json() for e in page.events],
                 "next_cursor": page.next_cursor,
-            }
-        )
+            }, 0
+
+        # By the query as sent: "since=7d", the page's, is one key every poll.
+        return await self._cached(f"history:{request.path_qs}", LIST_TTL, compute)
 
     async def _rollups(self, request: web.Request, grant: Grant) -> _Cached:
         tenant, device = request.match_info["tenant"], request.match_info["device_id"]
@@ -348,8 +383,12 @@ class ReadApi:
         now = datetime.now(UTC)
         since = _time(query, "since", now - timedelta(hours=1), now)
         limit = _int(query, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
-        rows = await queries.rejected(self._db, tenant, since, limit)
-        return _answer({"tenant": tenant, "rejected": [r.as_json() for r in rows]})
+
+        async def compute() -> tuple[Any, float]:
+            rows = await queries.rejected(self._db, tenant, since, limit)
+            return {"tenant": tenant, "rejected": [r.as_json() for r in rows]}, 0
+
+        return await self._cached(f"rejected:{request.path_qs}", LIST_TTL, compute)
 
     async def _openapi(self, request: web.Request) -> web.StreamResponse:
         return web.json_response(OPENAPI, dumps=lambda v: orjson.dumps(v).decode())
@@ -377,13 +416,34 @@ def read_api(db: Database, config: Config, tokens: TokenStore) -> AddRoutes:
     return ReadApi(db, config, tokens).add_routes
 
 
-def _answer(body: Any) -> _Cached:
+def _answer(body: Any, versioned: Any = None) -> _Cached:
+    """``body`` as JSON, with an ETag over ``versioned`` (the body when None)."""
     data = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
-    return _Cached(0.0, data, '"' + hashlib.blake2b(data, digest_size=12).hexdigest() + '"')
+    tagged = data if versioned is None else orjson.dumps(versioned, option=orjson.OPT_SORT_KEYS)
+    return _Cached(0.0, data, '"' + hashlib.blake2b(tagged, digest_size=12).hexdigest() + '"')
+
+
+def _without_as_of(body: dict[str, Any]) -> dict[str, Any]:
+    return {name: value for name, value in body.items() if name != "as_of"}
 
 
 def _etags(header: str) -> set[str]:
     return {t.strip().removeprefix("W/") for t in header.split(",") if t.strip()}
+
+
+def _check_params(query: Mapping[str, str], allowed: frozenset[str]) -> None:
+    """Each parameter known to the route, given once, and not too long."""
+    seen: set[str] = set()
+    for name, value in query.items():
+        if name not in allowed:
+            takes = ", ".join(sorted(allowed)) if allowed else "none"
+            raise queries.bad_parameter(name, f"not a parameter of this path (it takes: {takes})")
+        if name in seen:
+            raise queries.bad_parameter(name, "given more than once")
+        seen.add(name)
+        most = MAX_CURSOR if name == "cursor" else MAX_PARAM
+        if len(value) > most:
+            raise queries.bad_parameter(name, f"longer than {most} characters")
 
 
 def _int(query: Any, name: str, default: int, low: int, high: int) -> int:

@@ -135,8 +135,13 @@ class _MaskTokens(logging.Filter):
         return True
 
 
-http_log = logging.getLogger(f"{__package__}.http")
-http_log.addFilter(_OncePer(10.0))
+def once_per(interval: float, logger: logging.Logger) -> logging.Logger:
+    """``logger``, keeping at most one record per message template per ``interval`` s."""
+    logger.addFilter(_OncePer(interval))
+    return logger
+
+
+http_log = once_per(10.0, logging.getLogger(f"{__package__}.http"))
 http_log.addFilter(_MaskTokens())
 
 
@@ -217,12 +222,18 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 def _admission(max_requests: int) -> Middleware:
-    """At most ``max_requests`` handled at once; beyond, 503 at once (refused, not queued)."""
+    """At most ``max_requests`` read API requests handled at once; beyond,
+    503 at once (refused, not queued). /metrics, /healthz and the page's
+    files are never refused: they read no Cassandra, and a Cassandra that
+    hangs (every API request waiting) made monitoring blind and the page
+    impossible to load just when they were needed."""
     active = 0
 
     @web.middleware
     async def admission(request: web.Request, handler: Handler) -> web.StreamResponse:
         nonlocal active
+        if not _is_api(request):
+            return await handler(request)
         if active >= max_requests:
             response = error_response(
                 request,

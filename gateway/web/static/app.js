@@ -679,9 +679,14 @@
           me = (await api("me", null, signal)).data;
           unknown = unknownTenant(r.tenant, me.tenants || []);
         }
-        if (!changed && drawn && (unknown || "") === $("states-empty").dataset.unknown) return;
+        if (!changed && drawn && (unknown || "") === $("states-empty").dataset.unknown) {
+          // The same counts (a 304): they hold as of this answer.
+          renderStatesMeta(Date.now(), data.cached_for_s);
+          return;
+        }
         drawn = true;
         renderTiles(r, data, unknown);
+        renderStatesMeta(changed ? tsMillis(data.as_of) : Date.now(), data.cached_for_s);
       },
     };
   }
@@ -729,12 +734,14 @@
     empty.textContent = unknown || "This tenant has no devices yet.";
     empty.dataset.unknown = unknown || "";
     show(empty, states.length === 0);
-    const asOf = tsMillis(data.as_of);
+  }
+
+  // "Counts as of 18:20:01, may be up to 1 s old": asOf is the answer's
+  // as_of, or the time of a 304 (the server found the same counts then).
+  function renderStatesMeta(asOf, cachedFor) {
     const parts = [];
     if (asOf != null) parts.push(`Counts as of ${formatTime(asOf)}`);
-    if (isNumber(data.cached_for_s) && data.cached_for_s > 0) {
-      parts.push(`may be up to ${data.cached_for_s} s old`);
-    }
+    if (isNumber(cachedFor) && cachedFor > 0) parts.push(`may be up to ${cachedFor} s old`);
     $("states-meta").textContent = parts.join(", ");
   }
 
