@@ -9,8 +9,8 @@ own, cleared after).
 
 Usage: .venv/bin/python bench/start_time.py [--rtts 0 100 1000] [--runs 1]
 Prints a table; over 1 s round trips the start took 75 s (before the
-statements were prepared together), 47 s (before the sessions opened
-together), and about 20 s since.
+statements were prepared together), 48 s (before the sessions opened
+together), and 19 s since.
 """
 
 from __future__ import annotations
