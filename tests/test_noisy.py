@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
+from gateway.config import DEFAULT_TEMPLATE
 from gateway.store.database import Database
 from gateway.tools.simulate import FleetSpec, noisy_device_ids, publish
 
@@ -101,6 +102,51 @@ async def test_noisy_devices_are_sampled_and_every_state_change_is_kept(
         else:
             # Quiet devices are untouched: every event is stored.
             assert set(rows) == {e["ts"] for e in events}, device
+
+
+async def test_a_state_change_right_after_a_back_filled_state_is_kept(
+    db: Database, tenant: str
+) -> None:
+    """A noisy device was idle, a late "running" arrives as back-fill, then a
+    fresh "idle": that running -> idle change must have its raw row. Before,
+    back-fill bypassed the sampler, which still took the device for idle and
+    sampled the fresh idle out."""
+    config = make_config(
+        GATEWAY_SAMPLING__NOISY_ABOVE="5",
+        GATEWAY_SAMPLING__NOISY_FOR="0s",
+        # One kept sample per 10 s: the whole run is in the first slot, so
+        # only a state change (or a transition) keeps an event.
+        GATEWAY_SAMPLING__TARGET_RATE="0.1",
+        GATEWAY_SAMPLING__BACKFILL_AFTER="2s",
+        # This tenant only: other tests' traffic on the shared broker would
+        # count in wait_handled, which could return before this test's events
+        # are written.
+        GATEWAY_TOPICS=f'[{{template = "{DEFAULT_TEMPLATE}", tenants = ["{tenant}"]}}]',
+    )
+    t = topic(tenant, "pump")
+    async with running_gateway(config) as gw:
+        t0 = int(time.time() * 1000)
+        # Idle, then 100 stateless events at once: noisy from the 40th or so on.
+        await _publish_json(
+            [
+                (t, {"ts": t0, "state": "idle"}),
+                *((t, {"ts": t0 + 1 + i, "metrics": {"p": i}}) for i in range(100)),
+            ]
+        )
+        await gw.wait_handled(101)
+        assert gw.stats.sampled_out > 0
+        # "running" at t0 + 500 ms, received more than backfill_after later.
+        running_ts = t0 + 500
+        await asyncio.sleep(max(0.0, (running_ts + 3000) / 1000 - time.time()))
+        await _publish_json([(t, {"ts": running_ts, "state": "running"})])
+        await gw.wait_handled(102)
+        back_ts = int(time.time() * 1000)
+        await _publish_json([(t, {"ts": back_ts, "state": "idle"})])
+        await gw.wait_handled(103)
+    rows = await raw_rows(db, tenant, "pump")
+    assert rows[running_ts].state == "running"  # back-fill is always kept
+    assert back_ts in rows, "the running -> idle change was sampled out"
+    assert (await device_row(db, tenant, "pump")).state == "idle"
 
 
 async def test_noisy_command_lists_noisy_devices(tenant: str) -> None:

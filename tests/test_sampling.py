@@ -879,3 +879,33 @@ def test_two_states_at_the_same_timestamp_are_both_kept() -> None:
     assert sampler.decide(TENANT, "d1", topic, "on", {}, ts=5_000_000).reason == "sampled"
     clock.now += 0.004
     assert sampler.decide(TENANT, "d1", topic, "off", {}, ts=5_000_000).keep_raw
+
+
+def test_back_fill_shown_to_observe_is_what_the_next_event_is_compared_with() -> None:
+    """Back-fill is kept without decide and used to be invisible to the sampler:
+    a change back from its state was taken for no change and sampled out. An
+    untracked device (after a restart, the first view may be an old event)
+    stays untracked, and nothing is counted."""
+    clock = FakeClock()
+    sampler = _sampler(clock)
+    _make_noisy(sampler, clock)  # d1 is "on", timestamps 0, 1, 2, ...
+    topic = _topic(TENANT, "d1")
+    counters, rate = sampler.tenant_counters(), sampler.rate(TENANT, "d1")
+    sampler.observe(TENANT, "d1", "off", 1_000_000)
+    assert sampler.tenant_counters() == counters
+    assert sampler.rate(TENANT, "d1") == rate
+    clock.now += 0.004
+    assert sampler.decide(TENANT, "d1", topic, "on", {}, ts=1_000_001).reason == "state_change"
+    # Back-fill older than the newest state does not replace it.
+    sampler.observe(TENANT, "d1", "off", 500_000)
+    clock.now += 0.004
+    assert sampler.decide(TENANT, "d1", topic, "on", {}, ts=1_000_002).reason == "sampled"
+    # Untracked: no entry; the device's next event is still its first.
+    sampler.observe(TENANT, "d2", "off", 1)
+    assert sampler.tracked_devices == 1
+    assert sampler.decide(TENANT, "d2", "t", "off", {}, ts=2).reason == "state_change"
+    # Tracked but with no state known: an old state is not adopted, since
+    # states before the device was tracked are unknown.
+    assert sampler.decide(TENANT, "d3", "t", None, {}, ts=100).reason == "state_change"
+    sampler.observe(TENANT, "d3", "off", 50)
+    assert sampler.decide(TENANT, "d3", "t", "off", {}, ts=101).reason == "state_change"

@@ -123,6 +123,9 @@ class Classifier:
                 event.untimed_redelivery = True
                 event.write_ts %= 1000
         if delivery.received_ms - event.ts_ms > self._backfill_ms:
+            # Kept without sampling, but the sampler must still see the state
+            # it brings: the device's next state change is judged against it.
+            self._sampler.observe(tenant, device, event.state, event.write_ts)
             return Item(delivery, event, None, _BACKFILL)
         # Judged at the message's arrival time: a backlog drained from the spool
         # keeps the rate it arrived at, and does not look noisy.

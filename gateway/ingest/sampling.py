@@ -37,7 +37,9 @@ Promises:
   after a device becomes noisy or quiet again, and an event that an
   ``important`` rule marks (a metric beyond a threshold, or back from beyond
   it). These always have ``update_latest=True``. Only the device quota can
-  refuse them.
+  refuse them. Events the caller keeps without asking (back-fill) are shown
+  to :meth:`Sampler.observe`, so a state they bring is what the next event
+  is compared with.
 * With ``enabled = false`` device sampling is off and every event is kept;
   tenant quotas (rate and device count) still apply.
 * Bounded memory: at most ``max_devices`` devices are tracked (LRU; evictions
@@ -454,6 +456,28 @@ class Sampler:
         ten.kept += 1
         dev.kept_acc = dev.kept_acc * decay + lam
         return verdict
+
+    def observe(self, tenant: str, device_id: str, state: str | None, ts: int) -> None:
+        """Note an event that is kept without :meth:`decide` (back-fill).
+
+        It can still be the device's newest state-bearing event, and the next
+        event must be compared with it, or the change back from it is taken
+        for no change and sampled out. It is not an arrival the rate should
+        count, nor a decision the counters should, so nothing else changes.
+        A device the sampler does not track stays untracked: its next event is
+        kept as new anyway, and after a restart or an eviction an old event
+        may predate states the sampler never saw.
+        """
+        dev = self._devices.peek((tenant, device_id))
+        if dev is None:
+            return
+        dev.newest_ts = max(dev.newest_ts, ts)
+        # Only over a state the sampler knows: with none, the next state-bearing
+        # event is a change anyway, and this one may be older than a state
+        # received before the device was tracked (a restart, an eviction).
+        if state is not None and dev.state is not None and ts >= dev.state_ts:
+            dev.state = state
+            dev.state_ts = ts
 
     def _take_token(self, ten: _Tenant, now: float) -> bool:
         """Refill, then take a token if there is one; False if the bucket is empty."""
