@@ -103,6 +103,9 @@ class Stats:
     sessions_lost: int = 0  # reconnects where the broker no longer had our session
     subscriptions_refused: int = 0  # topic filters the broker refused in a SUBACK
     subscriptions_qos0: int = 0  # topic filters granted QoS 0 only (at most once)
+    # messages that match none of our filters: an earlier config's subscription
+    # left in the broker session (pipeline.Classifier)
+    stale_subscription: int = 0
     states_registered: int = 0
     sampled_out: int = 0  # events whose raw row sampling left out (acknowledged, counted)
     quota_rejected: int = 0  # messages of new devices over a tenant's device quota

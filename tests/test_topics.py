@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
-import pytest
+import logging
 
-from gateway.config import Config, LimitsConfig, TopicTemplate
+import aiomqtt
+import pytest
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from gateway.config import DEFAULT_TEMPLATE, Config, LimitsConfig, TopicTemplate
 from gateway.errors import DecodeError
 from gateway.ingest.topics import TopicMatcher
+
+from .helpers import (
+    MQTT_HOST,
+    MQTT_PORT,
+    clear_session,
+    make_config,
+    publish,
+    running_gateway,
+    topic,
+)
 
 LIMITS = LimitsConfig()
 MAX_LEVEL = LIMITS.max_topic_level_length
@@ -240,3 +255,42 @@ def test_tenant_of_best_effort() -> None:
 def test_tenant_of_without_fixed_tenant_template() -> None:
     assert _matcher().tenant_of("x/acme/y/d1/z") == "acme"
     assert _matcher().tenant_of("site/d1/events") == ""
+
+
+async def test_a_subscription_left_by_an_earlier_config_is_said(
+    tenant: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The broker keeps a persistent session's subscriptions: narrowing
+    `topics` (a shard of tenants) left the earlier, wider filter in place,
+    so other tenants' messages kept arriving, each rejected, and this
+    shard's arrived twice (read-side probe). The gateway cannot list a
+    session's subscriptions (MQTT has no such request); it now says when a
+    message matches none of its own filters, and what to do."""
+    caplog.set_level(logging.WARNING, logger="gateway")
+    client_id = f"narrow-{tenant}"
+    try:
+        # An earlier config's session (as `gateway run` with the default
+        # template left it): tenants/+/devices/+/events.
+        props = Properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = 600
+        async with aiomqtt.Client(
+            MQTT_HOST,
+            MQTT_PORT,
+            identifier=client_id,
+            protocol=aiomqtt.ProtocolVersion.V5,
+            clean_start=False,
+            properties=props,
+        ) as earlier:
+            await earlier.subscribe("tenants/+/devices/+/events", qos=1)
+        narrow = make_config(
+            GATEWAY_MQTT__CLIENT_ID=client_id,
+            GATEWAY_TOPICS=f'[{{template = "{DEFAULT_TEMPLATE}", tenants = ["{tenant}"]}}]',
+        )
+        async with running_gateway(narrow) as gw:
+            await publish([(topic(f"o{tenant}", "d1"), b'{"state": "on"}')])
+            await gw.wait_for(lambda s: s.stale_subscription >= 1)
+    finally:
+        await clear_session(client_id)
+    said = [r.getMessage() for r in caplog.records if "matches none of" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "gateway forget-session" in said[0]

@@ -20,6 +20,7 @@ in an overflow list. A pull source (the spool) awaits :meth:`Pipeline.put`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from ..store.rollups import RollupMarks
 from ..store.rotate import StateRotation
 from ..store.sink import Pending, Sink, Write
 from ..store.telemetry import Telemetry
+from ..topic_filters import covers
 from .decode import Decoder
 from .receive import Delivery
 from .sampling import Sampler, Verdict
@@ -56,6 +58,10 @@ class Item:
     rejection: Rejection | None
     verdict: Verdict = _KEEP_ALL
 
+
+log = logging.getLogger(__name__)
+# A message no filter of ours matches is said at most this often (s).
+STALE_SUBSCRIPTION_EVERY = 60.0
 
 _STOP = object()
 # Asks the write loop to start due state-partition rotations (see tick()).
@@ -97,10 +103,37 @@ class Classifier:
         self._sampler = sampler
         self._stats = stats
         self._backfill_ms = int(config.sampling.backfill_after * 1000)
+        self._filters = [tuple(f.split("/")) for f in self._matcher.subscriptions]
+        self._stale_said = -STALE_SUBSCRIPTION_EVERY
 
     @property
     def subscriptions(self) -> list[str]:
         return self._matcher.subscriptions
+
+    def _subscribed(self, topic: str) -> bool:
+        """Whether one of this config's filters matches the topic."""
+        levels = tuple(topic.split("/"))
+        return any(covers(f, levels) for f in self._filters)
+
+    def _stale_subscription(self, topic: str) -> None:
+        """A message no filter of ours matches: the broker keeps a persistent
+        session's subscriptions, so an earlier config's (a wider template
+        before a shard of tenants) still delivers, and messages under both
+        arrive twice. MQTT cannot list a session's subscriptions: say what
+        to do, once a minute."""
+        self._stats.stale_subscription += 1
+        now = time.monotonic()
+        if now - self._stale_said >= STALE_SUBSCRIPTION_EVERY:
+            self._stale_said = now
+            log.warning(
+                "a message on %r matches none of this config's topic filters (%s): the "
+                "broker session holds a subscription of an earlier config, and messages "
+                "under both arrive twice. Stop the gateway and run `gateway forget-session` "
+                "to start a new session (%d such messages so far)",
+                topic,
+                ", ".join(self.subscriptions),
+                self._stats.stale_subscription,
+            )
 
     def classify(self, delivery: Delivery) -> Item:
         """Never raises: a bad message is data (a Rejection), not an exception."""
@@ -114,6 +147,8 @@ class Classifier:
         except DecodeError as exc:
             if not tenant:
                 tenant = self._matcher.tenant_of(delivery.topic)
+            if exc.reason == "topic" and not self._subscribed(delivery.topic):
+                self._stale_subscription(delivery.topic)
             return Item(delivery, None, rejection(delivery, tenant, device, exc.reason, exc.detail))
         if event.ts_from_receive:
             self._stats.no_ts += 1

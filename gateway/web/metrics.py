@@ -113,6 +113,12 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
         "so messages on them can be lost.",
     ),
     (
+        "gateway_mqtt_stale_subscription_messages_total",
+        "stale_subscription",
+        "Messages that match none of this config's topic filters: a subscription "
+        "of an earlier config left in the broker session (gateway forget-session).",
+    ),
+    (
         "gateway_backpressure_seconds_total",
         "throttled_s",
         "Seconds with mqtt.receive_maximum messages unacknowledged "
