@@ -58,6 +58,13 @@ def is_topic_level(name: str) -> bool:
     return bool(name) and not any(ch in name for ch in "/+#") and not has_control(name)
 
 
+# Names no URL can carry as a path segment: browsers (and most HTTP
+# clients) resolve "." and ".." away, even percent-encoded, so a device or
+# state so named could not be opened in the page or the API.
+NO_URL_NAMES = frozenset({".", ".."})
+NO_URL_REASON = "a URL drops a . or .. path segment, so the page and API could not open it"
+
+
 def has_control(text: str) -> bool:
     """Whether ``text`` holds a C0 or C1 control character (or DEL), which no
     tenant, device id or label may: they would break log lines and listings."""

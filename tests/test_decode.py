@@ -452,6 +452,17 @@ def test_state_length() -> None:
     assert "at least 1" in reject(_json({"state": ""}), "invalid_field")
 
 
+@pytest.mark.parametrize("state", [".", ".."])
+def test_a_state_no_url_can_name_is_refused(state: str) -> None:
+    """A state "." or ".." was stored and counted, but the page could not
+    open it: browsers drop such a path segment, even %2e%2e, so /states/../
+    devices asked for another route (read-side probe). "..." is fine."""
+    detail = reject(_json({"state": state}), "invalid_field")
+    assert detail.startswith("state:")
+    assert "URL" in detail
+    assert decode(_json({"state": "..."})).state == "..."
+
+
 def test_text_length() -> None:
     limit = LIMITS.max_text_length
     assert decode(_json({"value": "v" * limit})).value_text == "v" * limit

@@ -185,6 +185,19 @@ def test_empty_device_level() -> None:
     assert "'tenants/a/devices//events'" in error.detail
 
 
+@pytest.mark.parametrize(
+    ("topic", "level"),
+    [("tenants/acme/devices/./events", "device_id"), ("tenants/../devices/d1/events", "tenant")],
+)
+def test_levels_no_url_can_name_are_refused(topic: str, level: str) -> None:
+    """A device "." was stored, but its page asked for /devices/ and its
+    history for another route: browsers drop "." and ".." path segments,
+    encoded or not (read-side probe)."""
+    error = _reject(_matcher(), topic)
+    assert f"{level} level" in error.detail
+    assert "URL" in error.detail
+
+
 def test_empty_tenant_level() -> None:
     assert "empty tenant level" in _reject(_matcher(), "tenants//devices/d1/events").detail
 

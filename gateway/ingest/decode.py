@@ -44,6 +44,7 @@ from ..config import LimitsConfig
 from ..errors import DecodeError
 from ..event import Event
 from ..identity import event_identity
+from ..topic_filters import NO_URL_NAMES, NO_URL_REASON
 
 REASONS = (
     "topic",  # the topic matches no template or has a bad level
@@ -205,6 +206,8 @@ class Decoder:
         raw_tags: dict[str, str],
         sent_at: float | None,
     ) -> Event:
+        if state in NO_URL_NAMES:
+            raise DecodeError("invalid_field", f"state: {state!r}: {NO_URL_REASON}")
         micros: int | None = None  # below the millisecond, when the ts says
         if ts is None:
             ts_ms, from_receive = received_ms, True

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..config import LimitsConfig, TopicTemplate
 from ..errors import DecodeError
-from ..topic_filters import covers, has_control
+from ..topic_filters import NO_URL_NAMES, NO_URL_REASON, covers, has_control
 
 _NAMED = {"{tenant}": "tenant", "{device_id}": "device_id", "{_}": "_"}
 
@@ -132,3 +132,5 @@ class TopicMatcher:
             )
         if has_control(value):
             raise DecodeError("topic", f"{name} level {value!r} holds control characters")
+        if value in NO_URL_NAMES:
+            raise DecodeError("topic", f"{name} level {value!r}: {NO_URL_REASON}")
