@@ -14,6 +14,8 @@ import re
 import subprocess
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -33,6 +35,8 @@ from gateway.store.database import Database, connect
 
 from .helpers import (
     ROOT,
+    CuttableProxy,
+    RunningGateway,
     as_ms,
     base_env,
     device_row,
@@ -250,6 +254,29 @@ async def test_purged_tombstones_do_not_let_a_late_event_back(tenant: str) -> No
         assert await states_of(db, tenant, "valve", ["open", "shut"]) == ["shut"]
 
 
+@asynccontextmanager
+async def gateway_that_gives_up(
+    client_id: str,
+) -> AsyncIterator[tuple[RunningGateway, CuttableProxy]]:
+    """A gateway writing through a link the test may cut: with it cut, it
+    gives up after 3 s of failing writes (when the body is done), having
+    acknowledged none of what it could not write; the broker keeps that."""
+    async with proxy() as link:
+        config = make_config(
+            GATEWAY_CASSANDRA__PORT=str(link.port),
+            GATEWAY_CASSANDRA__GIVE_UP_AFTER="3",
+            GATEWAY_MQTT__CLIENT_ID=client_id,
+        )
+        try:
+            async with running_gateway(config) as gw:
+                yield gw, link
+                async with asyncio.timeout(60):
+                    await gw.task
+        except BaseExceptionGroup:
+            pass  # gave up, as meant
+    await asyncio.sleep(0.5)
+
+
 async def test_redelivered_event_without_ts_does_not_beat_a_newer_one(
     db: Database, tenant: str
 ) -> None:
@@ -257,26 +284,14 @@ async def test_redelivered_event_without_ts_does_not_beat_a_newer_one(
     (after a gateway that could not write it stopped) must not be stamped anew
     and win over an event that really is newer."""
     client_id = f"nots-{tenant}"
-    async with proxy() as p:
-        config = make_config(
-            GATEWAY_CASSANDRA__PORT=str(p.port),
-            GATEWAY_CASSANDRA__GIVE_UP_AFTER="3",
-            GATEWAY_MQTT__CLIENT_ID=client_id,
-        )
-        try:
-            async with running_gateway(config) as gw:
-                await p.cut()
-                await publish([msg(tenant, "fan", state="on")])  # no ts: stamped now
-                await gw.wait_for(lambda s: s.received >= 1)
-                await asyncio.sleep(0.2)
-                newer = int(time.time() * 1000)
-                await publish([msg(tenant, "fan", ts=newer, state="off")])
-                await gw.wait_for(lambda s: s.received >= 2)
-                async with asyncio.timeout(60):
-                    await gw.task
-        except BaseExceptionGroup:
-            pass  # gave up: nothing was acknowledged, the broker keeps both
-    await asyncio.sleep(0.5)
+    async with gateway_that_gives_up(client_id) as (gw, link):
+        await link.cut()
+        await publish([msg(tenant, "fan", state="on")])  # no ts: stamped now
+        await gw.wait_for(lambda s: s.received >= 1)
+        await asyncio.sleep(0.2)
+        newer = int(time.time() * 1000)
+        await publish([msg(tenant, "fan", ts=newer, state="off")])
+        await gw.wait_for(lambda s: s.received >= 2)
     config = make_config(GATEWAY_MQTT__CLIENT_ID=client_id)
     async with running_gateway(config) as gw:
         await gw.wait_handled(2)
@@ -293,24 +308,12 @@ async def test_redelivered_event_without_ts_beats_an_older_one_without_ts(
     stayed "on" (state-view probe: 3 of 3 after a SIGKILL, 5 of 5 after a
     reconnect). A redelivery goes behind timed writes only."""
     client_id = f"nots2-{tenant}"
-    async with proxy() as p:
-        config = make_config(
-            GATEWAY_CASSANDRA__PORT=str(p.port),
-            GATEWAY_CASSANDRA__GIVE_UP_AFTER="3",
-            GATEWAY_MQTT__CLIENT_ID=client_id,
-        )
-        try:
-            async with running_gateway(config) as gw:
-                await publish([msg(tenant, "fan", state="on")])  # no ts: stamped now
-                await gw.wait_for(lambda s: s.acked >= 1)
-                await p.cut()
-                await publish([msg(tenant, "fan", state="off")])  # no ts, published later
-                await gw.wait_for(lambda s: s.received >= 2)
-                async with asyncio.timeout(60):
-                    await gw.task
-        except BaseExceptionGroup:
-            pass  # gave up: "off" was not acknowledged, the broker keeps it
-    await asyncio.sleep(0.5)
+    async with gateway_that_gives_up(client_id) as (gw, link):
+        await publish([msg(tenant, "fan", state="on")])  # no ts: stamped now
+        await gw.wait_for(lambda s: s.acked >= 1)
+        await link.cut()
+        await publish([msg(tenant, "fan", state="off")])  # no ts, published later
+        await gw.wait_for(lambda s: s.received >= 2)
     config = make_config(GATEWAY_MQTT__CLIENT_ID=client_id)
     async with running_gateway(config) as gw:
         await gw.wait_handled(1)

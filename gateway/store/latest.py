@@ -118,6 +118,12 @@ def state_value(text: str | None, num: float | None) -> str:
 
 PartKey = tuple[str, str, int]  # (tenant, state, bucket)
 
+# A device into a state partition (rotate.py copies rows with it too).
+INSERT_STATE = (
+    "INSERT INTO {keyspace}.latest_events_by_state "
+    "(tenant, state, bucket, gen, device_hash, device_id, ts, value, tags) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?"
+)
 # A tenant's state_buckets, recorded unless one is already (compare-and-set;
 # parameters: the number, the tenant). schema.migrate records it too.
 RECORD_STATE_BUCKETS = (
@@ -199,12 +205,7 @@ class LatestState:
             self._register,
             self._newest_state,
         ) = await asyncio.gather(
-            session.prepare(
-                "INSERT INTO {keyspace}.latest_events_by_state "
-                "(tenant, state, bucket, gen, device_hash, device_id, ts, value, tags) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
-                timestamps=(6,),
-            ),
+            session.prepare(INSERT_STATE, timestamps=(6,)),
             session.prepare(
                 "DELETE FROM {keyspace}.latest_events_by_state USING TIMESTAMP ? "
                 "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ? "

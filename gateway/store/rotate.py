@@ -51,7 +51,7 @@ from ..errors import GatewayError
 from ..identity import FIRST_HASH
 from ..stats import Stats
 from ..units import epoch_ms
-from .latest import LatestState, Part, PartKey
+from .latest import INSERT_STATE, LatestState, Part, PartKey
 from .requests import Requests
 from .write_session import Prepared, WriteSession
 
@@ -122,12 +122,7 @@ class StateRotation:
                 "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ? "
                 f"AND (device_hash, device_id) > (?, ?) LIMIT {PAGE}"
             ),
-            session.prepare(
-                "INSERT INTO {keyspace}.latest_events_by_state "
-                "(tenant, state, bucket, gen, device_hash, device_id, ts, value, tags) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
-                timestamps=(6,),
-            ),
+            session.prepare(INSERT_STATE, timestamps=(6,)),
             session.prepare(
                 "UPDATE {keyspace}.state_partitions SET gen = ?, next_gen = null, "
                 "rotating_since = null, live = ?, retired_gen = ?, retired_at = ? "
