@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import re
 import signal
 import subprocess
 import sys
@@ -16,10 +17,12 @@ from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from gateway.config import Config
@@ -682,3 +685,273 @@ def test_read_failures_are_logged_at_most_once_per_10_s(caplog: pytest.LogCaptur
         api_module.failures.warning("read API: Cassandra failed: %s", "NoHostAvailable")
     # At most one: a read failure of another test within 10 s counts too.
     assert sum("read API: Cassandra failed" in r.getMessage() for r in caplog.records) <= 1
+
+
+# -- the OpenAPI document, checked against what the server does ---------------
+
+_OPENAPI_FIELDS = {
+    "openapi", "info", "jsonSchemaDialect", "servers", "paths", "webhooks",
+    "components", "security", "tags", "externalDocs",
+}  # fmt: skip
+_OPERATION_FIELDS = {
+    "tags", "summary", "description", "externalDocs", "operationId", "parameters",
+    "requestBody", "responses", "callbacks", "deprecated", "security", "servers",
+}  # fmt: skip
+
+
+def _resolve(doc: dict[str, Any], node: Any) -> Any:
+    """``node`` with its local ``$ref`` followed (a dangling one fails)."""
+    while isinstance(node, dict) and "$ref" in node:
+        ref = node["$ref"]
+        assert ref.startswith("#/"), ref
+        target: Any = doc
+        for part in ref[2:].split("/"):
+            assert isinstance(target, dict), f"dangling $ref {ref}"
+            assert part in target, f"dangling $ref {ref}"
+            target = target[part]
+        node = target
+    return node
+
+
+def _every_ref(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        own = [node["$ref"]] if isinstance(node.get("$ref"), str) else []
+        return own + [r for v in node.values() for r in _every_ref(v)]
+    if isinstance(node, list):
+        return [r for v in node for r in _every_ref(v)]
+    return []
+
+
+def _is(kind: str, value: Any) -> bool:
+    if kind in ("integer", "number") and isinstance(value, bool):
+        return False
+    return {
+        "object": isinstance(value, dict),
+        "array": isinstance(value, list),
+        "string": isinstance(value, str),
+        "boolean": isinstance(value, bool),
+        "null": value is None,
+        "integer": isinstance(value, int),
+        "number": isinstance(value, int | float),
+    }[kind]
+
+
+def _conforms(doc: dict[str, Any], schema: Any, value: Any, where: str = "$") -> None:
+    """``value`` fits ``schema`` (the JSON Schema keywords the document uses).
+    An object schema with properties and no additionalProperties is taken as
+    closed: every field of an answer must be documented."""
+    schema = _resolve(doc, schema)
+    kinds = schema.get("type")
+    if kinds is not None:
+        kinds = [kinds] if isinstance(kinds, str) else kinds
+        assert any(_is(k, value) for k in kinds), f"{where}: {value!r} is not {kinds}"
+    if "enum" in schema:
+        assert value in schema["enum"], f"{where}: {value!r} not in {schema['enum']}"
+    if isinstance(value, dict):
+        for name in schema.get("required", []):
+            assert name in value, f"{where}: no {name!r} in {sorted(value)}"
+        properties = schema.get("properties", {})
+        others = schema.get("additionalProperties", not properties)
+        for name, item in value.items():
+            if name in properties:
+                _conforms(doc, properties[name], item, f"{where}.{name}")
+            else:
+                assert others is not False, f"{where}: {name!r} is not documented"
+                if isinstance(others, dict):
+                    _conforms(doc, others, item, f"{where}.{name}")
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            _conforms(doc, schema["items"], item, f"{where}[{i}]")
+
+
+def _check_openapi_structure(doc: dict[str, Any]) -> None:
+    """OpenAPI 3.1 in structure (openapi-spec-validator is not a dependency)."""
+    assert str(doc["openapi"]).startswith("3.1.")
+    assert set(doc) <= _OPENAPI_FIELDS, set(doc) - _OPENAPI_FIELDS
+    assert isinstance(doc["info"]["title"], str)
+    assert isinstance(doc["info"]["version"], str)
+    schemes = doc["components"]["securitySchemes"]
+    assert schemes["bearer"] == {"type": "http", "scheme": "bearer"}
+    for ref in _every_ref(doc):
+        _resolve(doc, {"$ref": ref})
+    ids = [op.get("operationId") for item in doc["paths"].values() for op in item.values()]
+    ids = [i for i in ids if i is not None]
+    assert len(ids) == len(set(ids)), ids
+    for template, item in doc["paths"].items():
+        assert template.startswith("/api/v1/"), template
+        assert set(item) == {"get"}, template
+        op = item["get"]
+        assert set(op) <= _OPERATION_FIELDS, (template, set(op) - _OPERATION_FIELDS)
+        for requirement in op.get("security", []):
+            assert set(requirement) <= set(schemes), template
+        params = [_resolve(doc, p) for p in op.get("parameters", [])]
+        for p in params:
+            assert isinstance(p["name"], str), (template, p)
+            assert p["in"] in ("query", "header", "path", "cookie"), (template, p)
+            assert isinstance(p["required"], bool), (template, p)
+            assert isinstance(p["schema"], dict), (template, p)
+            if p["in"] == "path":
+                assert p["required"] is True, (template, p)
+        keys = [(p["name"], p["in"]) for p in params]
+        assert len(keys) == len(set(keys)), (template, keys)
+        in_path = {p["name"] for p in params if p["in"] == "path"}
+        assert in_path == set(re.findall(r"\{(\w+)\}", template)), template
+        assert op["responses"], template
+        for code, given in op["responses"].items():
+            assert re.fullmatch(r"[1-5]\d\d|[1-5]XX|default", code), (template, code)
+            response = _resolve(doc, given)
+            assert isinstance(response["description"], str), (template, code)
+            for media in response.get("content", {}).values():
+                assert isinstance(_resolve(doc, media["schema"]), dict), (template, code)
+            for name, given_header in response.get("headers", {}).items():
+                header = _resolve(doc, given_header)
+                assert "name" not in header, (template, code, name)
+                assert "in" not in header, (template, code, name)
+                assert isinstance(header["schema"], dict), (template, code, name)
+
+
+async def test_the_openapi_document_declares_what_each_route_takes_and_answers(
+    db: Database, tenant: str, tmp_path: Path
+) -> None:
+    """The document declared only path parameters: the query parameters, the
+    304, the 404 of an unknown device and the 503's Retry-After were prose,
+    and no answer had a schema, so a generated client could send no filter.
+    Here every route is asked with each declared query parameter (taken),
+    each bound (kept), every undeclared name (refused, and the server's own
+    list of what the route takes is the declared one), and every answer is
+    checked against the status, headers and schema the document gives."""
+    now = datetime.now(UTC).isoformat(timespec="milliseconds")
+    event = {"ts": now, "state": "on", "value": 21.5}
+    event |= {"metrics": {"temperature": 21.5}, "tags": {"floor": "3"}}
+    async with running_gateway(make_config()) as gw:
+        await publish(
+            [
+                *reference_messages(tenant),
+                (topic(tenant, D1), orjson.dumps(event)),
+                (topic(tenant, D2), b"{"),
+            ]
+        )
+        await gw.wait_handled(7)
+    tokens = TokenStore(tmp_path / "tokens.jsonl", recheck_interval=0)
+    other = tokens.add(tenant=f"o{uuid.uuid4().hex[:12]}").token
+    async with client(db, make_config(), tokens, tenant) as api:
+        status, doc, _ = await api.get("/api/v1/openapi.json", token="")
+        assert status == 200
+        _check_openapi_structure(doc)
+        app = web.Application()
+        read_api(db, make_config(), tokens)(app)
+        served = {r.canonical for r in app.router.resources()} - {"/api/v1/openapi.json"}
+        assert set(doc["paths"]) == served
+
+        declared: dict[str, dict[str, Any]] = {}
+        for template, item in doc["paths"].items():
+            params = [_resolve(doc, p) for p in item["get"].get("parameters", [])]
+            declared[template] = {p["name"]: p for p in params if p["in"] == "query"}
+        anywhere = {name for query in declared.values() for name in query}
+        assert {"limit", "cursor", "prefix", "tag", "since", "until", "step", "metric"} <= anywhere
+
+        def url(template: str, **names: str) -> str:
+            values = {"tenant": tenant, "state": "on", "device_id": D1, "key": "floor"} | names
+            return re.sub(r"\{(\w+)\}", lambda m: values[m[1]], template)
+
+        async def get(
+            template: str,
+            path: str,
+            query: dict[str, str],
+            token: str | None = None,
+            **headers: str,
+        ) -> tuple[int, Any]:
+            """Ask, and check the answer is one the document gives."""
+            text = "&".join(f"{k}={quote(v, safe='')}" for k, v in query.items())
+            status, body, response = await api.get(
+                path + ("?" + text if text else ""), token=token, **headers
+            )
+            responses = doc["paths"][template]["get"]["responses"]
+            assert str(status) in responses, (template, query, status, body)
+            documented = _resolve(doc, responses[str(status)])
+            for name in documented.get("headers", {}):
+                assert name in response.headers, (template, status, name)
+            if "content" in documented:
+                _conforms(doc, documented["content"]["application/json"]["schema"], body)
+            else:
+                assert body is None, (template, status, body)
+            return status, (body, response)
+
+        for template, query in declared.items():
+            path = url(template)
+            required = {n: str(p["example"]) for n, p in query.items() if p["required"]}
+            status, (body, response) = await get(template, path, required)
+            assert status == 200, (template, body)
+            etag = response.headers["ETag"]
+            status, _ = await get(template, path, required, **{"If-None-Match": etag})
+            assert status == 304, template
+            for name in required:
+                status, (body, _) = await get(
+                    template, path, {n: v for n, v in required.items() if n != name}
+                )
+                assert status == 400, (template, name, body)
+                assert body["detail"].startswith(f"{name}:"), (template, body)
+            for name, p in query.items():
+                value = str(p["example"]) if "example" in p else ""
+                status, (body, _) = await get(template, path, required | {name: value})
+                assert status == 200, (template, name, value, body)
+                schema = p["schema"]
+                for good in schema.get("enum", []):
+                    status, (body, _) = await get(template, path, required | {name: good})
+                    assert status == 200, (template, name, good, body)
+                if "maxLength" in schema:
+                    most = schema["maxLength"]
+                    status, (body, _) = await get(template, path, required | {name: "x" * most})
+                    assert status == 200 or "longer than" not in body["detail"], (template, name)
+                    status, (body, _) = await get(
+                        template, path, required | {name: "x" * (most + 1)}
+                    )
+                    assert body["detail"] == f"{name}: longer than {most} characters", template
+                if schema.get("type") == "integer":
+                    low, high = schema["minimum"], schema["maximum"]
+                    assert low <= schema["default"] <= high
+                    for good in (low, high):
+                        status, (body, _) = await get(template, path, required | {name: str(good)})
+                        assert status == 200, (template, name, good, body)
+                    for bad in (low - 1, high + 1):
+                        status, (body, _) = await get(template, path, required | {name: str(bad)})
+                        assert status == 400, (template, name, bad)
+                        assert body["detail"].startswith(
+                            f"{name}: must be between {low} and {high}"
+                        )
+            takes = ", ".join(sorted(query)) or "none"
+            for name in [*sorted(anywhere - set(query)), "Limit", "undeclared"]:
+                status, (body, _) = await get(template, path, required | {name: "1"})
+                assert status == 400, (template, name, body)
+                assert body["detail"] == f"{name}: not a parameter of this path (it takes: {takes})"
+            status, _ = await get(template, path, required, token="")
+            assert status == 401, template
+            status, _ = await get(template, path, required, token=other)
+            assert status == (403 if "{tenant}" in template else 200), template
+            unknown = url(template, state="none", device_id="no-such-device", key="none")
+            status, _ = await get(template, unknown, required)
+            assert status == (404 if template.endswith("{device_id}") else 200), template
+
+        # The tokens file half-written: every route is a 503 with Retry-After.
+        good = (tmp_path / "tokens.jsonl").read_bytes()
+        (tmp_path / "tokens.jsonl").write_bytes(good + b'{"id": "half')
+        for template, query in declared.items():
+            required = {n: str(p["example"]) for n, p in query.items() if p["required"]}
+            status, (body, _) = await get(template, url(template), required)
+            assert status == 503, (template, body)
+        (tmp_path / "tokens.jsonl").write_bytes(good)
+
+
+async def test_an_offset_whose_plus_became_a_space_is_told_so(
+    db: Database, tenant: str, tokens: TokenStore
+) -> None:
+    """ "?since=2026-11-26T23:00:00+05:30" unencoded: the "+" arrives as a
+    space, and the 400 quoted a time that was not the one typed."""
+    async with client(db, make_config(), tokens, tenant) as api:
+        path = f"/api/v1/tenants/{tenant}/devices/{D1}/history?since=2026-11-26T23:00:00+05:30"
+        status, body, _ = await api.get(path)
+        assert status == 400, body
+        assert body["detail"].startswith("since:")
+        assert "%2B" in body["detail"]
+        path = path.replace("+", "%2B")
+        assert (await api.get(path))[0] == 200

@@ -18,6 +18,7 @@ import binascii
 import heapq
 import itertools
 import logging
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -632,6 +633,9 @@ HISTORY_READS = 16
 HISTORY_MAX_SKIP = 10_000
 
 
+_SPACED_OFFSET = re.compile(r"\d \d\d(:?\d\d)?$")
+
+
 def parse_time(parameter: str, text: str, now: datetime | None = None) -> datetime:
     """An RFC 3339 time (without an offset: UTC), or a duration ago with its
     unit, such as ``2h`` or ``30m``. A bare number is refused: a date typed
@@ -656,8 +660,14 @@ def parse_time(parameter: str, text: str, now: datetime | None = None) -> dateti
     try:
         parsed = datetime.fromisoformat(text)
     except ValueError:
+        # "...T23:00:00 05:30": a "+" in a URL's query arrives as a space.
+        plus = (
+            " (a + in a URL query is a space: send it as %2B)"
+            if _SPACED_OFFSET.search(text)
+            else ""
+        )
         raise bad_parameter(
-            parameter, f"{text!r} is neither an RFC 3339 time nor a duration like 2h"
+            parameter, f"{text!r} is neither an RFC 3339 time nor a duration like 2h{plus}"
         ) from None
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 

@@ -63,6 +63,8 @@ from ..errors import QueryError
 from ..lru import LRU
 from ..store import queries
 from ..store.database import Database
+from .openapi import OPENAPI
+from .routes import DEFAULT_LIMIT, MAX_CURSOR, MAX_LIMIT, MAX_PARAM, PREFIX, ROUTES
 from .server import AddRoutes, error_response, once_per
 from .tokens import Grant, TokenStore, token_from_header
 
@@ -70,20 +72,10 @@ log = logging.getLogger(__name__)
 # A request any holder of a token can repeat: its log line at most every 10 s.
 failures = once_per(10.0, logging.getLogger(f"{__name__}.cassandra"))
 
-PREFIX = "/api/v1"
-DEFAULT_LIMIT = 100
-MAX_LIMIT = 500
-MAX_PARAM = 512  # characters in any query parameter but a cursor
-# A cursor the server gave out: a device cursor holds a device id (up to
-# limits.max_topic_level_length characters, 3 bytes each in UTF-8, then base64).
-MAX_CURSOR = 6000
 LIST_TTL = 0.5
 COUNTS_TTL = 1.0
 SLOW_COUNTS_TTL = 10.0
 CACHE_SIZE = 2048
-LIST_PARAMS = ("limit", "cursor", "prefix", "tag")
-HISTORY_PARAMS = ("since", "until", "limit", "cursor")
-ROLLUP_PARAMS = ("since", "until", "step", "metric")
 
 
 @dataclass(slots=True)
@@ -111,26 +103,12 @@ class ReadApi:
         self._inflight: dict[str, asyncio.Future[_Cached]] = {}
 
     def add_routes(self, app: web.Application) -> None:
-        # Each route and the query parameters it takes: any other (a typo such
-        # as "tags" or "Limit") is a 400, never silently unfiltered data.
-        routes = [
-            ("/me", self._me, ()),
-            ("/tenants/{tenant}/states", self._states, ()),
-            ("/tenants/{tenant}/states/{state}/devices", self._devices, LIST_PARAMS),
-            ("/tenants/{tenant}/devices/{device_id}", self._device, ()),
-            ("/tenants/{tenant}/devices/{device_id}/history", self._history, HISTORY_PARAMS),
-            ("/tenants/{tenant}/devices/{device_id}/rollups", self._rollups, ROLLUP_PARAMS),
-            ("/tenants/{tenant}/meta/metrics", self._meta, ()),
-            ("/tenants/{tenant}/meta/tags", self._meta, ()),
-            ("/tenants/{tenant}/meta/tags/{key}/values", self._meta, ()),
-            ("/tenants/{tenant}/meta/devices", self._meta, ("tag",)),
-            ("/tenants/{tenant}/rejected", self._rejected, ("since", "limit")),
-        ]
-        for template, handler, params in routes:
+        for route in ROUTES:
             # A segment is anything but "/": aiohttp's default also refuses
             # "{" and "}", which states, devices and tenants may hold.
-            path = PREFIX + re.sub(r"\{(\w+)\}", r"{\1:[^/]+}", template)
-            app.router.add_get(path, self._handle(handler, frozenset(params)))
+            path = PREFIX + re.sub(r"\{(\w+)\}", r"{\1:[^/]+}", route.template)
+            handler = getattr(self, route.handler)
+            app.router.add_get(path, self._handle(handler, frozenset(p.name for p in route.params)))
         app.router.add_get(PREFIX + "/openapi.json", self._openapi)
 
     # -- plumbing ---------------------------------------------------------
@@ -473,77 +451,3 @@ def _time(query: Any, name: str, default: datetime, now: datetime) -> datetime:
     if text is None or text == "":
         return default
     return queries.parse_time(name, text, now)
-
-
-def _path(summary: str, *params: str, extra: str = "") -> dict[str, Any]:
-    parameters = [
-        {"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in params
-    ]
-    return {
-        "get": {
-            "summary": summary,
-            "description": extra,
-            "security": [{"bearer": []}],
-            "parameters": parameters,
-            "responses": {
-                "200": {"description": "OK (with an ETag; If-None-Match gives 304)"},
-                "400": {"description": "a bad parameter, named in detail"},
-                "401": {"description": "no or an unknown token"},
-                "403": {"description": "a token of another tenant"},
-                "503": {"description": "Cassandra unreachable or refusing"},
-            },
-        }
-    }
-
-
-OPENAPI: dict[str, Any] = {
-    "openapi": "3.1.0",
-    "info": {"title": "MQTT gateway read API", "version": "1"},
-    "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
-    "paths": {
-        PREFIX + "/me": _path("The tenants this token reads"),
-        PREFIX + "/tenants/{tenant}/states": _path(
-            "States and their device counts", "tenant", extra="cached_for_s says how fresh"
-        ),
-        PREFIX + "/tenants/{tenant}/states/{state}/devices": _path(
-            "One page of the devices in a state",
-            "tenant",
-            "state",
-            extra=f"query: limit (1-{MAX_LIMIT}, default {DEFAULT_LIMIT}), cursor "
-            "(next_cursor of the previous page), prefix (device id), tag (KEY:VALUE or KEY=VALUE)",
-        ),
-        PREFIX + "/tenants/{tenant}/devices/{device_id}": _path(
-            "A device's latest event (404 if none)", "tenant", "device_id"
-        ),
-        PREFIX + "/tenants/{tenant}/devices/{device_id}/history": _path(
-            "A device's raw events, newest first",
-            "tenant",
-            "device_id",
-            extra="query: since, until (RFC 3339 or a duration ago like 2h; default the "
-            f"last 24 h), limit (1-{MAX_LIMIT}), cursor",
-        ),
-        PREFIX + "/tenants/{tenant}/devices/{device_id}/rollups": _path(
-            "A device's 1-minute or 1-hour aggregates of one metric, oldest first",
-            "tenant",
-            "device_id",
-            extra="query: metric (default value), step (1m or 1h, default 1m), since, until "
-            "(RFC 3339 or a duration ago; default the last 24 h; at most "
-            f"{queries.MAX_ROLLUP_WINDOWS} windows)",
-        ),
-        PREFIX + "/tenants/{tenant}/meta/metrics": _path("Metric names the tenant uses", "tenant"),
-        PREFIX + "/tenants/{tenant}/meta/tags": _path("Tag keys the tenant uses", "tenant"),
-        PREFIX + "/tenants/{tenant}/meta/tags/{key}/values": _path(
-            "The values a tag key has had", "tenant", "key"
-        ),
-        PREFIX + "/tenants/{tenant}/meta/devices": _path(
-            "Devices that have carried a tag value",
-            "tenant",
-            extra="query: tag (KEY=VALUE or KEY:VALUE, required)",
-        ),
-        PREFIX + "/tenants/{tenant}/rejected": _path(
-            "Messages the gateway rejected, and why",
-            "tenant",
-            extra="query: since (default 1h; at most 7 days back), limit",
-        ),
-    },
-}
