@@ -17,6 +17,7 @@ import difflib
 import itertools
 import math
 import os
+import re
 import ssl
 import stat
 import tomllib
@@ -828,11 +829,13 @@ def _describe(exc: ValidationError, origin: Mapping[tuple[str, ...], str], file:
         loc = tuple(str(part) for part in err["loc"])
         key = ".".join(loc) or "(top level)"
         source = next((origin[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in origin), None)
-        if source is None:
+        message = err["msg"].removeprefix("Value error, ")
+        if source is None and loc:
             # A whole-section check: name the variables that fed that section.
             under = sorted(name for path, name in origin.items() if path[: len(loc)] == loc)
-            source = ", ".join(under) if under and loc else file
-        message = err["msg"].removeprefix("Value error, ")
+            source = ", ".join(under) if under else file
+        elif source is None:
+            source = _sources_named(message, origin, file)
         given = err.get("input")
         if isinstance(given, _NotToml):
             # "Input should be a valid list" hid a missing bracket or quote.
@@ -841,6 +844,37 @@ def _describe(exc: ValidationError, origin: Mapping[tuple[str, ...], str], file:
             message = "unknown key" + _nearest_key(loc, source)
         lines.append(f"{key} (from {source}): {message}")
     return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+# A dotted key in a message ("mqtt.receive_maximum", "topics.1",
+# "overrides[0].noisy_above"), not part of a topic ("a/mqtt.x").
+_KEY_IN_MESSAGE = re.compile(r"(?<![\w./'-])([a-z_]+(?:(?:\.[\w-]+)|\[\d+\])+)")
+
+
+def _sources_named(message: str, origin: Mapping[tuple[str, ...], str], file: str) -> str:
+    """For a check on the whole config (no one key to blame): the variables
+    that set the keys the message names, and the file (or "defaults") if it
+    names a key no variable set. If it names none: every variable, and the file."""
+    keys = [
+        tuple(re.sub(r"\[(\d+)\]", r".\1", found).split("."))
+        for found in _KEY_IN_MESSAGE.findall(message)
+    ]
+    keys = [key for key in keys if key[0] in Config.model_fields]
+    if not keys:
+        return ", ".join([*sorted(origin.values()), file])
+    names: set[str] = set()
+    from_file = False
+    for key in keys:
+        # A variable for the key or a table that holds it (GATEWAY_TOPICS for
+        # topics.1), or for a key inside it.
+        setting = [
+            name
+            for path, name in origin.items()
+            if key[: len(path)] == path or path[: len(key)] == key
+        ]
+        names.update(setting)
+        from_file = from_file or not any(key[: len(p)] == p for p in origin)
+    return ", ".join([*sorted(names), *([file] if from_file else [])])
 
 
 def _nearest_key(loc: tuple[str, ...], source: str) -> str:

@@ -7,16 +7,24 @@ case; tests/test_edge.py runs the installed command itself."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import gc
+import logging
 import os
 import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from gateway.tools.cli import main
+from gateway import app
+from gateway.config import Config, load_config
+from gateway.errors import CassandraUnreachable
+from gateway.stats import Stats
+from gateway.tools.cli import _run, main
 
 NOWHERE = {"GATEWAY_CASSANDRA__PORT": "1", "GATEWAY_MQTT__PORT": "1"}
 
@@ -233,3 +241,50 @@ def test_noisy_names_what_answers_instead_of_the_gateway(
     assert code == 1, err
     assert "Traceback" not in err
     assert said in err, err
+
+
+@pytest.mark.parametrize("spool", [False, True])
+def test_run_hides_the_drivers_reports_of_its_first_connect_only(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, spool: bool
+) -> None:
+    """Without the spool, `gateway run` with Cassandra away printed four of the
+    drivers' lines (two C++ driver errors, a warning and an error from
+    cassandra-driver) before its one line saying so. They are hidden until the
+    gateway is open (READY), then logged again; with the spool, the spool
+    reports its attempts itself (gateway/spooling.py), and nothing changes."""
+    drivers = [logging.getLogger(n) for n in ("cassandra.cluster", "gateway.store.write_session")]
+
+    async def fake_run(config: Config, stop: asyncio.Event, **kw: Any) -> Stats:
+        for logger in drivers:
+            logger.error("while opening")
+        kw["notifier"].notify("READY=1", "STATUS=running")
+        for logger in drivers:
+            logger.error("once open")
+        return Stats()
+
+    async def unreachable(config: Config, stop: asyncio.Event, **kw: Any) -> Stats:
+        for logger in drivers:
+            logger.error("while opening")
+        raise CassandraUnreachable("cannot connect to Cassandra at 127.0.0.1:1")
+
+    config = load_config(None, {"GATEWAY_SPOOL__ENABLED": str(spool).lower()})
+    threshold = gc.get_threshold()
+    caplog.set_level(logging.INFO)
+    try:
+        monkeypatch.setattr(app, "run", fake_run)
+        assert asyncio.run(_run(config)) == 0
+        monkeypatch.setattr(app, "run", unreachable)
+        with pytest.raises(CassandraUnreachable):
+            asyncio.run(_run(config))
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
+    for logger in drivers:
+        logger.error("after the run")
+    opening = [(logger.name, "while opening") for logger in drivers] if spool else []
+    assert [(r.name, r.getMessage()) for r in caplog.records if r.name != "gateway"] == [
+        *opening,
+        *[(logger.name, "once open") for logger in drivers],
+        *opening,
+        *[(logger.name, "after the run") for logger in drivers],
+    ]

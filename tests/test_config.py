@@ -272,6 +272,52 @@ def test_env_error_attributed_to_env_even_with_file(tmp_path: Path) -> None:
     assert str(path) not in message
 
 
+def test_a_check_across_sections_names_the_variables_it_read(tmp_path: Path) -> None:
+    """A check on the whole config (queue_size against receive_maximum, two
+    overlapping templates) always blamed the file, or "defaults", even when
+    the value came from a GATEWAY_ variable. It names the variables whose
+    keys it names, and the file only if a key it names is not from one."""
+    path = _write(tmp_path, "[pipeline]\nqueue_size = 2000\n")
+    unrelated = {"GATEWAY_API__PORT": "0", "GATEWAY_MQTT__CLIENT_ID": "a"}
+    message = _error(path, {"GATEWAY_MQTT__RECEIVE_MAXIMUM": "5000", **unrelated})
+    assert (
+        f"(top level) (from GATEWAY_MQTT__RECEIVE_MAXIMUM, {path}): "
+        "pipeline.queue_size (2000) must be at least mqtt.receive_maximum (5000)"
+    ) in message
+    assert "GATEWAY_API__PORT" not in message
+    assert "GATEWAY_MQTT__CLIENT_ID" not in message
+    # Without a file: the defaults, named as other errors name them.
+    message = _error(env={"GATEWAY_MQTT__RECEIVE_MAXIMUM": "5000"})
+    assert "(top level) (from GATEWAY_MQTT__RECEIVE_MAXIMUM, defaults): " in message
+    # Both keys from the environment (a whole section counts): not the file.
+    message = _error(
+        path, {"GATEWAY_MQTT": "{receive_maximum = 5000}", "GATEWAY_PIPELINE__QUEUE_SIZE": "100"}
+    )
+    assert "(top level) (from GATEWAY_MQTT, GATEWAY_PIPELINE__QUEUE_SIZE): " in message
+    assert str(path) not in message
+    # Both from the file: the file alone, as before.
+    both = _write(tmp_path, "[mqtt]\nreceive_maximum = 5000\n", name="both.toml")
+    message = _error(both, {"GATEWAY_API__PORT": "0"})
+    assert f"(top level) (from {both}): pipeline.queue_size" in message
+    assert "GATEWAY_" not in message
+    # Overlapping templates from GATEWAY_TOPICS.
+    topics = (
+        '[{template = "a/{tenant}/x/{device_id}"}, '
+        '{template = "a/acme/{_}/{device_id}", tenant = "acme"}]'
+    )
+    message = _error(path, {"GATEWAY_TOPICS": topics, **unrelated})
+    assert "(top level) (from GATEWAY_TOPICS): topics.1 (a/acme/+/+) and topics.0" in message
+    assert str(path) not in message
+    # A topic name too long for a level set by a variable, in a template from the file.
+    long = _write(
+        tmp_path,
+        '[[topics]]\ntemplate = "site/{device_id}/events"\ntenant = "far-too-long"\n',
+        name="long.toml",
+    )
+    message = _error(long, {"GATEWAY_LIMITS__MAX_TOPIC_LEVEL_LENGTH": "8"})
+    assert f"(top level) (from GATEWAY_LIMITS__MAX_TOPIC_LEVEL_LENGTH, {long}): " in message
+
+
 def test_nested_tenant_env_error() -> None:
     message = _error(env={"GATEWAY_TENANTS__ACME__STATE_BUCKETS": "0"})
     assert "tenants.acme.state_buckets (from GATEWAY_TENANTS__ACME__STATE_BUCKETS)" in message

@@ -304,7 +304,10 @@ def test_sigterm_while_only_spooling_ends_cleanly_and_the_log_stays_quiet(
 
 def test_without_the_spool_an_unreachable_cassandra_ends_the_start(tmp_path: Path) -> None:
     """The choice made without the spool: exit at once, with the address and the
-    keys in one line; the service manager restarts the gateway (see README)."""
+    keys in one line; the service manager restarts the gateway (see README).
+    The drivers' own reports of that failed connect (two C++ driver errors,
+    a warning and an error from cassandra-driver) came first: only the
+    INFO start line may."""
     port = free_port()  # nothing listens there
     started = time.monotonic()
     result = run_cli("run", env=base_env(GATEWAY_CASSANDRA__PORT=str(port)), timeout=60)
@@ -313,6 +316,11 @@ def test_without_the_spool_an_unreachable_cassandra_ends_the_start(tmp_path: Pat
     assert errors, result.stderr
     assert errors[0].startswith(f"gateway: cannot connect to Cassandra at 127.0.0.1:{port}")
     assert "spool.enabled" in errors[0]
+    others = [line for line in result.stderr.splitlines() if line not in errors]
+    assert all(" INFO " in line for line in others), result.stderr
+    for driver in ("cassandra.cluster", "gateway.store.write_session", "C++ driver"):
+        assert driver not in result.stderr
+    assert errors == [result.stderr.strip().splitlines()[-1]], result.stderr
     assert time.monotonic() - started < 30
 
 

@@ -487,6 +487,31 @@ async def test_check_and_the_gateway_agree_when_the_spool_disk_is_nearly_full(
     assert "spool: DISK FULL" in done.stdout
 
 
+async def test_check_says_the_disk_is_full_before_the_spool_is_created(tmp_path: Path) -> None:
+    """The first `gateway check` on a fresh edge host, before the gateway has
+    created its spool: it said "spool: empty (... not created yet)" and ok on
+    a disk where the gateway then refused every append. It applies the same
+    rule to the file system the file will be made on (its directory too, which
+    the gateway makes), and still creates nothing."""
+    with _tiny_disk(tmp_path / "disk", "2m") as disk:
+        path = disk / "new" / "spool.sqlite"
+        env = base_env(GATEWAY_SPOOL__ENABLED="true", GATEWAY_SPOOL__PATH=str(path))
+        _fill(disk / "filler", leave=256 * 1024)
+        done = await asyncio.to_thread(run_cli, "check", env=env)
+        assert not path.parent.exists()
+        async with Spool(path, 1000, 1 << 20) as spool:
+            with pytest.raises(SpoolDiskFull):
+                await spool.append([(int(time.time() * 1000), "t/a", None, b"{}")])
+        shutil.rmtree(path.parent)
+        (disk / "filler").unlink()
+        roomy = await asyncio.to_thread(run_cli, "check", env=env)
+    assert done.returncode == 1, done.stdout
+    assert done.stdout.splitlines()[0].startswith("the spool's disk is full"), done.stdout
+    assert f"spool: DISK FULL (acknowledgements paused), {path} not created yet" in done.stdout
+    assert roomy.returncode == 0, roomy.stdout
+    assert f"spool: empty ({path} not created yet)" in roomy.stdout
+
+
 def test_a_spool_turned_off_while_holding_messages_is_said_not_stranded(tmp_path: Path) -> None:
     """Messages acknowledged into the spool, then spool.enabled set to false:
     `gateway run` started without a word and never drained them, and `gateway

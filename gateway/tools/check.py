@@ -74,7 +74,9 @@ async def _cassandra(config: Config) -> Result:
 
 def _spool(config: Config) -> Result:
     path = config.spool.path
-    free = shutil.disk_usage(path.parent).free if path.parent.is_dir() else 0
+    # Where the file is, or will be: the gateway makes its missing directories.
+    where = next((d for d in path.parents if d.is_dir()), None)
+    free = shutil.disk_usage(where).free if where is not None else 0
     # The gateway's own rule (ingest/spool.py, room_needed): a message of the
     # largest size allowed would not be spooled, and acknowledgements pause.
     need = room_needed(config.limits.max_payload_bytes)
@@ -93,6 +95,10 @@ def _spool(config: Config) -> Result:
             return False, f"spool: DISK FULL, cannot read {path}: {exc}", full_disk(free)
         return False, f"spool: cannot read {path}: {exc}", f"cannot read the spool {path}: {exc}"
     if found is None:
+        # The first check on a new host: the gateway could not spool there either.
+        if free < need:
+            said = f"spool: DISK FULL (acknowledgements paused), {path} not created yet"
+            return False, said, full_disk(free)
         return True, f"spool: empty ({path} not created yet)", ""
     age = 0.0 if found.oldest_ms is None else max(0.0, time.time() - found.oldest_ms / 1000)
     # The bounds as the gateway applies them (ingest/spool.py, Spool.full).

@@ -145,7 +145,8 @@ def _parser() -> argparse.ArgumentParser:
         "path",
         nargs="?",
         type=Path,
-        help="where to write it (default gateway.toml; --config FILE names it too)",
+        help="where to write it (default $GATEWAY_CONFIG if set, else gateway.toml; "
+        "--config FILE names it too)",
     )
     ini.add_argument("--force", action="store_true", help="replace an existing file")
     ini.add_argument(
@@ -439,6 +440,39 @@ async def _serve(config: Config) -> int:
     return 0
 
 
+# Where the drivers report a failed connect (cassandra-driver under
+# "cassandra", the C++ driver through acsylla under the write session's).
+_DRIVER_LOGGERS = ("cassandra", "gateway.store.write_session")
+
+
+def _not_from_a_driver(record: logging.LogRecord) -> bool:
+    return not any(record.name == n or record.name.startswith(n + ".") for n in _DRIVER_LOGGERS)
+
+
+def _hide_drivers() -> None:
+    # On the handlers: a filter on a logger misses its children's records.
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_not_from_a_driver)
+
+
+def _hear_drivers() -> None:
+    for handler in logging.getLogger().handlers:
+        handler.removeFilter(_not_from_a_driver)
+
+
+class _HearDriversWhenReady(Notifier):
+    """systemd's notifier for `gateway run`, which hides the drivers' reports
+    of its first connect without the spool: a failed one is said in one line
+    (``gateway: cannot connect to Cassandra at ...``), and theirs came first,
+    four of them. The gateway sends READY=1 once it is open (Gateway.run),
+    and the drivers are heard from then on, or once the run ends."""
+
+    def notify(self, *fields: str) -> None:
+        if "READY=1" in fields:
+            _hear_drivers()
+        super().notify(*fields)
+
+
 # Python's cyclic collector, for `gateway run`: the young generation is
 # collected every GC_YOUNG net allocations of containers instead of 700. The
 # write path allocates a dozen short-lived rows, tuples and dicts per message
@@ -465,12 +499,15 @@ async def _run(config: Config) -> int:
         ",".join(config.cassandra.contact_points),
         config.cassandra.keyspace,
     )
-    notifier = Notifier.from_environ(os.environ)
+    notifier = _HearDriversWhenReady.from_environ(os.environ)
+    if not config.spool.enabled:  # the spool reports its attempts itself
+        _hide_drivers()
     task = asyncio.create_task(
         app.run(
             config, stop, shutdown_deadline=config.pipeline.shutdown_deadline, notifier=notifier
         )
     )
+    task.add_done_callback(lambda _: _hear_drivers())
     await asyncio.wait(
         (task, asyncio.ensure_future(stop.wait())), return_when=asyncio.FIRST_COMPLETED
     )
