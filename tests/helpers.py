@@ -208,19 +208,30 @@ async def running_gateway(config: Config | None = None) -> AsyncIterator[Running
 # ---------------------------------------------------------------- MQTT
 
 
-async def clear_session(client_id: str) -> None:
-    """End a test gateway's persistent session, so the broker stops queueing for it."""
+def _session_client(client_id: str, *, expiry: int, clean_start: bool) -> aiomqtt.Client:
     props = Properties(PacketTypes.CONNECT)
-    props.SessionExpiryInterval = 0
-    async with aiomqtt.Client(
+    props.SessionExpiryInterval = expiry
+    return aiomqtt.Client(
         MQTT_HOST,
         MQTT_PORT,
         identifier=client_id,
         protocol=aiomqtt.ProtocolVersion.V5,
-        clean_start=True,
+        clean_start=clean_start,
         properties=props,
-    ):
+    )
+
+
+async def clear_session(client_id: str) -> None:
+    """End a test gateway's persistent session, so the broker stops queueing for it."""
+    async with _session_client(client_id, expiry=0, clean_start=True):
         pass
+
+
+async def subscribe_session(client_id: str, topic_filter: str) -> None:
+    """A persistent session holding a subscription, as a gateway of an
+    earlier config leaves it (end it with :func:`clear_session`)."""
+    async with _session_client(client_id, expiry=600, clean_start=False) as client:
+        await client.subscribe(topic_filter, qos=1)
 
 
 async def publish(

@@ -4,22 +4,18 @@ from __future__ import annotations
 
 import logging
 
-import aiomqtt
 import pytest
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
 
 from gateway.config import DEFAULT_TEMPLATE, Config, LimitsConfig, TopicTemplate
 from gateway.errors import DecodeError
 from gateway.ingest.topics import TopicMatcher
 
 from .helpers import (
-    MQTT_HOST,
-    MQTT_PORT,
     clear_session,
     make_config,
     publish,
     running_gateway,
+    subscribe_session,
     topic,
 )
 
@@ -282,19 +278,9 @@ async def test_a_subscription_left_by_an_earlier_config_is_said(
     caplog.set_level(logging.WARNING, logger="gateway")
     client_id = f"narrow-{tenant}"
     try:
-        # An earlier config's session (as `gateway run` with the default
-        # template left it): tenants/+/devices/+/events.
-        props = Properties(PacketTypes.CONNECT)
-        props.SessionExpiryInterval = 600
-        async with aiomqtt.Client(
-            MQTT_HOST,
-            MQTT_PORT,
-            identifier=client_id,
-            protocol=aiomqtt.ProtocolVersion.V5,
-            clean_start=False,
-            properties=props,
-        ) as earlier:
-            await earlier.subscribe("tenants/+/devices/+/events", qos=1)
+        # An earlier config's session, as `gateway run` with the default
+        # template left it.
+        await subscribe_session(client_id, "tenants/+/devices/+/events")
         narrow = make_config(
             GATEWAY_MQTT__CLIENT_ID=client_id,
             GATEWAY_TOPICS=f'[{{template = "{DEFAULT_TEMPLATE}", tenants = ["{tenant}"]}}]',
