@@ -25,3 +25,6 @@ class Event:
     # No ts, and the broker says it may have sent it before (MQTT DUP): its
     # receive-time stamp says nothing of its age (gateway/store/latest.py).
     untimed_redelivery: bool = False
+    # ... sent again because it was not acknowledged (DUP, not a retained
+    # copy): newer than what was acknowledged before it.
+    untimed_resent: bool = False

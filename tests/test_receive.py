@@ -638,7 +638,7 @@ async def test_a_retained_message_is_not_sent_again_to_our_session(tenant: str) 
         async with asyncio.timeout(10):
             await task
         await asyncio.to_thread(clear_retained, topic)
-    assert [(d.payload, d.redelivered) for d in got] == [(b'{"state": "alarm"}', True)]
+    assert [(d.payload, d.retained) for d in got] == [(b'{"state": "alarm"}', True)]
 
 
 async def test_templates_one_covering_the_other_take_a_message_once(tenant: str) -> None:

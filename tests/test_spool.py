@@ -98,6 +98,34 @@ async def test_closing_during_a_commit_with_a_delivery_behind_it_does_not_hang(
         assert spool.depth == 2
 
 
+async def test_a_retained_copy_stays_one_through_the_spool(tmp_path: Path) -> None:
+    """A retained copy and a redelivery are placed differently in the state
+    view (the first may be older than anything, the second is newer than what
+    was acknowledged before it): the spool keeps both flags apart."""
+    acks = _Acks()
+    async with Spool(tmp_path / "s.sqlite", 1000, 10**6) as spool:
+        source = SpoolSource(spool, _NoPipeline(), _NoFlow(), Stats(), 100, 100)
+        task = asyncio.create_task(source.append())
+        source.accept(Delivery("t/0", b"0", None, 1000, acks.of("t/0")))
+        source.accept(Delivery("t/1", b"1", None, 1001, acks.of("t/1"), redelivered=True))
+        source.accept(Delivery("t/2", b"2", None, 1002, acks.of("t/2"), retained=True))
+        source.accept(
+            Delivery("t/3", b"3", None, 1003, acks.of("t/3"), redelivered=True, retained=True)
+        )
+        async with asyncio.timeout(5):
+            while len(acks.done) < 4:  # noqa: ASYNC110 - waiting for the commits
+                await asyncio.sleep(0.01)
+        source.close()
+        await task
+        records = await spool.read(0, 10)
+    assert [(r.topic, r.redelivered, r.retained) for r in records] == [
+        ("t/0", False, False),
+        ("t/1", True, False),
+        ("t/2", False, True),
+        ("t/3", True, True),
+    ]
+
+
 async def test_a_spool_folder_that_cannot_be_made_is_a_spool_error(tmp_path: Path) -> None:
     """It was a PermissionError traceback (or NotADirectoryError, as here)."""
     (tmp_path / "file").write_text("")

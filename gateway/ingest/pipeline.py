@@ -152,10 +152,11 @@ class Classifier:
             return Item(delivery, None, rejection(delivery, tenant, device, exc.reason, exc.detail))
         if event.ts_from_receive:
             self._stats.no_ts += 1
-            if delivery.redelivered:
+            if delivery.redelivered or delivery.retained:
                 # Its receive time says nothing of its age: it goes behind every
                 # timed write of the device (gateway/store/latest.py).
                 event.untimed_redelivery = True
+                event.untimed_resent = not delivery.retained
                 event.write_ts %= 1000
         if delivery.received_ms - event.ts_ms > self._backfill_ms:
             # Kept without sampling, but the sampler must still see the state

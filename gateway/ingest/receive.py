@@ -179,6 +179,9 @@ class Delivery:
     received_ms: int
     ack: Done
     redelivered: bool = False  # the MQTT DUP flag: the broker may have sent it before
+    # A retained copy, sent because we subscribed (live messages come with
+    # retain cleared): as old as the message the broker kept, of any age.
+    retained: bool = False
 
 
 # Called on the event loop for every message, in receive order. It must not
@@ -419,9 +422,8 @@ class Receiver:
                     content_type=packet.content_type,
                     received_ms=int(time.time() * 1000),
                     ack=tracker.track(packet.packet_id or 0, int(packet.qos)),
-                    # A retained copy (sent because we subscribed: live messages
-                    # come with retain cleared) is as old as a redelivery.
-                    redelivered=packet.duplicate or packet.retain,
+                    redelivered=packet.duplicate,
+                    retained=packet.retain,
                 )
             )
 

@@ -108,8 +108,11 @@ _COLUMNS = frozenset({"seq", "received_ms", "topic", "content_type", "payload"})
 # Spools written before the DUP flag was kept get the column (false) on open.
 _ADD_REDELIVERED = "ALTER TABLE spool ADD COLUMN redelivered INTEGER NOT NULL DEFAULT 0"
 
-# (received_ms, topic, content_type, payload[, redelivered])
-Appended = tuple[int, str, str | None, bytes] | tuple[int, str, str | None, bytes, bool]
+# (received_ms, topic, content_type, payload[, flags]): the flags are the
+# redelivered column, REDELIVERED | RETAINED (spools before RETAINED hold 0 or 1).
+Appended = tuple[int, str, str | None, bytes] | tuple[int, str, str | None, bytes, int]
+REDELIVERED = 1  # MQTT DUP
+RETAINED = 2  # a retained copy sent because we subscribed
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +123,7 @@ class Record:
     content_type: str | None
     payload: bytes
     redelivered: bool = False
+    retained: bool = False
 
 
 class Peeked(NamedTuple):
@@ -493,7 +497,7 @@ class Spool:
                 cursor = db.execute(
                     "INSERT INTO spool (received_ms, topic, content_type, payload, redelivered) "
                     "VALUES (?, ?, ?, ?, ?)",
-                    record if len(record) == 5 else (*record, False),
+                    record if len(record) == 5 else (*record, 0),
                 )
                 assert cursor.lastrowid is not None
                 seqs.append(cursor.lastrowid)
@@ -514,7 +518,10 @@ class Spool:
             "WHERE seq > ? ORDER BY seq LIMIT ?",
             (after, limit),
         ).fetchall()
-        return [Record(r[0], r[1], r[2], r[3], r[4], bool(r[5])) for r in rows]
+        return [
+            Record(r[0], r[1], r[2], r[3], r[4], bool(r[5] & REDELIVERED), bool(r[5] & RETAINED))
+            for r in rows
+        ]
 
     def _delete(self, seqs: list[int]) -> None:
         db = self._db
@@ -664,7 +671,14 @@ class SpoolSource:
         the disk is full it retries, with half as many each time: a little
         room left (deletes freed pages) takes a small commit, never a large one."""
         records: list[Appended] = [
-            (d.received_ms, d.topic, d.content_type, d.payload, d.redelivered) for d in batch
+            (
+                d.received_ms,
+                d.topic,
+                d.content_type,
+                d.payload,
+                (REDELIVERED if d.redelivered else 0) | (RETAINED if d.retained else 0),
+            )
+            for d in batch
         ]
         delay = RETRY_MIN
         while True:
@@ -765,6 +779,7 @@ class SpoolSource:
                         record.received_ms,
                         _Deleted(self, record.seq, len(record.payload)),
                         record.redelivered,
+                        record.retained,
                     )
                 )
                 last = record.seq
