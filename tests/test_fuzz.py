@@ -31,6 +31,7 @@ from gateway.event import Event
 from gateway.identity import event_identity
 from gateway.ingest.decode import JSON_TYPES, MSGPACK_TYPES, REASONS, Decoder
 from gateway.ingest.topics import TopicMatcher
+from gateway.topic_filters import NO_URL_NAMES
 
 LIMITS = LimitsConfig(
     max_payload_bytes=4096,
@@ -247,7 +248,11 @@ def valid_events(draw: st.DrawFn, received_ms: int) -> tuple[dict[str, Any], int
     if draw(st.booleans()):
         event["ts"], ts_ms = draw(ts_values(received_ms))
     if draw(st.booleans()):
-        event["state"] = draw(st.text(CHARS, min_size=1, max_size=LIMITS.max_state_length))
+        event["state"] = draw(
+            st.text(CHARS, min_size=1, max_size=LIMITS.max_state_length).filter(
+                lambda s: s not in NO_URL_NAMES
+            )
+        )
     if draw(st.booleans()):
         event["value"] = draw(st.one_of(st.text(CHARS, max_size=LIMITS.max_text_length), NUMBERS))
     if draw(st.booleans()):
@@ -278,9 +283,11 @@ SAFE_LEVEL = st.text(
     st.characters(codec="utf-8", exclude_characters="/", exclude_categories=["Cc"]),
     min_size=1,
     max_size=LIMITS.max_topic_level_length,
-).filter(lambda s: not _is_control(s))
+).filter(lambda s: not _is_control(s) and s not in NO_URL_NAMES)
 LEVEL = st.one_of(
-    st.sampled_from(["", "+", "#", "tenants", "devices", "events", "site", "x", "acme", "d1"]),
+    st.sampled_from(
+        ["", "+", "#", ".", "..", "tenants", "devices", "events", "site", "x", "acme", "d1"]
+    ),
     st.text(st.one_of(CHARS.filter(lambda c: c != "/"), CONTROL), max_size=20),
     st.text(st.characters(codec="ascii", exclude_characters="/"), min_size=17, max_size=400),
     SAFE_LEVEL,

@@ -267,7 +267,7 @@ def test_tenant_of_without_fixed_tenant_template() -> None:
 
 
 async def test_a_subscription_left_by_an_earlier_config_is_said(
-    tenant: str, caplog: pytest.LogCaptureFixture
+    keyspace: str, tenant: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The broker keeps a persistent session's subscriptions: narrowing
     `topics` (a shard of tenants) left the earlier, wider filter in place,
