@@ -375,6 +375,14 @@ async def test_cli_and_api_serve_the_rollups(
     assert typo.stderr == (
         f"(0 windows of 1m for 'kwhh': tenant {tenant!r} has no such metric; its metrics: kwh)\n"
     )
+    # A misspelt tenant has no metrics at all: it said nothing of it.
+    other = run_cli("rollup", "--tenant", f"{tenant}x", "m1", "--metric", "kwh",
+                    "--since", iso, "--until", until, "--json")  # fmt: skip
+    assert other.returncode == 0, other.stderr
+    assert other.stderr == (
+        f"(0 windows of 1m for 'kwh': tenant '{tenant}x' has no metrics recorded; "
+        "a misspelt --tenant?)\n"
+    )
     bad = run_cli(*args[:-1], "5m", "--since", iso, "--json")
     assert bad.returncode == 2
     assert "--step" in bad.stderr

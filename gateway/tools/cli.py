@@ -727,6 +727,9 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
     if known and args.metric not in known:
         # Likely a misspelt --metric: say which ones the tenant's devices send.
         hint = f": tenant {args.tenant!r} has no such metric; its metrics: {_first_names(known)}"
+    elif not rows and not known and args.metric != "value" and config.metadata.enabled:
+        # No metric at all (metadata records every name): likely a misspelt --tenant.
+        hint = f": tenant {args.tenant!r} has no metrics recorded; a misspelt --tenant?"
     summary = f"({_count(len(rows), 'window')} of {args.step} for {args.metric!r}{hint})"
     if args.json:
         if hint:
