@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import logging
+import time
 
+import orjson
 import pytest
 
 from gateway.config import DEFAULT_TEMPLATE, Config, LimitsConfig, TopicTemplate
 from gateway.errors import DecodeError
 from gateway.ingest.topics import TopicMatcher
+from gateway.store.database import Database
 
 from .helpers import (
     clear_session,
+    device_row,
     make_config,
     publish,
     running_gateway,
@@ -293,3 +297,29 @@ async def test_a_subscription_left_by_an_earlier_config_is_said(
     said = [r.getMessage() for r in caplog.records if "matches none of" in r.getMessage()]
     assert len(said) == 1, said
     assert "gateway forget-session" in said[0]
+
+
+async def test_a_tenant_moved_off_an_instance_loses_nothing_its_session_held(
+    db: Database, tenant: str
+) -> None:
+    """README's recipe for moving a tenant between shards: stop both, edit
+    both lists, start both. The old owner's session held what was published
+    meanwhile (its old subscription), and the old owner, no longer listing
+    the tenant, rejected it ("matches no configured template"), filed under
+    no tenant: the device's newest state was lost (instances probe: 3 of 3).
+    A message of a template's shape whose tenant is not listed can only come
+    from such a subscription: it is written (writes are idempotent)."""
+    client_id = f"moved-{tenant}"
+    try:
+        # The old owner's session, as its list [tenant] left it.
+        await subscribe_session(client_id, f"tenants/{tenant}/devices/+/events")
+        ts = int(time.time() * 1000)
+        await publish([(topic(tenant, "d1"), orjson.dumps({"ts": ts, "state": "off"}))])
+        now_owns = f'[{{template = "{DEFAULT_TEMPLATE}", tenants = ["o{tenant}"]}}]'
+        config = make_config(GATEWAY_MQTT__CLIENT_ID=client_id, GATEWAY_TOPICS=now_owns)
+        async with running_gateway(config) as gw:
+            await gw.wait_for(lambda s: s.written + s.rejected >= 1)
+            assert (gw.stats.written, gw.stats.rejected, gw.stats.stale_subscription) == (1, 0, 1)
+    finally:
+        await clear_session(client_id)
+    assert (await device_row(db, tenant, "d1")).state == "off"

@@ -110,6 +110,20 @@ class Classifier:
     def subscriptions(self) -> list[str]:
         return self._matcher.subscriptions
 
+    def _unsubscribed(self, topic: str, error: DecodeError) -> tuple[str, str]:
+        """A topic no template takes (``error``): if no filter of ours
+        matches it either, it came through a subscription of an earlier
+        config, said and counted; of a template's shape but a tenant the
+        template does not list (a tenant moved to another shard), it is
+        written all the same, since this session may be the only one that
+        held it (writes are idempotent). Else ``error`` is raised again."""
+        if not self._subscribed(topic):
+            self._stale_subscription(topic)
+            unlisted = self._matcher.unlisted(topic)
+            if unlisted is not None:
+                return unlisted
+        raise error
+
     def _subscribed(self, topic: str) -> bool:
         """Whether one of this config's filters matches the topic."""
         levels = tuple(topic.split("/"))
@@ -128,8 +142,9 @@ class Classifier:
             log.warning(
                 "a message on %r matches none of this config's topic filters (%s): the "
                 "broker session holds a subscription of an earlier config, and messages "
-                "under both arrive twice. Stop the gateway and run `gateway forget-session` "
-                "to start a new session (%d such messages so far)",
+                "under both arrive twice (those of a template's shape are written all the "
+                "same). Start this config under a new mqtt.client_id, then `gateway "
+                "forget-session` the old one (%d such messages so far)",
                 topic,
                 ", ".join(self.subscriptions),
                 self._stats.stale_subscription,
@@ -140,15 +155,16 @@ class Classifier:
         tenant = ""
         device: str | None = None
         try:
-            tenant, device = self._matcher.match(delivery.topic)
+            try:
+                tenant, device = self._matcher.match(delivery.topic)
+            except DecodeError as exc:
+                tenant, device = self._unsubscribed(delivery.topic, exc)
             event = self._decoder.decode(
                 tenant, device, delivery.payload, delivery.content_type, delivery.received_ms
             )
         except DecodeError as exc:
             if not tenant:
                 tenant = self._matcher.tenant_of(delivery.topic)
-            if exc.reason == "topic" and not self._subscribed(delivery.topic):
-                self._stale_subscription(delivery.topic)
             return Item(delivery, None, rejection(delivery, tenant, device, exc.reason, exc.detail))
         if event.ts_from_receive:
             self._stats.no_ts += 1

@@ -106,6 +106,26 @@ class TopicMatcher:
             return tenant, device
         raise DecodeError("topic", f"topic {topic!r} matches no configured template")
 
+    def unlisted(self, topic: str) -> tuple[str, str] | None:
+        """(tenant, device_id) for a topic of a template's shape whose tenant
+        that template does not list, else None. Such a message comes from a
+        subscription an earlier config left in the broker session (a tenant
+        moved to another shard): the caller writes it rather than lose it."""
+        parts = topic.split("/")
+        for tpl in self._templates:
+            if (
+                tpl.only_tenants is None
+                or tpl.tenant_index is None
+                or len(parts) != len(tpl.levels)
+                or not tpl.fits(parts)
+            ):
+                continue
+            tenant, device = parts[tpl.tenant_index], parts[tpl.device_index]
+            self._check_level("device_id", device, topic)
+            self._check_level("tenant", tenant, topic)
+            return tenant, device
+        return None
+
     def tenant_of(self, topic: str) -> str:
         """Best-effort tenant for a topic that failed to match fully ('' if none)."""
         parts = topic.split("/")
