@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import Any, TypeVar
 
@@ -39,7 +39,7 @@ from .ingest.spool import Spool, SpoolSource, stranded
 from .sd_notify import Notifier
 from .spooling import spool_until_reachable, unreachable_since
 from .stats import Stats
-from .store.database import Database, connect
+from .store.database import Database, cannot_connect, connect
 from .store.hot import HotPartitions
 from .store.latest import LatestState
 from .store.limit import INITIAL_IN_FLIGHT, InFlightLimit
@@ -283,6 +283,23 @@ async def _enter_if(
     return await stack.enter_async_context(manager()) if wanted else None
 
 
+class _Opening:
+    """Awaits a step of opening the gateway, once its session is connected:
+    a transient error there (the link dropped while statements were
+    prepared) is an unreachable Cassandra, as a failed connect is, so that
+    spool mode spools and tries again. It was a traceback and exit 1."""
+
+    def __init__(self, config: Config, transient: tuple[type[BaseException], ...]) -> None:
+        self._config = config
+        self._transient = transient
+
+    async def __call__(self, step: Awaitable[T]) -> T:
+        try:
+            return await step
+        except self._transient as exc:
+            raise cannot_connect(self._config.cassandra, exc) from None
+
+
 async def _check_schema(session: WriteSession, config: Config) -> None:
     missing = missing_from(session.keyspace, await session.tables())
     if missing:
@@ -316,11 +333,12 @@ async def open_gateway(
         if isinstance(write, BaseException):
             raise write
         session = write
-        await _check_schema(session, config)
+        opening = _Opening(config, session.transient)
+        await opening(_check_schema(session, config))
         for failed in (rollup_session, reader):
             if isinstance(failed, BaseException):
                 raise failed
-        await session.plan_packing()
+        await opening(session.plan_packing())
         log.info("writing to Cassandra through %s", session.name)
         cassandra = config.cassandra
         limit = InFlightLimit(
@@ -353,15 +371,17 @@ async def open_gateway(
             # reads never queue behind the write path's in-flight cap. Its
             # cursor is never ahead of a mark: RollupMarks.prepare starts it
             # at this minute too, and marks are written after READY.
-            await rollup_session.plan_packing("the roll-up worker")
+            await opening(rollup_session.plan_packing("the roll-up worker"))
             worker = RollupWorker(rollup_session, config, stats)
         # Together: each statement is a round trip, and over a slow link (1 s)
         # one after another they took over a minute before READY.
         writers = (latest, rotation, telemetry, rejects, marks, metadata)
-        await asyncio.gather(
-            requests.prepare_probe(),
-            *(w.prepare(session) for w in writers if w is not None),
-            *(() if worker is None else (worker.start(),)),
+        await opening(
+            asyncio.gather(
+                requests.prepare_probe(),
+                *(w.prepare(session) for w in writers if w is not None),
+                *(() if worker is None else (worker.start(),)),
+            )
         )
         sampler = Sampler(config.sampling)
         classifier = Classifier(config, sampler, stats)
@@ -478,11 +498,20 @@ async def run(
     if not config.spool.enabled and (said := stranded(config.spool.path)):
         raise ConfigError(said)
     since: float | None = None
+    notifier = notifier or Notifier()
     while True:
+        # After spool mode (READY sent, so systemd's watchdog runs) the
+        # watchdog is fed while the gateway opens: that takes round trips,
+        # 34.5 s over 1.6 s ones, and WatchdogSec=30 killed it each time.
+        opened = asyncio.Event()
+        feeding = asyncio.create_task(notifier.keep_alive(opened)) if since else None
         try:
             async with open_gateway(config, stats, shutdown_deadline=shutdown_deadline) as gateway:
+                opened.set()  # Gateway.run feeds it from here on
                 return await gateway.run(stop, ready, notifier)
-        except CassandraUnreachable as exc:
+        # A star: raised after the sink opened, it comes in the sink's group.
+        except* CassandraUnreachable as group:
+            exc = group.exceptions[0]
             if not config.spool.enabled:
                 raise CassandraUnreachable(
                     f"{exc} (cassandra.contact_points, cassandra.port); not retried without "
@@ -490,6 +519,10 @@ async def run(
                 ) from None
             since = since or time.time()
             log.warning("%s: taking messages into the spool until it answers", exc)
+        finally:
+            opened.set()
+            if feeding is not None:
+                await feeding
         if not await spool_until_reachable(
             config,
             stats,

@@ -5,6 +5,7 @@ from the wheel alone."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import re
@@ -22,17 +23,25 @@ from pathlib import Path
 
 import orjson
 import pytest
+from cassandra.cluster import NoHostAvailable
 
+from gateway import app as gateway_app
 from gateway.config import load_config
+from gateway.sd_notify import Notifier
 from gateway.store import queries
 from gateway.store.database import Database
+from gateway.store.telemetry import Telemetry
+from gateway.store.write_session import WriteSession
+from gateway.tools.delay_proxy import DelayProxy
 
 from .helpers import (
+    CQL_PORT,
     DRIVERS,
     ROOT,
     CuttableProxy,
     GatewayProcess,
     base_env,
+    clear_session,
     device_row,
     free_port,
     http_get,
@@ -636,3 +645,88 @@ def test_the_wheel_alone_installs_initialises_and_checks(keyspace: str, tmp_path
     failed = gateway("check", "--config", "gateway.toml")
     assert failed.returncode == 1
     assert failed.stdout.splitlines()[0].startswith("cannot connect to Cassandra at 127.0.0.1:")
+
+
+async def test_a_link_lost_while_the_gateway_opens_sends_it_back_to_spooling(
+    db: Database, tenant: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The link dropped after the session connected but while statements were
+    prepared (0.7 to 0.9 s after Cassandra answered, in the field probe):
+    the driver's timeout went up as it was, and the gateway exited 1 with a
+    traceback, the spool's promise ("for as long as it takes") broken. A
+    transient error while opening is now an unreachable Cassandra: back to
+    spooling, and the next attempt opens. (The fault is injected: a real cut
+    lands in that window only by chance.)"""
+    failures = [NoHostAvailable("the link dropped while preparing", {})]
+    real = Telemetry.prepare
+
+    async def flaky(self: Telemetry, session: WriteSession) -> None:
+        if failures:
+            raise failures.pop()
+        await real(self, session)
+
+    monkeypatch.setattr(Telemetry, "prepare", flaky)
+    config = make_config(
+        GATEWAY_CASSANDRA__DRIVER="python",
+        GATEWAY_SPOOL__ENABLED="true",
+        GATEWAY_SPOOL__PATH=str(tmp_path / "spool.sqlite"),
+    )
+    async with running_gateway(config) as gw:
+        await publish([(topic(tenant, "d1"), orjson.dumps({"state": "on"}))])
+        await gw.wait_for(lambda s: s.written >= 1, deadline=60)
+    assert not failures
+    assert (await device_row(db, tenant, "d1")).state == "on"
+
+
+class _Recording(Notifier):
+    """A notifier under a watchdog of 0.5 s (a ping every 0.25 s) that keeps
+    what it sends, with when."""
+
+    def __init__(self) -> None:
+        super().__init__("@gateway-test", 500_000)
+        self.sent: list[tuple[float, tuple[str, ...]]] = []
+
+    def notify(self, *fields: str) -> None:
+        self.sent.append((time.monotonic(), fields))
+
+    def times(self, field: str) -> list[float]:
+        return [at for at, fields in self.sent if field in fields]
+
+
+async def test_the_watchdog_is_fed_while_the_gateway_opens_after_spooling(
+    tenant: str, keyspace: str, tmp_path: Path
+) -> None:
+    """Spool mode ends when Cassandra answers; the full gateway then opens
+    (sessions, statements: round trips each). Meanwhile nobody pinged the
+    watchdog: 34.5 s without WATCHDOG=1 over a 1.6 s round trip (field
+    probe), past the unit's WatchdogSec=30, so systemd killed the gateway
+    every time it came back from an outage. Here 0.6 s round trips."""
+    port = free_port()  # nothing listens there yet: spool mode
+    config = make_config(
+        GATEWAY_CASSANDRA__PORT=str(port),
+        GATEWAY_SPOOL__ENABLED="true",
+        GATEWAY_SPOOL__PATH=str(tmp_path / "spool.sqlite"),
+    )
+    notifier = _Recording()
+    stop = asyncio.Event()
+    task = asyncio.create_task(gateway_app.run(config, stop, notifier=notifier))
+    try:
+        async with asyncio.timeout(60):
+            while not notifier.times("READY=1"):  # noqa: ASYNC110 - its own notifier
+                await asyncio.sleep(0.05)
+        async with DelayProxy("127.0.0.1", CQL_PORT, delay=0.3, port=port):
+            async with asyncio.timeout(120):
+                while len(notifier.times("READY=1")) < 2:  # noqa: ASYNC110 - the full gateway's
+                    await asyncio.sleep(0.05)
+            opened = notifier.times("READY=1")[1]
+            pings = [at for at in notifier.times("WATCHDOG=1") if at <= opened]
+            gaps = [b - a for a, b in itertools.pairwise([*pings, opened])]
+            assert max(gaps) < 2.0, f"{max(gaps):.1f} s without a ping while opening"
+            stop.set()
+            async with asyncio.timeout(30):
+                await task
+    finally:
+        stop.set()
+        if not task.done():
+            task.cancel()
+        await clear_session(config.mqtt.client_id)
