@@ -265,9 +265,10 @@ class Receiver:
             return
         self._twin_said = now
         log.warning(
-            "the broker closed our last %d connections within seconds of opening them: "
-            "most likely another client uses mqtt.client_id %r (a second gateway with a "
-            "copied config?); each connect ends the other's; give each instance its own",
+            "our last %d connections to the broker ended within seconds of opening: "
+            "either another client uses mqtt.client_id %r (a second gateway with a "
+            "copied config? each connect ends the other's: give each instance its own), "
+            "or the link to the broker keeps dropping",
             len(recent),
             self._config.client_id,
         )
