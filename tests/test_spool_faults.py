@@ -514,6 +514,81 @@ async def test_check_says_the_disk_is_full_before_the_spool_is_created(tmp_path:
     assert f"spool: empty ({path} not created yet)" in roomy.stdout
 
 
+def _remount(where: Path, mode: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{mode}", str(where)], check=True)
+
+
+async def test_check_and_the_gateway_say_the_spool_is_on_a_read_only_file_system(
+    tmp_path: Path,
+) -> None:
+    """The spool's file system mounted read-only (a failing SD card the kernel
+    remounted so looks exactly like this). Before the spool was created,
+    `gateway check` said "spool: empty (... not created yet)" and exited 0,
+    and the gateway then refused to start: "... is not writable by this
+    user", which sends the engineer to chmod. With a spool there, check said
+    "cannot read the spool ...: unable to open database file". Both now say
+    "read-only file system", check in its first line."""
+    with _tiny_disk(tmp_path / "disk", "2m") as disk:
+        path = disk / "new" / "spool.sqlite"
+        env = base_env(GATEWAY_SPOOL__ENABLED="true", GATEWAY_SPOOL__PATH=str(path))
+        _remount(disk, "ro")
+        before = await asyncio.to_thread(run_cli, "check", env=env)
+        with pytest.raises(SpoolError) as refused_before:
+            async with Spool(path, 1000, 1 << 20):
+                pass
+        _remount(disk, "rw")
+        async with Spool(path, 1000, 1 << 20) as spool:
+            await spool.append([(int(time.time() * 1000), "t/a", None, b"{}")] * 10)
+        _remount(disk, "ro")
+        after = await asyncio.to_thread(run_cli, "check", env=env)
+        with pytest.raises(SpoolError) as refused_after:
+            async with Spool(path, 1000, 1 << 20):
+                pass
+    for done in (before, after):
+        assert done.returncode == 1, done.stdout
+        first = done.stdout.splitlines()[0]
+        assert first.startswith(f"cannot write the spool {path}: "), done.stdout
+        assert first.endswith(f": {disk} is a read-only file system"), done.stdout
+        assert f"spool: cannot write {path}: {disk} is a read-only file system" in done.stdout
+        assert "this user" not in done.stdout
+    for refused in (refused_before, refused_after):
+        said = str(refused.value)
+        assert said == f"spool {path}: {disk} is a read-only file system", said
+
+
+def test_check_says_a_spool_this_user_cannot_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`gateway check` never asked whether the spool could be written: "spool:
+    empty (... not created yet)" and ok where the gateway then refused to
+    start. It asks what the gateway asks (ingest/spool.py, unwritable), before
+    and after the file exists. The tests run as root: os.access is made to say
+    what it says to a user without write permission (the fault injected)."""
+    from gateway.tools.check import _spool  # noqa: PLC0415
+
+    path = tmp_path / "new" / "spool.sqlite"
+    config = make_config(GATEWAY_SPOOL__ENABLED="true", GATEWAY_SPOOL__PATH=str(path))
+    real = os.access
+    denied = {tmp_path}
+    monkeypatch.setattr(os, "access", lambda p, mode: p not in denied and real(p, mode))
+    ok, line, problem = _spool(config)
+    assert not ok
+    assert problem == f"cannot write the spool {path}: {tmp_path} is not writable by this user"
+    assert line == f"spool: cannot write {path}: {tmp_path} is not writable by this user"
+    denied.clear()
+
+    async def spool_some() -> None:
+        async with Spool(path, 1000, 1 << 20) as spool:
+            await spool.append([(int(time.time() * 1000), "t/a", None, b"{}")] * 5)
+
+    asyncio.run(spool_some())
+    assert _spool(config)[0]
+    denied.add(path)
+    ok, line, problem = _spool(config)
+    assert not ok
+    assert problem == f"cannot write the spool {path}: {path} is not writable by this user"
+
+
 def test_a_spool_turned_off_while_holding_messages_is_said_not_stranded(tmp_path: Path) -> None:
     """Messages acknowledged into the spool, then spool.enabled set to false:
     `gateway run` started without a word and never drained them, and `gateway

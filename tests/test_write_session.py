@@ -6,12 +6,14 @@ how many partitions the sink puts in one request."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import pytest_asyncio
@@ -279,3 +281,48 @@ def test_value_bytes_estimates_what_a_row_binds() -> None:
         6 + 2 + 8 + 8 + 0 + 0 + len('{"k":"vv","n":1.0}')
     )
     assert value_bytes([OrderedDict(k="vv")]) == len('{"k":"vv"}')  # a dict of another class
+
+
+def test_the_c_driver_s_connection_messages_are_warnings_at_most_once_a_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A link flapping for 90 s: 66 ERROR lines "C++ driver: Socket read error
+    'connection reset by peer'" (journalctl -p err filled up), while the
+    gateway's own lines about the outage were held to once a minute. The
+    driver's connection messages are now warnings, each kind at most once a
+    minute, saying how many were held back; its other messages pass as they did."""
+    now = [1000.0]
+    forward = write_session.DriverLog(clock=lambda: now[0])
+
+    def said(text: str, level: str = "error") -> None:
+        forward(SimpleNamespace(message=text, log_level=level.upper()))
+
+    reset = "Socket read error 'connection reset by peer'"
+    control = (
+        "Unable to establish a control connection to host 127.0.0.1 because of the "
+        "following error: Connection closed prematurely"
+    )
+    with caplog.at_level(logging.DEBUG, logger="gateway.store.write_session"):
+        for _ in range(90):  # one of each a second for 90 s
+            said(reset)
+            said(control.replace("127.0.0.1", "10.0.0.7") if now[0] % 2 else control)
+            now[0] += 1
+        said("Unable to bind statement: wrong type", "error")  # not the link's
+        said("no sharding info: ok on Cassandra", "warn")
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert lines == [
+        ("WARNING", f"C++ driver: {reset}"),
+        ("WARNING", f"C++ driver: {control}"),
+        ("WARNING", f"C++ driver: {reset} (59 more like it held back over the last 60 s)"),
+        (
+            "WARNING",
+            f"C++ driver: {control} (59 more like it held back over the last 60 s)",
+        ),
+        ("ERROR", "C++ driver: Unable to bind statement: wrong type"),
+        ("DEBUG", "C++ driver: no sharding info: ok on Cassandra"),
+    ]
+    # Bounded: a driver saying ever new things keeps a small table.
+    for host in range(1000):
+        name = "".join(chr(ord("a") + int(digit)) for digit in str(host))
+        said(f"Connection pool was unable to connect to host {name}")
+    assert len(forward.last) <= write_session.DRIVER_KINDS

@@ -156,6 +156,29 @@ def room_needed(payload: int) -> int:
     return RESERVE_BYTES + 2 * payload
 
 
+def unwritable(path: Path) -> str | None:
+    """Why the spool at ``path`` cannot be written, naming what is in the way,
+    or None: its file system mounted read-only (a failing SD card the kernel
+    remounted read-only looks exactly like this), or its file, or the
+    directory it is or will be made in (the gateway makes missing ones), not
+    writable by this user. SQLite opens such a file read-only, and the first
+    commit would be refused. `gateway check` asks the same, file or no file."""
+    where = next((p for p in (path, *path.parents) if p.exists()), None)
+    if where is None:
+        return None
+    with contextlib.suppress(OSError):
+        if os.statvfs(where).f_flag & os.ST_RDONLY:
+            mount = where  # named by where it is mounted
+            while mount != mount.parent and os.stat(mount.parent).st_dev == os.stat(mount).st_dev:
+                mount = mount.parent
+            return f"{mount} is a read-only file system"
+    # The file, and the directory SQLite makes its -wal and -shm files in.
+    for what in (path, path.parent) if where == path else (where,):
+        if what.exists() and not os.access(what, os.W_OK):
+            return f"{what} is not writable by this user"
+    return None
+
+
 def _freed(db: sqlite3.Connection) -> int:
     (pages,) = db.execute("PRAGMA freelist_count").fetchone()
     (page_size,) = db.execute("PRAGMA page_size").fetchone()
@@ -369,12 +392,12 @@ class Spool:
     # -- on the spool thread -------------------------------------------------
 
     def _open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         # SQLite opens a file it may not write read-only, and the first commit
         # (the first message, the gateway READY by then) would be refused.
-        for what in (self.path, self.path.parent):
-            if what.exists() and not os.access(what, os.W_OK):
-                raise SpoolError(f"spool {self.path}: {what} is not writable by this user")
+        why = unwritable(self.path)
+        if why is not None:
+            raise SpoolError(f"spool {self.path}: {why}")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         try:
             self._check_ours(db)  # before anything is written to the file

@@ -54,10 +54,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import AsyncIterator, Hashable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -462,15 +463,57 @@ def choose_driver(config: CassandraConfig) -> str:
     return "acsylla" if acsylla_installed() and plain else "python"
 
 
-def _forward_log(message: Any) -> None:
-    text = str(getattr(message, "message", message))
-    level = {"CRITICAL": logging.CRITICAL, "ERROR": logging.ERROR}.get(
-        str(getattr(message, "log_level", "")).upper(), logging.WARNING
-    )
-    if "sharding info" in text:
-        # ScyllaDB's driver says so on every Cassandra connection: expected.
-        level = logging.DEBUG
-    log.log(level, "C++ driver: %s", text)
+# The C++ driver's messages about its connections (a socket reset, a host it
+# cannot reach) come many a second while a link flaps: each kind is logged at
+# most once a minute, at WARNING (the gateway's own lines say the outage), the
+# next saying how many were held back. Kinds, the text without its numbers
+# (addresses, ports), up to DRIVER_KINDS of them.
+_LINK = re.compile(r"socket|connect", re.IGNORECASE)
+DRIVER_EVERY = 60.0
+DRIVER_KINDS = 32
+
+
+class DriverLog:
+    """The C++ driver's logging callback: its records into this module's log."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.last: dict[str, tuple[float, int]] = {}  # kind: (logged at, held back since)
+
+    def __call__(self, message: Any) -> None:
+        text = str(getattr(message, "message", message))
+        if _LINK.search(text):
+            self._link(text)
+            return
+        level = {"CRITICAL": logging.CRITICAL, "ERROR": logging.ERROR}.get(
+            str(getattr(message, "log_level", "")).upper(), logging.WARNING
+        )
+        if "sharding info" in text:
+            # ScyllaDB's driver says so on every Cassandra connection: expected.
+            level = logging.DEBUG
+        log.log(level, "C++ driver: %s", text)
+
+    def _link(self, text: str) -> None:
+        kind, now = re.sub(r"\d+", "#", text), self._clock()
+        logged, held = self.last.pop(kind, (None, 0))
+        if logged is not None and now - logged < DRIVER_EVERY:
+            self.last[kind] = (logged, held + 1)
+            return
+        while len(self.last) >= DRIVER_KINDS:
+            del self.last[next(iter(self.last))]  # the kind seen longest ago
+        self.last[kind] = (now, 0)
+        if held and logged is not None:
+            log.warning(
+                "C++ driver: %s (%d more like it held back over the last %.0f s)",
+                text,
+                held,
+                now - logged,
+            )
+        else:
+            log.warning("C++ driver: %s", text)
+
+
+_forward_log = DriverLog()
 
 
 async def _open_acsylla(config: CassandraConfig) -> AcsyllaSession:
@@ -531,7 +574,8 @@ def _create_cluster(acsylla: Any, config: CassandraConfig, options: dict[str, An
         timestamp_gen="monotonic",
         token_aware_routing=True,
         # The driver's own chatter ("no shard awareness" on Cassandra) is
-        # noise; errors still reach our log.
+        # noise; errors still reach our log (those about its connections as
+        # warnings, once a minute: DriverLog).
         log_level="error",
         logging_callback=_forward_log,
         **options,

@@ -20,7 +20,7 @@ import aiomqtt
 
 from ..config import Config
 from ..errors import ConfigError, SinkError
-from ..ingest.spool import peek, room_needed, stranded
+from ..ingest.spool import peek, room_needed, stranded, unwritable
 from ..store.schema import missing_from
 from ..store.write_session import open_write_session
 from .mqtt_client import mqtt_client
@@ -88,6 +88,11 @@ def _spool(config: Config) -> Result:
             "acknowledgements paused until there is room"
         )
 
+    # The gateway's own refusal at start (ingest/spool.py, Spool._open), asked
+    # whether or not the file is there yet: the first check on a new host too.
+    why = unwritable(path)
+    if why is not None:
+        return False, f"spool: cannot write {path}: {why}", f"cannot write the spool {path}: {why}"
     try:
         found = peek(path)
     except sqlite3.Error as exc:
