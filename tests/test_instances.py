@@ -9,14 +9,30 @@ X" must list each device once, in the state of its newest event.
 
 from __future__ import annotations
 
+import asyncio
+import signal
+import time
+from collections.abc import Callable
+
 import orjson
+import pytest
 
 from gateway.config import Config, TopicTemplate
 from gateway.identity import device_hash
 from gateway.store import queries
 from gateway.store.database import Database
 
-from .helpers import device_row, make_config, publish, running_gateway
+from .helpers import (
+    GatewayProcess,
+    RunningGateway,
+    device_row,
+    make_config,
+    publish,
+    running_gateway,
+    state_rows,
+    telemetry_keys,
+    wait_until,
+)
 
 
 def _instances(tenant: str) -> tuple[Config, Config]:
@@ -178,3 +194,169 @@ async def test_share_group_members_leave_exact_state_counts(db: Database, tenant
     assert min(split) > 0, split  # both members took part
     counts = dict(await queries.state_counts(db, make_config(), tenant))
     assert counts == {"ok": 21, "alarm": 0}, (counts, split)
+
+
+def _own_topics(tenant: str) -> str:
+    """GATEWAY_TOPICS for the default template, subscribed for this tenant only:
+    a gateway in a share group of its own still gets every message its filter
+    matches, other tests' too (the per-worker brokers of `make test` aside)."""
+    template = "tenants/{tenant}/devices/{device_id}/events"
+    return f'[{{template = "{template}", tenants = ["{tenant}"]}}]'
+
+
+async def test_a_late_event_in_a_share_group_loses_to_another_members_newer_write(
+    db: Database, tenant: str
+) -> None:
+    """Share group, rotate_after_deletes = 5. Member A writes d in s0 (t+100)
+    and so knows d's newest write "for sure"; member B writes d's newer s1
+    (t+300), whose delete of d from s0 lands in s0's generation 0. 30 other
+    devices leave s0 through A, which rotates s0 into generation 1 (live rows
+    only: the tombstone stays behind). A late s0 event of d (t+200) then
+    reached A, which still trusted what it knew and wrote d into generation 1
+    with no tombstone to lose to: d counted in s0 and s1 (probe: 3 of 3). In
+    a share group a member reads its devices' newest writes again for every
+    chunk. The broker's dealing is played by the topics: A takes the
+    ``tenants/...`` template, B the ``sites/...`` one, both share-group
+    members, so each message goes to the member the test means."""
+    env = {
+        "GATEWAY_MQTT__SHARE_GROUP": f"g{tenant}",
+        "GATEWAY_PIPELINE__ROTATE_AFTER_DELETES": "5",
+        "GATEWAY_PIPELINE__ROTATION_WAIT": "0.5",
+    }
+    a_cfg = make_config(**env, GATEWAY_TOPICS=_own_topics(tenant))
+    via_b = f"sites/{tenant}/d/events"
+    b_cfg = make_config(**env).model_copy(
+        update={
+            "topics": [
+                TopicTemplate(template=f"sites/{tenant}/{{device_id}}/events", tenant=tenant)
+            ]
+        }
+    )
+    t0 = 1_790_000_000_000
+
+    def via_a(device: str, ts: int, state: str) -> tuple[str, bytes]:
+        return f"tenants/{tenant}/devices/{device}/events", orjson.dumps({"ts": ts, "state": state})
+
+    others = [f"f{i:02d}" for i in range(30)]
+    async with running_gateway(a_cfg) as a, running_gateway(b_cfg) as b:
+        await publish([via_a("w0", t0, "s0"), via_a("w1", t0, "s1")])
+        await a.wait_handled(2)
+        await publish([via_a("d", t0 + 100, "s0")])
+        await a.wait_handled(3)
+        await publish([(via_b, orjson.dumps({"ts": t0 + 300, "state": "s1"}))])
+        await b.wait_handled(1)
+        await publish(via_a(f, t0 + 10, "s0") for f in others)
+        await a.wait_handled(33)
+        await publish(via_a(f, t0 + 20, "s1") for f in others)
+        await a.wait_handled(63)
+
+        async def rotated() -> bool:
+            return (await queries.state_generations(db, tenant, "s0")).get(0, 0) >= 1
+
+        await wait_until(rotated, 30, "s0 rotated into generation 1")
+        await publish([via_a("d", t0 + 200, "s0")])  # late
+        await a.wait_handled(64)
+    assert (await device_row(db, tenant, "d")).state == "s1"
+    assert "d" not in await state_rows(db, tenant, "s0")
+    assert "d" in await state_rows(db, tenant, "s1")
+    counts = dict(await queries.state_counts(db, make_config(), tenant))
+    assert counts == {"s0": 1, "s1": 32}, counts
+
+
+async def _taken_by(gw: RunningGateway, before: int, within: float) -> bool:
+    """Whether the in-process member received more than ``before`` messages within ``within`` s."""
+    try:
+        await gw.wait_for(lambda s: s.received > before, within)
+    except TimeoutError:
+        return False
+    return True
+
+
+async def test_an_untimed_redelivery_in_a_share_group_does_not_beat_another_members_write(
+    db: Database, tenant: str, gateway_process: Callable[..., GatewayProcess]
+) -> None:
+    """Share group of A (a subprocess) and B; a lamp that never sends ts. Its
+    "on" (m1) is dealt to A, stopped before acknowledging it; its later "off"
+    (m2) is dealt to B and written, stamped with B's receive time. A is
+    killed and restarted, and the broker resends m1 (DUP). The rule that puts
+    a redelivered untimed event just after the device's untimed write (the
+    broker resends in order what one session had not acknowledged) put m1
+    after B's write: the lamp ended "on" (probe: 6 of 6). That write came
+    from another member; the rule holds for a sole writer only.
+
+    Mosquitto deals a group's messages to its members in turn: a filler
+    message tells whose turn it is, and a setup dealt otherwise is retried
+    with another lamp."""
+    group = {"GATEWAY_MQTT__SHARE_GROUP": f"g{tenant}", "GATEWAY_TOPICS": _own_topics(tenant)}
+    a = gateway_process(**group)
+    await asyncio.to_thread(a.start)
+    t0 = int(time.time() * 1000) - 60_000
+    lamp = ""
+    async with running_gateway(make_config(**group)) as b:
+        a.signal(signal.SIGSTOP)
+        try:
+            for attempt in range(4):
+                filler = (
+                    f"tenants/{tenant}/devices/filler{attempt}/events",
+                    orjson.dumps({"ts": t0, "state": "on"}),
+                )
+                received = b.stats.received
+                await publish([filler])
+                if not await _taken_by(b, received, 1.5):  # A's turn was this one
+                    received = b.stats.received
+                    await publish([filler])
+                    assert await _taken_by(b, received, 10), "B never took its turn"
+                # B took the last one: A's turn.
+                lamp = f"lamp{attempt}"
+                on, off = orjson.dumps({"state": "on"}), orjson.dumps({"state": "off"})
+                received = b.stats.received
+                await publish([(f"tenants/{tenant}/devices/{lamp}/events", on)])
+                if await _taken_by(b, received, 1.5):
+                    continue  # m1 went to B: not this setup
+                await publish([(f"tenants/{tenant}/devices/{lamp}/events", off)])
+                if not await _taken_by(b, received, 5):
+                    continue  # m2 went to A too
+                await b.wait_for(lambda s: s.written >= s.received and s.acked >= s.received)
+                break
+            else:
+                pytest.fail("the broker never dealt m1 to A and m2 to B")
+            assert (await device_row(db, tenant, lamp)).state == "off"
+        finally:
+            a.signal(signal.SIGCONT)
+        await asyncio.to_thread(a.kill)
+        await asyncio.to_thread(a.start)  # the broker resends m1, DUP set
+
+        async def both_stored() -> bool:
+            return len(await telemetry_keys(db, tenant, lamp)) == 2
+
+        await wait_until(both_stored, 30, "m1 written after the restart")
+        a.signal(signal.SIGTERM)  # what A read is written before it exits
+        assert await asyncio.to_thread(a.wait) == 0
+    assert (await device_row(db, tenant, lamp)).state == "off"
+    assert lamp in await state_rows(db, tenant, "off")
+    assert lamp not in await state_rows(db, tenant, "on")
+
+
+async def test_a_share_group_member_reads_its_devices_for_every_chunk_a_sole_writer_once(
+    tenant: str,
+) -> None:
+    """The cost of the share-group rule above, and none outside a share group:
+    three chunks of the same 5 devices cost a sole writer one read of each
+    device, a share-group member one per chunk."""
+    devices = [f"d{i}" for i in range(5)]
+    reads: list[int] = []
+    for env in ({}, {"GATEWAY_MQTT__SHARE_GROUP": f"g{tenant}"}):
+        mine = f"{tenant}{len(reads)}"
+        config = make_config(**env, GATEWAY_TOPICS=_own_topics(mine))
+        async with running_gateway(config) as gw:
+            for r in range(3):
+                await publish(
+                    (
+                        f"tenants/{mine}/devices/{d}/events",
+                        orjson.dumps({"ts": 1_790_000_000_000 + r, "state": f"s{r % 2}"}),
+                    )
+                    for d in devices
+                )
+                await gw.wait_handled((r + 1) * len(devices))
+            reads.append(gw.stats.newest_reads)
+    assert reads == [5, 15], reads

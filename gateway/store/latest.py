@@ -37,7 +37,16 @@ Promises and bounds:
   the newer event's deletes, and a redelivered event without ``ts`` (MQTT
   DUP), which the pipeline places behind every timed write. After an untimed
   write (``latest_events_by_device.state_untimed``) such a copy goes one µs
-  after it instead: it is newer than what was acknowledged before it.
+  after it instead: it is newer than what was acknowledged before it. Not in
+  a share group (``mqtt.share_group``): there that write may be another
+  member's, of an event published after the copy, and the copy stays behind it.
+* In a share group another member may write the device at any time, so what
+  this process knows of a device is good for one chunk only: every chunk
+  reads its devices' newest writes again (read ahead as above, one request
+  per tenant and up to 100 devices). Kept from one chunk to the next, it let
+  a late event pass as the newest after another member's newer write, and
+  where a rotation had left that write's delete behind in the old generation
+  the device stayed listed and counted in two states.
 * Other gateway instances may register states; known states are re-read every
   ``pipeline.states_refresh`` seconds. Between two refreshes an instance can
   miss a brand-new state in its deletes (documented in the README).
@@ -103,7 +112,9 @@ MAX_TENANTS = 10_000
 @dataclass(slots=True)
 class _Newest:
     write_ts: int  # of the device's newest state-bearing write known
-    sure: bool  # read from Cassandra (and kept up to date) since start-up
+    # Read from Cassandra (and kept up to date) since start-up; in a share
+    # group, read since the last chunk of the device (LatestState._sole_writer).
+    sure: bool
     event_id: int = 0  # of that write's event (0: unknown, a row from before state_event_id)
     # The state of the newest latest-table write this process has sent for the
     # device (None: none since start-up): while it stays, no deletes are needed.
@@ -290,11 +301,17 @@ class LatestState:
         if event.state is None:
             return
         key = (event.tenant, event.device_id)
-        if key in self._to_read or key in self._reading:
+        if key in self._to_read:
             return
-        entry = self._newest.peek(key)
-        if entry is not None and entry.sure:
-            return
+        if key in self._reading:
+            if self._sole_writer:
+                return
+            # In a share group the read under way may be used up by a chunk
+            # before this event's: read again for it.
+        else:
+            entry = self._newest.peek(key)
+            if entry is not None and entry.sure:
+                return
         if len(self._to_read) + len(self._reading) >= self._ahead_max:
             self._stats.newest_read_ahead_skipped += 1  # its chunk reads it
             return
@@ -337,7 +354,11 @@ class LatestState:
         waits: meanwhile the read-ahead of the events queued behind it puts
         up to a queue's worth of devices into the cache, which may evict
         them (a cache smaller than a chunk plus the queue: the chunk then
-        took its devices for unknown and wrote their late events)."""
+        took its devices for unknown and wrote their late events).
+
+        In a share group the chunk uses up what it read: its devices are no
+        longer sure once it is prepared, and the next chunk of each reads it
+        again (another member may have written it meanwhile)."""
         stale: set[int] = set()
         held: dict[tuple[str, str], _Newest] = {}
         to_read: dict[tuple[str, str], None] = {}
@@ -373,7 +394,12 @@ class LatestState:
             entry = held[key]
             if newest.get(key) is not entry:
                 newest.put(key, entry)  # evicted while the chunk waited: back
-            if event.untimed_resent and entry.untimed and entry.write_ts >= event.write_ts:
+            if (
+                self._sole_writer
+                and event.untimed_resent
+                and entry.untimed
+                and entry.write_ts >= event.write_ts
+            ):
                 # Behind timed writes only. After an untimed write the copy
                 # goes just after it: the broker resends what was not
                 # acknowledged in order, so it is newer than what was (probe:
@@ -381,6 +407,10 @@ class LatestState:
                 # its receive time: a timed event behind it in the resent
                 # stream must still win. Not a retained copy: it may be
                 # older than anything (test_a_retained_message_never_beats...).
+                # Not in a share group: the untimed write may be another
+                # member's, of a later event (its "off" written by one member,
+                # then the "on" before it resent to another: the device ended
+                # "on"; test_an_untimed_redelivery_in_a_share_group...).
                 event.write_ts = entry.write_ts + 1
             # A newer write makes this one's latest writes moot at best, and
             # harmful when its deletes missed a state or were purged.
@@ -403,6 +433,14 @@ class LatestState:
             if event.write_ts > entry.write_ts:
                 entry.write_ts, entry.event_id = event.write_ts, event.event_id
                 entry.untimed = event.ts_from_receive
+        if not self._sole_writer:
+            # Used up (see above); writes() still keeps the entry's `written`.
+            # The devices of over-budget events too: a read made for them is
+            # as old as their chunk by the time the device's next event comes.
+            for event in events:
+                entry = self._newest.peek((event.tenant, event.device_id))
+                if entry is not None:
+                    entry.sure = False
         return stale
 
     async def _read_newest(self, keys: list[tuple[str, str]]) -> dict[tuple[str, str], _Newest]:
@@ -491,7 +529,9 @@ class LatestState:
             )
         entry = self._newest.peek((tenant, device))
         previous: str | None = None
-        if entry is not None and entry.sure:
+        # In a share group prepare_chunk has just used the entry up (no
+        # longer sure): what it holds is still this chunk's.
+        if entry is not None and (entry.sure or not self._sole_writer):
             if entry.written == event.state and self._sole_writer:
                 # Same state as this process's last write for the device, whose
                 # deletes cover every other state: nothing to delete again.
