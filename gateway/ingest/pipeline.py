@@ -194,7 +194,7 @@ class Classifier:
             self._stats.quota_by_tenant.add(tenant)
             self._stats.quota_rejected += 1
             detail = (
-                f"new device {device!r} is over tenant {tenant!r}'s device quota "
+                f"new device {device!r} is over the device quota of tenant {tenant!r} "
                 "(sampling.tenants.<tenant>.max_devices_per_tenant)"
             )
             return Item(
