@@ -52,7 +52,7 @@ from .store.schema import missing_from
 from .store.sink import Sink
 from .store.telemetry import Telemetry
 from .store.write_session import WriteSession, open_write_session
-from .web.api import read_api
+from .web.api import read_api, read_api_unavailable
 from .web.metrics import NoisyRate, gateway_registry
 from .web.page import add_page
 from .web.server import AddRoutes, build_app, serve
@@ -283,6 +283,22 @@ async def _enter_if(
     return await stack.enter_async_context(manager()) if wanted else None
 
 
+def _opening_server(config: Config, stats: Stats) -> AbstractAsyncContextManager[Any]:
+    """What the API port answers while the gateway opens after spool mode:
+    /healthz 503 "opening", /metrics, the page, and a read API that is not
+    there yet (503, so an open page waits)."""
+
+    def health() -> tuple[bool, dict[str, object]]:
+        return False, {"cassandra": "answers again: opening the gateway"}
+
+    app = build_app(
+        metrics=gateway_registry(stats),
+        health=health,
+        extra=[read_api_unavailable(lambda: "read API not ready: opening the gateway"), add_page],
+    )
+    return serve(app, config.api.host, config.api.port)
+
+
 class _Opening:
     """Awaits a step of opening the gateway, once its session is connected:
     a transient error there (the link dropped while statements were
@@ -311,9 +327,15 @@ async def _check_schema(session: WriteSession, config: Config) -> None:
 
 @asynccontextmanager
 async def open_gateway(
-    config: Config, stats: Stats | None = None, *, shutdown_deadline: float = 10.0
+    config: Config,
+    stats: Stats | None = None,
+    *,
+    shutdown_deadline: float = 10.0,
+    before_serving: Callable[[], Awaitable[None]] | None = None,
 ) -> AsyncIterator[Gateway]:
-    """Build every part of the gateway, in dependency order; close them in reverse."""
+    """Build every part of the gateway, in dependency order; close them in
+    reverse. ``before_serving`` frees the API port for it (a server that
+    answered while it opened)."""
     stats = stats or Stats()
     async with AsyncExitStack() as stack:
         # The sessions open together: each takes several round trips (12 s
@@ -450,6 +472,8 @@ async def open_gateway(
                 noisy=gateway.noisy,
                 extra=read_side(reader, config),
             )
+            if before_serving is not None:
+                await before_serving()
             await stack.enter_async_context(serve(app, config.api.host, config.api.port))
         yield gateway
 
@@ -505,8 +529,18 @@ async def run(
         # 34.5 s over 1.6 s ones, and WatchdogSec=30 killed it each time.
         opened = asyncio.Event()
         feeding = asyncio.create_task(notifier.keep_alive(opened)) if since else None
+        # And /healthz, /metrics and the page are served while it opens:
+        # monitoring saw 28 s of refused connections over 1.6 s round trips.
+        answering = AsyncExitStack()
+        if since and config.api.enabled:
+            await answering.enter_async_context(_opening_server(config, stats))
         try:
-            async with open_gateway(config, stats, shutdown_deadline=shutdown_deadline) as gateway:
+            async with open_gateway(
+                config,
+                stats,
+                shutdown_deadline=shutdown_deadline,
+                before_serving=answering.aclose,
+            ) as gateway:
                 opened.set()  # Gateway.run feeds it from here on
                 return await gateway.run(stop, ready, notifier)
         # A star: raised after the sink opened, it comes in the sink's group.
@@ -523,6 +557,7 @@ async def run(
             opened.set()
             if feeding is not None:
                 await feeding
+            await answering.aclose()
         if not await spool_until_reachable(
             config,
             stats,

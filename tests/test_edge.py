@@ -700,13 +700,28 @@ async def test_the_watchdog_is_fed_while_the_gateway_opens_after_spooling(
     (sessions, statements: round trips each). Meanwhile nobody pinged the
     watchdog: 34.5 s without WATCHDOG=1 over a 1.6 s round trip (field
     probe), past the unit's WatchdogSec=30, so systemd killed the gateway
-    every time it came back from an outage. Here 0.6 s round trips."""
+    every time it came back from an outage. Here 0.6 s round trips. Nor
+    were /healthz and /metrics served meanwhile (28 s of refused
+    connections in the probe): monitoring saw the gateway down."""
     port = free_port()  # nothing listens there yet: spool mode
+    api = free_port()
     config = make_config(
         GATEWAY_CASSANDRA__PORT=str(port),
         GATEWAY_SPOOL__ENABLED="true",
         GATEWAY_SPOOL__PATH=str(tmp_path / "spool.sqlite"),
+        GATEWAY_API__PORT=str(api),
     )
+    answers: list[int | None] = []  # /healthz while it opens (None: refused)
+
+    async def poll_health() -> None:
+        while True:
+            try:
+                code, _ = await asyncio.to_thread(http_get, api, "/healthz")
+            except urllib.error.URLError:
+                code = None
+            answers.append(code)
+            await asyncio.sleep(0.2)
+
     notifier = _Recording()
     stop = asyncio.Event()
     task = asyncio.create_task(gateway_app.run(config, stop, notifier=notifier))
@@ -715,9 +730,14 @@ async def test_the_watchdog_is_fed_while_the_gateway_opens_after_spooling(
             while not notifier.times("READY=1"):  # noqa: ASYNC110 - its own notifier
                 await asyncio.sleep(0.05)
         async with DelayProxy("127.0.0.1", CQL_PORT, delay=0.3, port=port):
+            polling = asyncio.create_task(poll_health())
             async with asyncio.timeout(120):
                 while len(notifier.times("READY=1")) < 2:  # noqa: ASYNC110 - the full gateway's
                     await asyncio.sleep(0.05)
+            polling.cancel()
+            # At most one poll may fall between one server and the next.
+            assert answers.count(None) <= 1, answers
+            assert 503 in answers, answers  # "opening", not "ok" yet
             opened = notifier.times("READY=1")[1]
             pings = [at for at in notifier.times("WATCHDOG=1") if at <= opened]
             gaps = [b - a for a, b in itertools.pairwise([*pings, opened])]
