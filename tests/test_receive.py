@@ -14,9 +14,11 @@ Two kinds of test:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import socket
 import subprocess
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -379,6 +381,36 @@ async def test_a_broker_that_drops_us_at_once_is_retried_ever_more_slowly() -> N
             await task
     # Caps doubling from 0.1 s towards 5 s: 4 s hold about 8 attempts.
     assert 3 <= len(broker.sessions) <= 12, f"{len(broker.sessions)} connections in 4 s"
+
+
+async def test_a_flapping_link_is_retried_soon_after_each_connection_that_held() -> None:
+    """A link to the broker up 3 s, down 2 s (field probe): each connection
+    was subscribed and lasted seconds, but under SHORT_LIVED, so the backoff
+    never reset and grew to its cap: 16 s, then 21.6 s without a connection
+    while the link was up 60% of the time (Mosquitto's queue for us may
+    overflow meanwhile). A connection that was subscribed and lasted
+    UP_A_WHILE keeps the next wait short; one dropped at once still backs
+    off (the test above)."""
+    starts: list[float] = []
+
+    def script(writer: asyncio.StreamWriter, _session: object, _n: int) -> None:
+        starts.append(time.monotonic())  # subscribed: the link holds 1.2 s
+        asyncio.get_running_loop().call_later(1.2, writer.close)
+
+    broker = ScriptedBroker(script)
+    async with broker.running():
+        config = scripted_config(broker, reconnect_max=5.0)
+        stop = asyncio.Event()
+        task = asyncio.create_task(
+            Receiver(config, ["tenants/+/devices/+/events"], Stats()).run(lambda d: None, stop)
+        )
+        await asyncio.sleep(15)
+        stop.set()
+        async with asyncio.timeout(10):
+            await task
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    # 1.2 s up, then at most 8 x reconnect_min (0.4 s) down; it grew to 5 s.
+    assert max(gaps) < 2.2, [round(g, 2) for g in gaps]
 
 
 async def test_stop_is_heard_while_the_suback_is_awaited() -> None:

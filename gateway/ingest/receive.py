@@ -54,6 +54,11 @@ log = logging.getLogger(__name__)
 # reconnect backoff: a broker that accepts and drops us at once (a twin with
 # our client id, an overloaded broker, a proxy) is retried ever more slowly.
 SHORT_LIVED = 10.0
+# A connection that was subscribed and lasted this long (s), though under
+# SHORT_LIVED, keeps the next wait within reconnect_min x 2**(FLAPPING + 1):
+# a link up 3 s and down 2 s waited 16 s and more, the backoff never reset.
+UP_A_WHILE = 1.0
+FLAPPING = 2
 # Another client with our client id (Receiver._closed_after): this many
 # connections in a row, each short-lived, within TWIN_WINDOW s.
 TWIN_CLOSES = 3
@@ -318,12 +323,15 @@ class Receiver:
                     )
                 conn.close()
             except BrokerError as exc:
+                subscribed = self.connected.is_set()
                 self.connected.clear()
                 self._stats.disconnects += 1
                 if connected_at is not None:
                     lasted = time.monotonic() - connected_at
                     if lasted >= SHORT_LIVED:
                         attempt = 0  # it was up a while: the first retry comes soon
+                    elif lasted >= UP_A_WHILE and subscribed:
+                        attempt = min(attempt, FLAPPING)  # a flapping link: soon too
                     self._closed_after(lasted)
                 if self._connection is not None and self._connection.malformed:
                     self._stats.malformed_packets += 1
