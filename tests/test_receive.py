@@ -363,22 +363,27 @@ async def test_a_qos_2_publish_is_a_protocol_error_not_a_puback() -> None:
     assert (stats.malformed_packets, stats.connects) == (1, 2)
 
 
-async def test_a_broker_that_drops_us_at_once_is_retried_ever_more_slowly() -> None:
-    """Each CONNACK used to reset the backoff, so a broker that accepts and
-    closes at once (a twin with our client id, a proxy) was reconnected to at
-    reconnect_min to 2 x reconnect_min for ever: 51 connections in 4 s here.
-    Only a connection that lasted SHORT_LIVED resets it now."""
-    broker = ScriptedBroker(lambda writer, _s, _n: writer.close())
+async def _reconnecting_for(broker: ScriptedBroker, seconds: float) -> None:
+    """A receiver against ``broker`` for ``seconds``, backing off up to 5 s."""
     async with broker.running():
         config = scripted_config(broker, reconnect_max=5.0)
         stop = asyncio.Event()
         task = asyncio.create_task(
             Receiver(config, ["tenants/+/devices/+/events"], Stats()).run(lambda d: None, stop)
         )
-        await asyncio.sleep(4)
+        await asyncio.sleep(seconds)
         stop.set()
         async with asyncio.timeout(10):
             await task
+
+
+async def test_a_broker_that_drops_us_at_once_is_retried_ever_more_slowly() -> None:
+    """Each CONNACK used to reset the backoff, so a broker that accepts and
+    closes at once (a twin with our client id, a proxy) was reconnected to at
+    reconnect_min to 2 x reconnect_min for ever: 51 connections in 4 s here.
+    Only a connection that lasted SHORT_LIVED resets it now."""
+    broker = ScriptedBroker(lambda writer, _s, _n: writer.close())
+    await _reconnecting_for(broker, 4)
     # Caps doubling from 0.1 s towards 5 s: 4 s hold about 8 attempts.
     assert 3 <= len(broker.sessions) <= 12, f"{len(broker.sessions)} connections in 4 s"
 
@@ -397,17 +402,7 @@ async def test_a_flapping_link_is_retried_soon_after_each_connection_that_held()
         starts.append(time.monotonic())  # subscribed: the link holds 1.2 s
         asyncio.get_running_loop().call_later(1.2, writer.close)
 
-    broker = ScriptedBroker(script)
-    async with broker.running():
-        config = scripted_config(broker, reconnect_max=5.0)
-        stop = asyncio.Event()
-        task = asyncio.create_task(
-            Receiver(config, ["tenants/+/devices/+/events"], Stats()).run(lambda d: None, stop)
-        )
-        await asyncio.sleep(15)
-        stop.set()
-        async with asyncio.timeout(10):
-            await task
+    await _reconnecting_for(ScriptedBroker(script), 15)
     gaps = [b - a for a, b in itertools.pairwise(starts)]
     # 1.2 s up, then at most 8 x reconnect_min (0.4 s) down; it grew to 5 s.
     assert max(gaps) < 2.2, [round(g, 2) for g in gaps]

@@ -156,6 +156,12 @@ def room_needed(payload: int) -> int:
     return RESERVE_BYTES + 2 * payload
 
 
+def nearest_existing(path: Path) -> Path | None:
+    """``path`` or the nearest of its parents that exists (the gateway makes
+    a spool's missing directories), or None."""
+    return next((p for p in (path, *path.parents) if p.exists()), None)
+
+
 def unwritable(path: Path) -> str | None:
     """Why the spool at ``path`` cannot be written, naming what is in the way,
     or None: its file system mounted read-only (a failing SD card the kernel
@@ -163,7 +169,7 @@ def unwritable(path: Path) -> str | None:
     directory it is or will be made in (the gateway makes missing ones), not
     writable by this user. SQLite opens such a file read-only, and the first
     commit would be refused. `gateway check` asks the same, file or no file."""
-    where = next((p for p in (path, *path.parents) if p.exists()), None)
+    where = nearest_existing(path)
     if where is None:
         return None
     with contextlib.suppress(OSError):

@@ -20,7 +20,7 @@ import aiomqtt
 
 from ..config import Config
 from ..errors import ConfigError, SinkError
-from ..ingest.spool import peek, room_needed, stranded, unwritable
+from ..ingest.spool import nearest_existing, peek, room_needed, stranded, unwritable
 from ..store.schema import missing_from
 from ..store.write_session import open_write_session
 from .mqtt_client import mqtt_client
@@ -75,7 +75,7 @@ async def _cassandra(config: Config) -> Result:
 def _spool(config: Config) -> Result:
     path = config.spool.path
     # Where the file is, or will be: the gateway makes its missing directories.
-    where = next((d for d in path.parents if d.is_dir()), None)
+    where = nearest_existing(path.parent)
     free = shutil.disk_usage(where).free if where is not None else 0
     # The gateway's own rule (ingest/spool.py, room_needed): a message of the
     # largest size allowed would not be spooled, and acknowledgements pause.
