@@ -657,8 +657,9 @@ class SamplingConfig(_Model):
     latest_interval: Seconds = 0.0
     # Events whose timestamp is this much older than their arrival are
     # back-fill (a device catching up, or the broker replaying a backlog after
-    # an outage): they bypass sampling entirely and are all kept, so a burst of
-    # old events never makes a device look noisy. The ingest stage applies it.
+    # an outage): they bypass sampling and the tenant rate and are all kept
+    # (within the device quota), so a burst of old events never makes a device
+    # look noisy. The ingest stage applies it.
     backfill_after: Seconds = 30.0
     max_devices: int = Field(default=100_000, ge=1, le=10_000_000)
     # Tenants without a section of their own that are tracked at once (LRU).

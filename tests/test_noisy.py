@@ -211,6 +211,46 @@ async def test_tenant_over_quota_next_to_a_quiet_tenant(db: Database, tenant: st
     assert 0 < kept < 1500
 
 
+async def test_back_fill_counts_against_the_device_quota(db: Database, tenant: str) -> None:
+    """Back-fill (events older than backfill_after on arrival) skips the
+    sampler, and it used to skip the device quota with it: devices beyond
+    the quota that sent old timestamps were all stored. Now a back-filled
+    event admits its device like any other, and one beyond the quota is
+    rejected as such."""
+    config = make_config(
+        **{f"GATEWAY_SAMPLING__TENANTS__{tenant.upper()}__MAX_DEVICES_PER_TENANT": "3"},
+        GATEWAY_TOPICS=f'[{{template = "{DEFAULT_TEMPLATE}", tenants = ["{tenant}"]}}]',
+    )
+    now = int(time.time() * 1000)
+    old = now - 3_600_000  # an hour old on arrival: back-fill
+    messages = [
+        (topic(tenant, "b0"), {"ts": old, "state": "on"}),  # admitted by its back-fill
+        (topic(tenant, "f0"), {"ts": now, "state": "on"}),
+        (topic(tenant, "f1"), {"ts": now + 1, "state": "on"}),  # the quota is full
+        (topic(tenant, "b0"), {"ts": old + 1, "state": "off"}),  # admitted before
+        (topic(tenant, "f0"), {"ts": old + 2, "state": "off"}),  # admitted, back-filled
+        *((topic(tenant, f"b{i}"), {"ts": old + i, "state": "on"}) for i in range(1, 6)),
+        (topic(tenant, "f2"), {"ts": now + 2, "state": "on"}),
+    ]
+    async with running_gateway(config) as gw:
+        await _publish_json(messages)
+        await gw.wait_handled(len(messages))
+    assert len(await telemetry_keys(db, tenant, "b0")) == 2
+    assert len(await telemetry_keys(db, tenant, "f0")) == 2
+    assert len(await telemetry_keys(db, tenant, "f1")) == 1
+    for device in ("b1", "b2", "b3", "b4", "b5", "f2"):
+        assert await telemetry_keys(db, tenant, device) == set(), device
+    hour = now - now % 3_600_000
+    rejected = await db.execute(
+        f"SELECT device_id, reason FROM {db.keyspace}.rejected_messages "
+        "WHERE tenant = %s AND hour_start = %s",
+        (tenant, hour),
+    )
+    assert sorted((r.device_id, r.reason) for r in rejected) == [
+        (d, "quota") for d in ("b1", "b2", "b3", "b4", "b5", "f2")
+    ]
+
+
 async def test_hot_device_is_sharded_and_history_reads_every_shard(
     db: Database, tenant: str
 ) -> None:

@@ -45,7 +45,7 @@ from .sampling import Sampler, Verdict
 from .topics import TopicMatcher
 
 _KEEP_ALL = Verdict(keep_raw=True, update_latest=True, reason="normal")
-# Back-fill (old events) bypasses sampling: everything is written.
+# Back-fill (old events) bypasses sampling: everything within the device quota is written.
 _BACKFILL = Verdict(keep_raw=True, update_latest=True, reason="backfill")
 
 
@@ -174,33 +174,33 @@ class Classifier:
                 event.untimed_redelivery = True
                 event.untimed_resent = not delivery.retained
                 event.write_ts %= 1000
-        if delivery.received_ms - event.ts_ms > self._backfill_ms:
-            # Kept without sampling, but the sampler must still see the state
-            # it brings: the device's next state change is judged against it.
-            self._sampler.observe(tenant, device, event.state, event.write_ts)
-            return Item(delivery, event, None, _BACKFILL)
         # Judged at the message's arrival time: a backlog drained from the spool
         # keeps the rate it arrived at, and does not look noisy.
+        now = delivery.received_ms / 1000
+        if delivery.received_ms - event.ts_ms > self._backfill_ms:
+            # Kept without sampling, yet within the device quota; and the
+            # sampler must still see the state it brings: the device's next
+            # state change is judged against it.
+            if not self._sampler.admits(tenant, device, now):
+                return self._over_quota(delivery, tenant, device)
+            self._sampler.observe(tenant, device, event.state, event.write_ts)
+            return Item(delivery, event, None, _BACKFILL)
         verdict = self._sampler.decide(
-            tenant,
-            device,
-            delivery.topic,
-            event.state,
-            event.metrics,
-            event.write_ts,
-            delivery.received_ms / 1000,
+            tenant, device, delivery.topic, event.state, event.metrics, event.write_ts, now
         )
         if verdict.reject_reason is not None:
-            self._stats.quota_by_tenant.add(tenant)
-            self._stats.quota_rejected += 1
-            detail = (
-                f"new device {device!r} is over the device quota of tenant {tenant!r} "
-                "(sampling.tenants.<tenant>.max_devices_per_tenant)"
-            )
-            return Item(
-                delivery, None, rejection(delivery, tenant, device, verdict.reject_reason, detail)
-            )
+            return self._over_quota(delivery, tenant, device)
         return Item(delivery, event, None, verdict)
+
+    def _over_quota(self, delivery: Delivery, tenant: str, device: str) -> Item:
+        """A new device beyond its tenant's device quota: rejected, counted."""
+        self._stats.quota_by_tenant.add(tenant)
+        self._stats.quota_rejected += 1
+        detail = (
+            f"new device {device!r} is over the device quota of tenant {tenant!r} "
+            "(sampling.tenants.<tenant>.max_devices_per_tenant)"
+        )
+        return Item(delivery, None, rejection(delivery, tenant, device, "quota", detail))
 
 
 class Pipeline:

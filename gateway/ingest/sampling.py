@@ -37,9 +37,10 @@ Promises:
   after a device becomes noisy or quiet again, and an event that an
   ``important`` rule marks (a metric beyond a threshold, or back from beyond
   it). These always have ``update_latest=True``. Only the device quota can
-  refuse them. Events the caller keeps without asking (back-fill) are shown
-  to :meth:`Sampler.observe`, so a state they bring is what the next event
-  is compared with.
+  refuse them. Events the caller keeps without asking (back-fill) pass the
+  device quota alone (:meth:`Sampler.admits`) and are shown to
+  :meth:`Sampler.observe`, so a state they bring is what the next event is
+  compared with.
 * With ``enabled = false`` device sampling is off and every event is kept;
   tenant quotas (rate and device count) still apply.
 * Bounded memory: at most ``max_devices`` devices are tracked (LRU; evictions
@@ -316,15 +317,10 @@ class Sampler:
         key = (tenant, device_id)
         dev = devices.get(key)
         if dev is None:
-            known = ten.known
-            if known is not None and device_id not in known:
-                assert ten.max_devices is not None
-                if len(known) >= ten.max_devices:
-                    # Rejected before anything is stored: a flood of new ids
-                    # costs neither memory nor other devices' state.
-                    ten.quota_rejected += 1
-                    return _QUOTA
-                known.add(device_id)
+            if ten.known is not None and not self._admits(ten, device_id):
+                # Rejected before anything is stored: a flood of new ids
+                # costs neither memory nor other devices' state.
+                return _QUOTA
             dev = _Device(topic, 0.0, 0.0, 0.0, now)
             self._resolve(dev, ten.params, topic)
             evicted = devices.put(key, dev)
@@ -457,6 +453,29 @@ class Sampler:
         dev.kept_acc = dev.kept_acc * decay + lam
         return verdict
 
+    def admits(self, tenant: str, device_id: str, now: float | None = None) -> bool:
+        """The device quota alone, for an event kept without :meth:`decide`
+        (back-fill): False when ``device_id`` is new and the tenant's
+        ``max_devices_per_tenant`` is full (counted as a quota rejection),
+        else True, admitting it. Back-fill used to skip the quota with the
+        rest of the sampler, so devices beyond it that sent old times were
+        all stored."""
+        ten = self._tenant(tenant, self._clock() if now is None else now)
+        return ten.known is None or self._admits(ten, device_id)
+
+    @staticmethod
+    def _admits(ten: _Tenant, device_id: str) -> bool:
+        known = ten.known
+        assert known is not None
+        assert ten.max_devices is not None
+        if device_id in known:
+            return True
+        if len(known) >= ten.max_devices:
+            ten.quota_rejected += 1
+            return False
+        known.add(device_id)
+        return True
+
     def observe(self, tenant: str, device_id: str, state: str | None, ts: int) -> None:
         """Note an event that is kept without :meth:`decide` (back-fill).
 
@@ -584,7 +603,9 @@ class Sampler:
     def tenant_counters(self) -> dict[str, dict[str, int]]:
         """Per tracked tenant. Every decided event is counted exactly once:
         decided = kept + sampled_out + quota_rejected; tenant_rate_sampled is
-        the part of sampled_out dropped by the tenant's rate."""
+        the part of sampled_out dropped by the tenant's rate. quota_rejected
+        also counts back-filled events :meth:`admits` refused; those it let
+        through are in none of them."""
         out: dict[str, dict[str, int]] = {}
         for name, ten in (*self._pinned.items(), *self._tenants.items()):
             out[name] = {
