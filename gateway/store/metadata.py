@@ -31,16 +31,16 @@ BACKLOG_CHUNKS chunks wait, beyond that the write loop waits for room
 * Capped per tenant, durably and across instances: ``meta_entry_counts``
   (schema/007_metadata_counts.cql) holds each tenant's count of entries
   taken. For a chunk's new entries the gateway moves it from N to
-  N + min(new, cap - N) in one lightweight transaction (``IF reserved = N``;
-  ``metadata_reservations`` counts the attempts), awaited before any of them
+  N + min(new, cap - N) in one lightweight transaction (``IF reserved = N``,
+  reservations.py; ``metadata_reservations`` counts the attempts), awaited before any of them
   is written; those are written, the rest are not (``metadata.max_per_tenant``;
   metric names and tag keys go before tag values and devices). An instance
   that loses the race learns the count from the answer and tries again, up
-  to MAX_ATTEMPTS times per chunk: instances never together pass the cap,
+  to ``reservations.MAX_ATTEMPTS`` times per chunk: instances never together pass the cap,
   and none starves another. Entries not written are counted per occurrence
   (``metadata_capped``, per tenant too); the event itself is stored as usual.
 * A tenant found at the cap is remembered (its count, in an LRU of
-  MAX_TENANTS): from then on its entries not in the LRU above cost no reads,
+  ``reservations.MAX_TENANTS``): from then on its entries not in the LRU above cost no reads,
   and are counted as capped whether or not an earlier run stored them (no
   read tells them apart). A forgotten tenant costs reads again, until its
   count is seen; a tenant reset by an operator (its rows and its count
@@ -66,16 +66,11 @@ from ..event import Event
 from ..lru import LRU, K, V
 from ..stats import Stats
 from .requests import Requests
+from .reservations import Reservations
 from .rollups import VALUE_METRIC
 from .sink import Pending, Sink, Write
 from .write_session import Prepared, WriteSession
 
-# Tenants whose counts are remembered (LRU): a forgotten one costs existence
-# reads again, and one more compare-and-set.
-MAX_TENANTS = 10_000
-# Compare-and-sets per tenant per chunk: each one lost means another instance
-# won, so this many instances may race before one chunk's entries are capped.
-MAX_ATTEMPTS = 8
 # Chunks of held events waiting for the worker; the write loop waits beyond.
 BACKLOG_CHUNKS = 8
 
@@ -104,8 +99,6 @@ def entries(event: Event) -> Iterator[Entry]:
 class Metadata:
     _insert: dict[str, Prepared]
     _exists: dict[str, Prepared]
-    _count_first: Prepared
-    _count_move: Prepared
 
     def __init__(self, requests: Requests, sink: Sink, config: Config, stats: Stats) -> None:
         self._requests = requests
@@ -123,10 +116,9 @@ class Metadata:
         self._shapes: LRU[tuple[str, str], tuple[bool, frozenset[str], dict[str, str]]] = LRU(
             config.metadata.cache_size
         )
-        # Each tenant's count as last seen: the expected value of the next
-        # compare-and-set (exact while this instance is the only writer), and
-        # whether the tenant is at its cap (counts never go down).
-        self._counts: LRU[str, int] = LRU(MAX_TENANTS)
+        # Each tenant's count (reservations.py): whether the tenant is at its
+        # cap (counts never go down).
+        self._counts = Reservations(requests, "meta_entry_counts", "reserved", self._count_attempt)
         self._cap = config.metadata.max_per_tenant
 
     async def prepare(self, session: WriteSession) -> None:
@@ -138,33 +130,31 @@ class Metadata:
         }
         # Together: each is a round trip, a second or more over a slow link.
         kinds = list(tables)
-        *prepared, self._count_first, self._count_move = await asyncio.gather(
-            *(
-                session.prepare(
-                    f"INSERT INTO {{keyspace}}.{table} ({', '.join(columns)}) "
-                    f"VALUES ({', '.join('?' for _ in columns)})"
-                )
-                for table, columns in tables.values()
+        prepared, _ = await asyncio.gather(
+            asyncio.gather(
+                *(
+                    session.prepare(
+                        f"INSERT INTO {{keyspace}}.{table} ({', '.join(columns)}) "
+                        f"VALUES ({', '.join('?' for _ in columns)})"
+                    )
+                    for table, columns in tables.values()
+                ),
+                *(
+                    session.prepare(
+                        f"SELECT {columns[-1]} AS found FROM {{keyspace}}.{table} WHERE "
+                        + " AND ".join(f"{c} = ?" for c in columns[:-1])
+                        + f" AND {columns[-1]} IN ?"
+                    )
+                    for table, columns in tables.values()
+                ),
             ),
-            *(
-                session.prepare(
-                    f"SELECT {columns[-1]} AS found FROM {{keyspace}}.{table} WHERE "
-                    + " AND ".join(f"{c} = ?" for c in columns[:-1])
-                    + f" AND {columns[-1]} IN ?"
-                )
-                for table, columns in tables.values()
-            ),
-            session.prepare(
-                "INSERT INTO {keyspace}.meta_entry_counts (tenant, reserved) VALUES (?, ?) "
-                "IF NOT EXISTS"
-            ),
-            session.prepare(
-                "UPDATE {keyspace}.meta_entry_counts SET reserved = ? WHERE tenant = ? "
-                "IF reserved = ?"
-            ),
+            self._counts.prepare(session),
         )
         self._insert = dict(zip(kinds, prepared[: len(kinds)], strict=True))
         self._exists = dict(zip(kinds, prepared[len(kinds) :], strict=True))
+
+    def _count_attempt(self) -> None:
+        self._stats.metadata_reservations += 1
 
     def writes_now(self, event: Event, pending: Pending) -> list[Write] | None:
         """The rows of the event's new entries if each of its entries is
@@ -204,7 +194,8 @@ class Metadata:
 
     def _at_cap(self, tenant: str) -> bool:
         """Whether the tenant is known to have reached metadata.max_per_tenant."""
-        return (self._counts.peek(tenant) or 0) >= self._cap
+        seen = self._counts.known(tenant)
+        return seen is not None and seen[0] >= self._cap
 
     async def hold(self, held: Held) -> None:
         """Hand events that :meth:`writes_now` held to the worker, which gives
@@ -293,37 +284,9 @@ class Metadata:
         return absent
 
     async def _reserve(self, tenant: str, wanted: list[Entry], chunk: dict[Entry, bool]) -> None:
-        """Move the tenant's count from what it is to what it is plus the
-        entries that fit under the cap, in one compare-and-set: those are to
-        be written, the rest are capped."""
-        count = len(wanted)
-        known = self._counts.get(tenant)  # None: no row seen yet
-        granted = 0
-        for _ in range(MAX_ATTEMPTS):
-            before = known or 0
-            allowed = min(count, self._cap - before)
-            if allowed <= 0:
-                break
-            self._stats.metadata_reservations += 1
-            if known is None:
-                values: tuple[object, ...] = (tenant, allowed)
-                rows = await self._requests.execute(self._count_first, values)
-            else:
-                values = (before + allowed, tenant, known)
-                rows = await self._requests.execute(self._count_move, values)
-            row = rows[0]
-            if row["[applied]"]:
-                granted, known = allowed, before + allowed
-                break
-            # Another instance moved it first (or our own attempt, retried
-            # after a timeout, did: then it counts twice, fewer entries, never
-            # more). The answer carries the count now: try again from there.
-            # No count in the answer: the row is gone (an operator reset the
-            # tenant), so start it again.
-            reserved = row.get("reserved")
-            known = None if reserved is None else int(reserved)
-        if known is not None:
-            self._remember(self._counts, tenant, known)
+        """Take the tenant's count up by the entries that fit under the cap:
+        those are to be written (names and keys first), the rest are capped."""
+        granted = await self._counts.reserve(tenant, len(wanted), self._cap)
         wanted.sort(key=lambda e: _PRIORITY[e[0]])
         for index, entry in enumerate(wanted):
             chunk[entry] = index < granted

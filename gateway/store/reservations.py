@@ -1,0 +1,109 @@
+"""Per-tenant counts held under a cap by compare-and-set, shared by every
+gateway instance: the metadata entries a tenant has taken
+(``meta_entry_counts``, metadata.py) and the devices its quota has admitted
+(``quota_counts``, quota.py).
+
+A count moves from N to N + (what fits under the cap) in one lightweight
+transaction (``IF <column> = N``; the first one ``IF NOT EXISTS``), awaited
+before what it grants is written: racing instances never together pass the
+cap, and one of them always wins. An instance that loses learns the count
+from the answer and tries again, up to MAX_ATTEMPTS times. Not a counter
+column: a counter update cannot be made conditional, and add-then-check with
+counters lets racing instances deny each other for good.
+
+The count errs on the side of fewer, never more: a transaction retried after
+a timeout it had in fact applied counts twice, and two instances that both
+find an item absent both count it. Each tenant's count as last seen is
+remembered (an LRU of MAX_TENANTS, with when it was seen): the expected
+value of the next compare-and-set, and whether the tenant is at its cap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from ..lru import LRU
+from .requests import Requests
+from .write_session import Prepared, WriteSession
+
+# Tenants whose counts are remembered (LRU): a forgotten one costs one more
+# compare-and-set, or one read.
+MAX_TENANTS = 10_000
+# Compare-and-sets per tenant per call: each one lost means another instance
+# won, so this many instances may race before one call is capped.
+MAX_ATTEMPTS = 8
+
+
+class Reservations:
+    """One table's counts: ``table (tenant text PRIMARY KEY, <column> bigint)``."""
+
+    _first: Prepared
+    _move: Prepared
+    _read: Prepared
+
+    def __init__(
+        self, requests: Requests, table: str, column: str, on_attempt: Callable[[], None]
+    ) -> None:
+        self._requests = requests
+        self._table = table
+        self._column = column
+        self._on_attempt = on_attempt
+        # Tenant -> (count, time.monotonic() when seen).
+        self._counts: LRU[str, tuple[int, float]] = LRU(MAX_TENANTS)
+
+    async def prepare(self, session: WriteSession) -> None:
+        table, column = self._table, self._column
+        # Together: each is a round trip, a second or more over a slow link.
+        self._first, self._move, self._read = await asyncio.gather(
+            session.prepare(
+                f"INSERT INTO {{keyspace}}.{table} (tenant, {column}) VALUES (?, ?) IF NOT EXISTS"
+            ),
+            session.prepare(
+                f"UPDATE {{keyspace}}.{table} SET {column} = ? WHERE tenant = ? IF {column} = ?"
+            ),
+            session.prepare(f"SELECT {column} FROM {{keyspace}}.{table} WHERE tenant = ?"),
+        )
+
+    def known(self, tenant: str) -> tuple[int, float] | None:
+        """The tenant's count as last seen, and when (monotonic s); None if not seen."""
+        return self._counts.peek(tenant)
+
+    async def refresh(self, tenant: str) -> int:
+        """Read the tenant's count again (0 without a row): an operator may have
+        lowered it (``gateway quota --release``)."""
+        rows = await self._requests.execute(self._read, (tenant,))
+        count = int(rows[0][self._column]) if rows and rows[0][self._column] is not None else 0
+        self._counts.put(tenant, (count, time.monotonic()))
+        return count
+
+    async def reserve(self, tenant: str, count: int, cap: int) -> int:
+        """Take up to ``count`` more under ``cap``; how many were granted."""
+        seen = self._counts.get(tenant)
+        known = None if seen is None else seen[0]  # None: no row seen yet
+        granted = 0
+        for _ in range(MAX_ATTEMPTS):
+            before = known or 0
+            allowed = min(count, cap - before)
+            if allowed <= 0:
+                break
+            self._on_attempt()
+            if known is None:
+                rows = await self._requests.execute(self._first, (tenant, allowed))
+            else:
+                rows = await self._requests.execute(self._move, (before + allowed, tenant, known))
+            row = rows[0]
+            if row["[applied]"]:
+                granted, known = allowed, before + allowed
+                break
+            # Another instance moved it first (or our own attempt, retried
+            # after a timeout, did: then it counts twice, fewer, never more).
+            # The answer carries the count now: try again from there. No
+            # count in the answer: the row is gone (an operator reset the
+            # tenant), so start it again.
+            value = row.get(self._column)
+            known = None if value is None else int(value)
+        if known is not None:
+            self._counts.put(tenant, (known, time.monotonic()))
+        return granted
