@@ -14,6 +14,7 @@ Where a message goes::
     ingest/spool.py    (spool mode) Delivery → SQLite → Delivery
     ingest/pipeline.py classify (ingest/topics, decode, sampling) → queue → chunks
     store/latest.py, store/telemetry.py, store/rejects.py   rows for each table
+    store/quota.py     the device quota, for devices new to this process
     store/rollups.py, store/metadata.py   dirty-window marks, metadata entries
     store/sink.py      batches per partition → store/requests.py (retries) → Cassandra
     → Ack.done(): PUBACK, in receive order
@@ -44,6 +45,7 @@ from .store.hot import HotPartitions
 from .store.latest import LatestState
 from .store.limit import INITIAL_IN_FLIGHT, InFlightLimit
 from .store.metadata import Metadata
+from .store.quota import DeviceQuota
 from .store.rejects import Rejects
 from .store.requests import Requests
 from .store.rollups import RollupMarks, RollupWorker
@@ -387,6 +389,8 @@ async def open_gateway(
         rejects = Rejects(config, stats)
         marks = RollupMarks(config, stats) if config.rollups.enabled else None
         metadata = Metadata(requests, sink, config, stats) if config.metadata.enabled else None
+        quotas = any(t.max_devices_per_tenant is not None for t in config.sampling.tenants.values())
+        quota = DeviceQuota(requests, stats) if quotas else None
         worker: RollupWorker | None = None
         if isinstance(rollup_session, WriteSession):
             # A session of its own (the same driver as the write path's): its
@@ -397,7 +401,7 @@ async def open_gateway(
             worker = RollupWorker(rollup_session, config, stats)
         # Together: each statement is a round trip, and over a slow link (1 s)
         # one after another they took over a minute before READY.
-        writers = (latest, rotation, telemetry, rejects, marks, metadata)
+        writers = (latest, rotation, telemetry, rejects, marks, metadata, quota)
         await opening(
             asyncio.gather(
                 requests.prepare_probe(),
@@ -437,6 +441,7 @@ async def open_gateway(
             flow,
             rollups=marks,
             metadata=metadata,
+            quota=quota,
         )
         source = (
             SpoolSource(

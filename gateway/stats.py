@@ -109,6 +109,8 @@ class Stats:
     states_registered: int = 0
     sampled_out: int = 0  # events whose raw row sampling left out (acknowledged, counted)
     quota_rejected: int = 0  # messages of new devices over a tenant's device quota
+    quota_reads: int = 0  # devices looked up in quota_devices (store/quota.py)
+    quota_reservations: int = 0  # compare-and-sets of a tenant's admitted-device count
     coalesced: int = 0  # events whose latest-table writes a newer event in the chunk made moot
     hot_partitions: int = 0  # partitions over the hot threshold, once per window
     untracked_writes: int = 0  # writes to partitions beyond hot_partitions.max_tracked

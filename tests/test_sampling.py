@@ -14,7 +14,7 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.config import SamplingConfig
-from gateway.ingest.sampling import REASONS, Sampler, Verdict
+from gateway.ingest.sampling import QUOTA_PENDING, REASONS, Sampler, Verdict
 from gateway.topic_filters import filter_levels, topic_matches
 
 TENANT = "acme"
@@ -582,28 +582,44 @@ def test_tenant_rate_keeps_state_changes() -> None:
     assert sampler.decide(TENANT, "new", _topic(TENANT, "new"), "on", {}).keep_raw
 
 
-def test_device_quota_rejects_new_devices_only() -> None:
+def test_device_quota_leaves_new_devices_pending_until_settled() -> None:
+    """The quota is in Cassandra (store/quota.py): the sampler admits from
+    memory only the devices it saw settled as admitted, and leaves the
+    others pending (kept whole, not tracked) for the write loop to settle."""
     clock = FakeClock()
     sampler = _sampler(clock, max_devices=2, tenants={TENANT: {"max_devices_per_tenant": 3}})
+    for device, admitted in (("d0", True), ("d1", True), ("d2", True), ("d3", False)):
+        assert sampler.decide(TENANT, device, "t", "on", {}) is QUOTA_PENDING
+        sampler.settled(TENANT, device, admitted)
+    assert sampler.tracked_devices == 0  # pending devices cost no sampler state
     for device in ("d0", "d1", "d2"):
-        assert sampler.decide(TENANT, device, "t", "on", {}).keep_raw
-    for device in ("d3", "d4", "d3"):
         verdict = sampler.decide(TENANT, device, "t", "on", {})
-        assert verdict == Verdict(False, False, "quota", "quota")
+        assert verdict.keep_raw
+        assert verdict is not QUOTA_PENDING
     # d0 fell out of the sampler's LRU (max_devices=2) but is still admitted.
     assert sampler.tracked_devices == 2
-    assert sampler.decide(TENANT, "d0", "t", "on", {}).keep_raw
+    assert sampler.decide(TENANT, "d0", "t", "on", {}) is not QUOTA_PENDING
+    assert sampler.admitted(TENANT, "d0")
+    # A refused device stays pending: the quota may have room later.
+    assert not sampler.admitted(TENANT, "d3")
+    assert sampler.decide(TENANT, "d3", "t", "on", {}) is QUOTA_PENDING
+    # What it remembers never holds more devices than the quota.
+    sampler.settled(TENANT, "d4", True)
+    assert not sampler.admitted(TENANT, "d4")
     # Other tenants have no quota.
+    assert sampler.quota("other") is None
     for i in range(10):
-        assert sampler.decide("other", f"x{i}", "t", "on", {}).keep_raw
-    assert sampler.tenant_counters()[TENANT]["quota_rejected"] == 3
+        assert sampler.decide("other", f"x{i}", "t", "on", {}) is not QUOTA_PENDING
+    assert sampler.admitted("other", "x99")
+    assert sampler.quota(TENANT) == 3
+    assert sampler.tenant_counters()[TENANT]["quota_rejected"] == 1
 
 
 def test_default_section_quota_applies_to_every_tenant() -> None:
     sampler = _sampler(FakeClock(), tenants={"default": {"max_devices_per_tenant": 1}})
-    assert sampler.decide("a", "x", "t", "on", {}).keep_raw
-    assert sampler.decide("a", "y", "t", "on", {}).reason == "quota"
-    assert sampler.decide("b", "y", "t", "on", {}).keep_raw
+    assert sampler.decide("a", "x", "t", "on", {}) is QUOTA_PENDING
+    assert sampler.quota("a") == sampler.quota("b") == 1
+    assert _sampler(FakeClock()).quota("a") is None
 
 
 def test_disabled_keeps_everything_but_quotas_apply() -> None:
@@ -616,9 +632,10 @@ def test_disabled_keeps_everything_but_quotas_apply() -> None:
     verdicts = _feed(sampler, clock, 40, 30, tenant="free")
     assert all(v.keep_raw and v.update_latest for _, v in verdicts)
     assert sampler.noisy("free") == []
+    sampler.settled(TENANT, "d1", True)
     capped = _feed(sampler, clock, 100, 10)
     assert 500 <= len(_kept(capped)) <= 551
-    assert sampler.decide(TENANT, "d2", "t", "on", {}).reason == "quota"
+    assert sampler.decide(TENANT, "d2", "t", "on", {}) is QUOTA_PENDING
 
 
 # --- bounds and counters ------------------------------------------------------
@@ -695,6 +712,7 @@ def test_counters_add_up() -> None:
     )
     decided: Counter[str] = Counter()
     by_verdict: Counter[tuple[str, bool, str]] = Counter()
+    admitted: dict[str, set[str]] = {"a": set(), "b": set()}
     # A deterministic mix: noisy and quiet devices, state flips, important values.
     for step in range(60_000):
         clock.now += 0.001
@@ -705,6 +723,13 @@ def test_counters_add_up() -> None:
         verdict = sampler.decide(tenant, device, _topic(tenant, device), state, metrics)
         assert verdict.reason in REASONS
         decided[tenant] += 1
+        if verdict is QUOTA_PENDING:  # settled as the write loop would
+            if len(admitted[tenant]) < 8:
+                admitted[tenant].add(device)
+            ok = device in admitted[tenant]
+            sampler.settled(tenant, device, ok)
+            by_verdict[tenant, ok, "quota_pending" if ok else "quota"] += 1
+            continue
         by_verdict[tenant, verdict.keep_raw, verdict.reason] += 1
     counters = sampler.tenant_counters()
     for tenant in "ab":

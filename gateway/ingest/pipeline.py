@@ -3,7 +3,8 @@
     source        MQTT (receive.py), or the spool (spool.py) in spool mode
     classify      topics.py → decode.py → sampling.py: an Event, or a Rejection
     (queue)       bounded asyncio.Queue of pipeline.queue_size
-    write loop    chunks of the queue → the table writers in gateway/store/
+    write loop    chunks of the queue → the device quota (store/quota.py) for the
+                  devices it must settle → the table writers in gateway/store/
                   (latest, telemetry, roll-up marks, metadata, rejects) → the sink;
                   events with metadata entries to look up wait for its worker
     → the delivery's ``ack.done()`` once every write of it is acknowledged
@@ -33,6 +34,7 @@ from ..event import Event
 from ..stats import Stats
 from ..store.latest import LatestState
 from ..store.metadata import Held, Metadata
+from ..store.quota import DeviceQuota
 from ..store.rejects import Rejection, Rejects
 from ..store.rollups import RollupMarks
 from ..store.rotate import StateRotation
@@ -41,7 +43,7 @@ from ..store.telemetry import Telemetry
 from ..topic_filters import covers
 from .decode import Decoder
 from .receive import Delivery
-from .sampling import Sampler, Verdict
+from .sampling import QUOTA_PENDING, Sampler, Verdict
 from .topics import TopicMatcher
 
 _KEEP_ALL = Verdict(keep_raw=True, update_latest=True, reason="normal")
@@ -57,6 +59,8 @@ class Item:
     event: Event | None
     rejection: Rejection | None
     verdict: Verdict = _KEEP_ALL
+    # Of a device whose tenant's quota the write loop must settle first.
+    quota_pending: bool = False
 
 
 log = logging.getLogger(__name__)
@@ -105,6 +109,10 @@ class Classifier:
         self._backfill_ms = int(config.sampling.backfill_after * 1000)
         self._filters = [tuple(f.split("/")) for f in self._matcher.subscriptions]
         self._stale_said = -STALE_SUBSCRIPTION_EVERY
+
+    @property
+    def sampler(self) -> Sampler:
+        return self._sampler
 
     @property
     def subscriptions(self) -> list[str]:
@@ -181,26 +189,13 @@ class Classifier:
             # Kept without sampling, yet within the device quota; and the
             # sampler must still see the state it brings: the device's next
             # state change is judged against it.
-            if not self._sampler.admits(tenant, device, now):
-                return self._over_quota(delivery, tenant, device)
             self._sampler.observe(tenant, device, event.state, event.write_ts)
-            return Item(delivery, event, None, _BACKFILL)
+            pending = not self._sampler.admitted(tenant, device, now)
+            return Item(delivery, event, None, _BACKFILL, pending)
         verdict = self._sampler.decide(
             tenant, device, delivery.topic, event.state, event.metrics, event.write_ts, now
         )
-        if verdict.reject_reason is not None:
-            return self._over_quota(delivery, tenant, device)
-        return Item(delivery, event, None, verdict)
-
-    def _over_quota(self, delivery: Delivery, tenant: str, device: str) -> Item:
-        """A new device beyond its tenant's device quota: rejected, counted."""
-        self._stats.quota_by_tenant.add(tenant)
-        self._stats.quota_rejected += 1
-        detail = (
-            f"new device {device!r} is over the device quota of tenant {tenant!r} "
-            "(sampling.tenants.<tenant>.max_devices_per_tenant)"
-        )
-        return Item(delivery, None, rejection(delivery, tenant, device, "quota", detail))
+        return Item(delivery, event, None, verdict, verdict is QUOTA_PENDING)
 
 
 class Pipeline:
@@ -220,9 +215,12 @@ class Pipeline:
         *,
         rollups: RollupMarks | None = None,
         metadata: Metadata | None = None,
+        quota: DeviceQuota | None = None,
     ) -> None:
         self._rollups = rollups
         self._metadata = metadata
+        self._quota = quota
+        self._sampler = classifier.sampler
         self._max_states = config.pipeline.max_states_per_tenant
         self._classify = classifier.classify
         self._latest = latest
@@ -374,7 +372,44 @@ class Pipeline:
                 await self._sink.drain()
                 return
 
+    async def _settle_quota(self, chunk: list[Item]) -> None:
+        """Admit or refuse the devices of the chunk's pending events (their
+        tenants' quotas are in Cassandra: store/quota.py); a refused
+        device's events become rejections, before anything of them is
+        written."""
+        pending = [item for item in chunk if item.quota_pending]
+        if not pending:
+            return
+        sampler = self._sampler
+        wanted: dict[tuple[str, str], int] = {}
+        for item in pending:
+            event = item.event
+            assert event is not None
+            key = (event.tenant, event.device_id)
+            if key not in wanted and not sampler.admitted(*key):
+                cap = sampler.quota(event.tenant)
+                if cap is not None:
+                    wanted[key] = cap
+        refused = set() if self._quota is None else await self._quota.settle(wanted)
+        for item in pending:
+            event = item.event
+            assert event is not None
+            tenant, device = event.tenant, event.device_id
+            admitted = (tenant, device) not in refused
+            sampler.settled(tenant, device, admitted)
+            if admitted:
+                continue
+            self._stats.quota_by_tenant.add(tenant)
+            self._stats.quota_rejected += 1
+            detail = (
+                f"new device {device!r} is over the device quota of tenant {tenant!r} "
+                "(sampling.tenants.<tenant>.max_devices_per_tenant)"
+            )
+            item.rejection = rejection(item.delivery, tenant, device, "quota", detail)
+            item.event = None
+
     async def _write_chunk(self, chunk: list[Item]) -> None:
+        await self._settle_quota(chunk)
         events = [item.event for item in chunk if item.event is not None]
         over: list[Event] = []
         stale: set[int] = set()
@@ -415,9 +450,13 @@ class Pipeline:
         held: Held = []
         stats = self._stats
         rollups, metadata = self._rollups, self._metadata
+        quota = self._quota
         for item in chunk:
             pending = Pending(self._done_callback(item))
             event = item.event
+            # A device the quota admitted just now: its row goes with the
+            # first of its events, whatever becomes of that event below.
+            admitted = [] if quota is None or event is None else quota.writes(event, pending)
             if event is not None and id(event) in over_ids:
                 detail = (
                     f"state {event.state!r} would exceed the tenant's "
@@ -435,9 +474,9 @@ class Pipeline:
                     and id(event) not in stale
                     and (newest[key] is event or key in stateless)
                 ):
-                    mine = self._latest.writes(event, pending)
+                    mine = admitted + self._latest.writes(event, pending)
                 else:
-                    mine = []
+                    mine = admitted
                     stats.coalesced += 1
                 rows = [] if metadata is None else metadata.writes_now(event, pending)
                 if rows is None:
@@ -459,8 +498,10 @@ class Pipeline:
                 writes += mine
             else:
                 assert item.rejection is not None
-                writes += self._rejects.writes(item.rejection, pending)
+                writes += admitted + self._rejects.writes(item.rejection, pending)
         await self._sink.submit(writes)
+        if quota is not None:
+            quota.chunk_done()
         if metadata is not None:
             # Each held pending has an extra count since writes_now, so its
             # other writes could not complete it during the submit; the worker

@@ -21,8 +21,11 @@ How it decides:
   under ``quiet_below`` for ``quiet_for`` seconds (hysteresis).
 * A tenant with ``max_rate`` has a token bucket (``max_rate``, ``burst``); when
   it is empty the tenant's ordinary events are dropped (reason ``tenant_rate``).
-  With ``max_devices_per_tenant``, events of devices beyond the quota are
-  rejected (``reject_reason="quota"``); devices already admitted keep working.
+  With ``max_devices_per_tenant`` the device quota is held in Cassandra
+  (store/quota.py): the first events of a device this process has not seen
+  admitted are kept whole (``QUOTA_PENDING``, not tracked) and the write loop
+  settles them there (:meth:`Sampler.settled`); devices already admitted
+  keep working, across restarts and instances.
 * With ``latest_interval`` above 0 (it is 0 by default: off), latest-table
   updates of noisy devices, and of events dropped by the tenant rate, are
   coalesced to one per ``latest_interval`` seconds per device; always-kept
@@ -38,9 +41,9 @@ Promises:
   ``important`` rule marks (a metric beyond a threshold, or back from beyond
   it). These always have ``update_latest=True``. Only the device quota can
   refuse them. Events the caller keeps without asking (back-fill) pass the
-  device quota alone (:meth:`Sampler.admits`) and are shown to
-  :meth:`Sampler.observe`, so a state they bring is what the next event is
-  compared with.
+  device quota alone (:meth:`Sampler.admitted`, else settled like the
+  pending ones) and are shown to :meth:`Sampler.observe`, so a state they
+  bring is what the next event is compared with.
 * With ``enabled = false`` device sampling is off and every event is kept;
   tenant quotas (rate and device count) still apply.
 * Bounded memory: at most ``max_devices`` devices are tracked (LRU; evictions
@@ -75,7 +78,8 @@ REASONS = (
     "important",  # an important rule matched
     "sampled",  # the device is noisy; keep_raw says whether this is one of the kept samples
     "tenant_rate",  # the tenant is over max_rate: dropped
-    "quota",  # a new device beyond max_devices_per_tenant: rejected
+    "quota_pending",  # a device this process has not seen admitted: kept whole
+    # until its tenant's quota, held in Cassandra, settles it (store/quota.py)
 )
 
 
@@ -86,7 +90,6 @@ class Verdict:
     keep_raw: bool
     update_latest: bool
     reason: str
-    reject_reason: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +107,7 @@ _NORMAL = Verdict(True, True, "normal")
 _STATE_CHANGE = Verdict(True, True, "state_change")
 _TRANSITION = Verdict(True, True, "transition")
 _IMPORTANT = Verdict(True, True, "important")
-_QUOTA = Verdict(False, False, "quota", "quota")
+QUOTA_PENDING = Verdict(True, True, "quota_pending")
 # Indexed by keep_raw * 2 + update_latest.
 _SAMPLED = (
     Verdict(False, False, "sampled"),
@@ -149,7 +152,8 @@ class _Tenant:
         self.tokens = params.burst
         self.refilled = now
         self.max_devices = params.max_devices
-        # Admitted devices, only with a device quota (and never more than it).
+        # Devices this process has seen admitted, only with a device quota (and
+        # never more than it): the quota itself is in Cassandra (store/quota.py).
         self.known: set[str] | None = set() if params.max_devices is not None else None
         # This tenant's noisy devices, so noisy() needn't scan every device.
         self.noisy: dict[str, _Device] = {}
@@ -273,7 +277,7 @@ class Sampler:
         ten = _Tenant(self._default_params, now)
         # At the bound (more than max_tenants unconfigured tenants active) the
         # least recent one goes, with its counters and admitted-device set: if
-        # it comes back, its device quota starts afresh.
+        # it comes back, its devices' quota is settled in Cassandra again.
         self._tenants.put(name, ten)
         return ten
 
@@ -317,10 +321,10 @@ class Sampler:
         key = (tenant, device_id)
         dev = devices.get(key)
         if dev is None:
-            if ten.known is not None and not self._admits(ten, device_id):
-                # Rejected before anything is stored: a flood of new ids
+            if ten.known is not None and device_id not in ten.known:
+                # Not tracked until the quota admits it: a flood of new ids
                 # costs neither memory nor other devices' state.
-                return _QUOTA
+                return QUOTA_PENDING
             dev = _Device(topic, 0.0, 0.0, 0.0, now)
             self._resolve(dev, ten.params, topic)
             evicted = devices.put(key, dev)
@@ -453,28 +457,29 @@ class Sampler:
         dev.kept_acc = dev.kept_acc * decay + lam
         return verdict
 
-    def admits(self, tenant: str, device_id: str, now: float | None = None) -> bool:
-        """The device quota alone, for an event kept without :meth:`decide`
-        (back-fill): False when ``device_id`` is new and the tenant's
-        ``max_devices_per_tenant`` is full (counted as a quota rejection),
-        else True, admitting it. Back-fill used to skip the quota with the
-        rest of the sampler, so devices beyond it that sent old times were
-        all stored."""
-        ten = self._tenant(tenant, self._clock() if now is None else now)
-        return ten.known is None or self._admits(ten, device_id)
+    def admitted(self, tenant: str, device_id: str, now: float | None = None) -> bool:
+        """Whether the device may be written without asking its quota: its
+        tenant has none, or this process has seen the device admitted."""
+        known = self._tenant(tenant, self._clock() if now is None else now).known
+        return known is None or device_id in known
 
-    @staticmethod
-    def _admits(ten: _Tenant, device_id: str) -> bool:
-        known = ten.known
-        assert known is not None
-        assert ten.max_devices is not None
-        if device_id in known:
-            return True
-        if len(known) >= ten.max_devices:
+    def quota(self, tenant: str) -> int | None:
+        """The tenant's ``max_devices_per_tenant``, or None."""
+        return self._tenant(tenant, self._clock()).max_devices
+
+    def settled(self, tenant: str, device_id: str, admitted: bool) -> None:
+        """The quota's verdict on one event of a device :meth:`decide` left
+        pending (``QUOTA_PENDING``) or that back-fill found not
+        :meth:`admitted`: counted as kept or as a quota rejection, and an
+        admitted device is remembered (at most the quota's number of them)."""
+        ten = self._tenant(tenant, self._clock())
+        if not admitted:
             ten.quota_rejected += 1
-            return False
-        known.add(device_id)
-        return True
+            return
+        ten.kept += 1
+        known, cap = ten.known, ten.max_devices
+        if known is not None and cap is not None and len(known) < cap:
+            known.add(device_id)
 
     def observe(self, tenant: str, device_id: str, state: str | None, ts: int) -> None:
         """Note an event that is kept without :meth:`decide` (back-fill).
@@ -603,9 +608,9 @@ class Sampler:
     def tenant_counters(self) -> dict[str, dict[str, int]]:
         """Per tracked tenant. Every decided event is counted exactly once:
         decided = kept + sampled_out + quota_rejected; tenant_rate_sampled is
-        the part of sampled_out dropped by the tenant's rate. quota_rejected
-        also counts back-filled events :meth:`admits` refused; those it let
-        through are in none of them."""
+        the part of sampled_out dropped by the tenant's rate. Events the
+        device quota settled (:meth:`settled`) count as kept or as quota
+        rejections, back-filled ones too."""
         out: dict[str, dict[str, int]] = {}
         for name, ten in (*self._pinned.items(), *self._tenants.items()):
             out[name] = {

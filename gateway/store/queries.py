@@ -864,6 +864,14 @@ async def meta_tag_devices(db: Database, tenant: str, key: str, value: str) -> l
     return [r.device_id for r in await db.execute(stmt, (tenant, key, value))]
 
 
+async def quota_admitted(db: Database, tenant: str) -> int:
+    """The devices the tenant's device quota has admitted (at least those
+    listed in quota_devices; see store/quota.py)."""
+    stmt = await db.prepared(f"SELECT admitted FROM {db.keyspace}.quota_counts WHERE tenant = ?")
+    rows = await db.execute(stmt, (tenant,))
+    return int(rows[0].admitted or 0) if rows else 0
+
+
 async def meta_entry_count(db: Database, tenant: str) -> int:
     """The entries the tenant has taken against ``metadata.max_per_tenant``
     (at least those stored; see store/metadata.py)."""

@@ -46,6 +46,8 @@ REQUIRED_TABLES = (
     "meta_tag_values",
     "meta_tag_devices",
     "meta_entry_counts",
+    "quota_devices",
+    "quota_counts",
 )
 
 

@@ -36,7 +36,7 @@ import uvloop
 from ..config import ENV_CONFIG_PATH, ENV_LOG_LEVEL, Config, load_config
 from ..errors import BrokerError, ConfigError, GatewayError, QueryError
 from ..sd_notify import Notifier
-from ..store import queries, schema
+from ..store import queries, quota, schema
 from ..store.database import connect
 from ..web import tokens
 
@@ -257,6 +257,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     counted.add_argument("--tenant", type=_name, required=True, help=TENANT_HELP)
     counted.add_argument("--json", action="store_true", help="print JSON")
+
+    quo = sub.add_parser(
+        "quota",
+        parents=[common],
+        help="devices a tenant's device quota admitted (max_devices_per_tenant); --release",
+    )
+    quo.add_argument("--tenant", type=_name, required=True, help=TENANT_HELP)
+    quo.add_argument(
+        "--release",
+        nargs="+",
+        type=_name,
+        metavar="DEVICE",
+        help="take these devices out of the quota, giving their slots back",
+    )
+    quo.add_argument("--json", action="store_true", help="print JSON")
 
     rej = sub.add_parser("rejected", parents=[common], help="recently rejected messages and why")
     rej.add_argument(
@@ -784,6 +799,35 @@ async def _meta(config: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+async def _quota(config: Config, args: argparse.Namespace) -> int:
+    tenant = args.tenant
+    section = config.sampling.tenants.get(tenant) or config.sampling.tenants.get("default")
+    cap = None if section is None else section.max_devices_per_tenant
+    async with connect(config.cassandra) as db:
+        released = None if args.release is None else await quota.release(db, tenant, args.release)
+        count = released.admitted if released else await queries.quota_admitted(db, tenant)
+    if args.json:
+        out: dict[str, Any] = {"tenant": tenant, "admitted": count, "quota": cap}
+        if released is not None:
+            out |= {"released": released.released, "not_admitted": released.not_admitted}
+        _print_json(out)
+        return 0
+    if released is not None:
+        if released.released:
+            n = len(released.released)
+            print(f"released {n} device{'' if n == 1 else 's'} ({', '.join(released.released)})")
+        if released.not_admitted:
+            print(f"not admitted: {', '.join(released.not_admitted)}")
+    if cap is None:
+        print(
+            f"{count} devices admitted for tenant {tenant!r}; this config sets no quota for it "
+            f"(sampling.tenants.{tenant}.max_devices_per_tenant)"
+        )
+    else:
+        print(f"{count} of {cap} devices admitted for tenant {tenant!r} (max_devices_per_tenant)")
+    return 0
+
+
 async def _rejected(config: Config, args: argparse.Namespace) -> int:
     now = datetime.now(UTC)
     if args.since is not None:
@@ -1032,6 +1076,7 @@ def _main(argv: Sequence[str] | None) -> int:
         "rejected": lambda: _rejected(config, args),
         "rollup": lambda: _rollup(config, args),
         "meta": lambda: _meta(config, args),
+        "quota": lambda: _quota(config, args),
         "simulate": lambda: _simulate(config, args),
         "forget-session": lambda: _forget_session(config),
     }

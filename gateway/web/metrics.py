@@ -262,6 +262,17 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
         "Compare-and-sets of a tenant's metadata entry count, lost races included.",
     ),
     (
+        "gateway_quota_reads_total",
+        "quota_reads",
+        "Devices looked up in quota_devices: new to this process, of a tenant with "
+        "max_devices_per_tenant.",
+    ),
+    (
+        "gateway_quota_reservations_total",
+        "quota_reservations",
+        "Compare-and-sets of a tenant's admitted-device count, lost races included.",
+    ),
+    (
         "gateway_metadata_held_total",
         "metadata_held",
         "Events held for the metadata worker (an entry not in the LRU): acknowledged once "

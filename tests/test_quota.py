@@ -1,0 +1,106 @@
+"""The device quota (max_devices_per_tenant), held in Cassandra
+(gateway/store/quota.py): the same devices across restarts, one quota across
+instances, and slots given back with `gateway quota --release`. On the real
+services."""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+
+from gateway.config import DEFAULT_TEMPLATE, Config, TopicTemplate
+from gateway.store.database import Database
+
+from .helpers import base_env, make_config, publish, run_cli, running_gateway, telemetry_keys, topic
+
+
+def _config(tenant: str, quota: int) -> Config:
+    return make_config(
+        **{f"GATEWAY_SAMPLING__TENANTS__{tenant.upper()}__MAX_DEVICES_PER_TENANT": str(quota)},
+        # This tenant only: other tests' traffic on the shared broker would
+        # count in wait_handled.
+        GATEWAY_TOPICS=f'[{{template = "{DEFAULT_TEMPLATE}", tenants = ["{tenant}"]}}]',
+    )
+
+
+async def _send(messages: list[tuple[str, str]], ts: int) -> None:
+    """One event each, (topic, state), a millisecond apart."""
+    await publish(
+        [(t, orjson.dumps({"ts": ts + i, "state": state})) for i, (t, state) in enumerate(messages)]
+    )
+
+
+async def _stored(db: Database, tenant: str, devices: list[str]) -> dict[str, int]:
+    return {d: len(await telemetry_keys(db, tenant, d)) for d in devices}
+
+
+async def _refused(db: Database, tenant: str, now: int) -> list[str]:
+    rows = await db.execute(
+        f"SELECT device_id, reason FROM {db.keyspace}.rejected_messages "
+        "WHERE tenant = %s AND hour_start = %s",
+        (tenant, now - now % 3_600_000),
+    )
+    assert {r.reason for r in rows} <= {"quota"}
+    return sorted(r.device_id for r in rows)
+
+
+async def test_a_restart_admits_the_devices_admitted_before(db: Database, tenant: str) -> None:
+    """The quota was held in memory: after a restart it admitted whichever
+    devices sent first, and refused devices it had admitted before."""
+    now = int(time.time() * 1000)
+    async with running_gateway(_config(tenant, 3)) as gw:
+        await _send([(topic(tenant, f"d{i}"), "on") for i in range(4)], now)
+        await gw.wait_handled(4)
+    async with running_gateway(_config(tenant, 3)) as gw:
+        # The refused d3 and a new d4 send first this time.
+        await _send([(topic(tenant, d), "off") for d in ("d4", "d3", "d0", "d1", "d2")], now + 10)
+        await gw.wait_handled(5)
+    devices = [f"d{i}" for i in range(5)]
+    assert await _stored(db, tenant, devices) == {"d0": 2, "d1": 2, "d2": 2, "d3": 0, "d4": 0}
+    assert await _refused(db, tenant, now) == ["d3", "d3", "d4"]
+
+
+async def test_two_instances_share_one_quota(db: Database, tenant: str) -> None:
+    """Each instance counted its own devices: a tenant split over two got
+    twice its quota."""
+    a_cfg = _config(tenant, 4)
+    b_cfg = _config(tenant, 4).model_copy(
+        update={"topics": [TopicTemplate(template=f"q/{tenant}/{{device_id}}", tenant=tenant)]}
+    )
+    now = int(time.time() * 1000)
+    async with running_gateway(a_cfg) as a, running_gateway(b_cfg) as b:
+        await _send([(topic(tenant, f"a{i}"), "on") for i in range(3)], now)
+        await a.wait_handled(3)
+        await _send([(f"q/{tenant}/b{i}", "on") for i in range(3)], now + 10)
+        await b.wait_handled(3)
+        # A device B admitted is admitted for A too.
+        await _send([(topic(tenant, "b0"), "off")], now + 20)
+        await a.wait_handled(4)
+    stored = await _stored(db, tenant, ["a0", "a1", "a2", "b0", "b1", "b2"])
+    assert stored == {"a0": 1, "a1": 1, "a2": 1, "b0": 2, "b1": 0, "b2": 0}
+    assert await _refused(db, tenant, now) == ["b1", "b2"]
+
+
+async def test_release_gives_a_slot_back(db: Database, tenant: str) -> None:
+    """`gateway quota --release` takes devices out of the quota: a running
+    gateway admits a new device within RECHECK, and after a restart at once."""
+    now = int(time.time() * 1000)
+    cfg = _config(tenant, 2)
+    env = base_env(**{f"GATEWAY_SAMPLING__TENANTS__{tenant.upper()}__MAX_DEVICES_PER_TENANT": "2"})
+    async with running_gateway(cfg) as gw:
+        await _send([(topic(tenant, d), "on") for d in ("d0", "d1", "d2")], now)
+        await gw.wait_handled(3)
+    shown = run_cli("quota", "--tenant", tenant, env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert "2 of 2 devices admitted" in shown.stdout
+    released = run_cli("quota", "--tenant", tenant, "--release", "d0", "nope", env=env)
+    assert released.returncode == 0, released.stderr
+    assert "released 1 device (d0)" in released.stdout
+    assert "not admitted: nope" in released.stdout
+    assert "1 of 2 devices admitted" in released.stdout
+    async with running_gateway(cfg) as gw:
+        await _send([(topic(tenant, d), "off") for d in ("d2", "d0")], now + 10)
+        await gw.wait_handled(2)
+    assert await _stored(db, tenant, ["d0", "d1", "d2"]) == {"d0": 1, "d1": 1, "d2": 1}
+    assert await _refused(db, tenant, now) == ["d0", "d2"]
