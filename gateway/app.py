@@ -35,7 +35,7 @@ from .config import Config
 from .errors import CassandraUnreachable, ConfigError, SchemaError
 from .ingest.pipeline import Classifier, Flow, NoFlow, Pipeline
 from .ingest.receive import Handler, Receiver
-from .ingest.sampling import Sampler
+from .ingest.sampling import QUOTA_RECHECK, Sampler
 from .ingest.spool import Spool, SpoolSource, stranded
 from .sd_notify import Notifier
 from .spooling import spool_until_reachable, unreachable_since
@@ -390,7 +390,7 @@ async def open_gateway(
         marks = RollupMarks(config, stats) if config.rollups.enabled else None
         metadata = Metadata(requests, sink, config, stats) if config.metadata.enabled else None
         quotas = any(t.max_devices_per_tenant is not None for t in config.sampling.tenants.values())
-        quota = DeviceQuota(requests, stats) if quotas else None
+        quota = DeviceQuota(requests, stats, recheck=QUOTA_RECHECK) if quotas else None
         worker: RollupWorker | None = None
         if isinstance(rollup_session, WriteSession):
             # A session of its own (the same driver as the write path's): its

@@ -5,12 +5,20 @@ services."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import orjson
 
-from gateway.config import DEFAULT_TEMPLATE, Config, TopicTemplate
+from gateway.config import DEFAULT_TEMPLATE, CassandraConfig, Config, TopicTemplate
+from gateway.ingest.sampling import QUOTA_RECHECK
+from gateway.stats import Stats
+from gateway.store import queries
 from gateway.store.database import Database
+from gateway.store.limit import InFlightLimit
+from gateway.store.quota import DeviceQuota
+from gateway.store.requests import Requests
+from gateway.store.write_session import open_write_session
 
 from .helpers import base_env, make_config, publish, run_cli, running_gateway, telemetry_keys, topic
 
@@ -104,3 +112,47 @@ async def test_release_gives_a_slot_back(db: Database, tenant: str) -> None:
         await gw.wait_handled(2)
     assert await _stored(db, tenant, ["d0", "d1", "d2"]) == {"d0": 1, "d1": 1, "d2": 1}
     assert await _refused(db, tenant, now) == ["d0", "d2"]
+
+
+async def test_one_device_admitted_by_two_instances_at_once_takes_one_slot(
+    keyspace: str, db: Database, tenant: str
+) -> None:
+    """Two instances that both find a new device absent both take a slot and
+    write its row: the count ran one above the devices for good, and a tenant
+    behind a share group could end far under its quota. The row is written
+    IF NOT EXISTS, and the instance that finds it there gives its slot back."""
+    stats = Stats()
+    config = CassandraConfig(keyspace=keyspace)
+    async with open_write_session(config) as session:
+        limit = InFlightLimit(stats, initial=8, minimum=1, maximum=8)
+        requests = Requests(session, config, stats, limit)
+        one = DeviceQuota(requests, stats, recheck=QUOTA_RECHECK)
+        two = DeviceQuota(requests, stats, recheck=QUOTA_RECHECK)
+        await one.prepare(session)
+        await two.prepare(session)
+        # Both read before either writes: each finds d0 absent.
+        refused = await asyncio.gather(
+            one.settle({(tenant, "d0"): 2}), two.settle({(tenant, "d0"): 2})
+        )
+        assert refused == [set(), set()]
+        assert await queries.quota_admitted(db, tenant) == 1
+        assert await one.settle({(tenant, "d1"): 2}) == set()
+        assert await two.settle({(tenant, "d2"): 2}) == {(tenant, "d2")}
+    assert stats.quota_reservations >= 3
+
+
+async def test_a_refused_device_is_refused_from_memory(tenant: str) -> None:
+    """A refused device stayed pending: every message of it cost a read of
+    quota_devices in the write loop, so a tenant flooding new ids slowed
+    every tenant. Now it is refused in memory for QUOTA_RECHECK."""
+    now = int(time.time() * 1000)
+    async with running_gateway(_config(tenant, 1)) as gw:
+        await _send([(topic(tenant, "d0"), "on")], now)
+        await gw.wait_handled(1)
+        await _send([(topic(tenant, "x"), "on")], now + 1)
+        await gw.wait_handled(2)
+        reads = gw.stats.quota_reads
+        await _send([(topic(tenant, "x"), str(i)) for i in range(200)], now + 2)
+        await gw.wait_handled(202)
+        assert gw.stats.quota_rejected == 201
+        assert gw.stats.quota_reads == reads

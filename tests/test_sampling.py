@@ -14,7 +14,14 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.config import SamplingConfig
-from gateway.ingest.sampling import QUOTA_PENDING, REASONS, Sampler, Verdict
+from gateway.ingest.sampling import (
+    QUOTA_PENDING,
+    QUOTA_RECHECK,
+    QUOTA_REFUSED,
+    REASONS,
+    Sampler,
+    Verdict,
+)
 from gateway.topic_filters import filter_levels, topic_matches
 
 TENANT = "acme"
@@ -584,8 +591,9 @@ def test_tenant_rate_keeps_state_changes() -> None:
 
 def test_device_quota_leaves_new_devices_pending_until_settled() -> None:
     """The quota is in Cassandra (store/quota.py): the sampler admits from
-    memory only the devices it saw settled as admitted, and leaves the
-    others pending (kept whole, not tracked) for the write loop to settle."""
+    memory only the devices it saw settled as admitted, refuses for
+    QUOTA_RECHECK those it saw refused, and leaves the others pending (kept
+    whole, not tracked) for the write loop to settle."""
     clock = FakeClock()
     sampler = _sampler(clock, max_devices=2, tenants={TENANT: {"max_devices_per_tenant": 3}})
     for device, admitted in (("d0", True), ("d1", True), ("d2", True), ("d3", False)):
@@ -599,20 +607,24 @@ def test_device_quota_leaves_new_devices_pending_until_settled() -> None:
     # d0 fell out of the sampler's LRU (max_devices=2) but is still admitted.
     assert sampler.tracked_devices == 2
     assert sampler.decide(TENANT, "d0", "t", "on", {}) is not QUOTA_PENDING
-    assert sampler.admitted(TENANT, "d0")
-    # A refused device stays pending: the quota may have room later.
-    assert not sampler.admitted(TENANT, "d3")
+    assert sampler.admission(TENANT, "d0") is None
+    # A refused device is refused from memory for QUOTA_RECHECK, then asked again.
+    assert sampler.decide(TENANT, "d3", "t", "on", {}) is QUOTA_REFUSED
+    assert sampler.admission(TENANT, "d3") is QUOTA_REFUSED
+    clock.now += QUOTA_RECHECK
     assert sampler.decide(TENANT, "d3", "t", "on", {}) is QUOTA_PENDING
     # What it remembers never holds more devices than the quota.
     sampler.settled(TENANT, "d4", True)
-    assert not sampler.admitted(TENANT, "d4")
+    assert sampler.admission(TENANT, "d4") is QUOTA_PENDING
     # Other tenants have no quota.
     assert sampler.quota("other") is None
     for i in range(10):
         assert sampler.decide("other", f"x{i}", "t", "on", {}) is not QUOTA_PENDING
-    assert sampler.admitted("other", "x99")
+    assert sampler.admission("other", "x99") is None
     assert sampler.quota(TENANT) == 3
-    assert sampler.tenant_counters()[TENANT]["quota_rejected"] == 1
+    # Counted: the refusal decide gave; the write loop counts the ones it settles.
+    sampler.count_refused(TENANT)
+    assert sampler.tenant_counters()[TENANT]["quota_rejected"] == 2
 
 
 def test_default_section_quota_applies_to_every_tenant() -> None:
@@ -728,8 +740,11 @@ def test_counters_add_up() -> None:
                 admitted[tenant].add(device)
             ok = device in admitted[tenant]
             sampler.settled(tenant, device, ok)
-            by_verdict[tenant, ok, "quota_pending" if ok else "quota"] += 1
-            continue
+            if ok:
+                verdict = sampler.decide(tenant, device, _topic(tenant, device), state, metrics)
+            else:
+                sampler.count_refused(tenant)
+                verdict = QUOTA_REFUSED
         by_verdict[tenant, verdict.keep_raw, verdict.reason] += 1
     counters = sampler.tenant_counters()
     for tenant in "ab":

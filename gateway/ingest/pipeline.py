@@ -43,7 +43,7 @@ from ..store.telemetry import Telemetry
 from ..topic_filters import covers
 from .decode import Decoder
 from .receive import Delivery
-from .sampling import QUOTA_PENDING, Sampler, Verdict
+from .sampling import QUOTA_PENDING, QUOTA_REFUSED, Sampler, Verdict
 from .topics import TopicMatcher
 
 _KEEP_ALL = Verdict(keep_raw=True, update_latest=True, reason="normal")
@@ -96,6 +96,17 @@ def rejection(
     return Rejection(
         tenant, device, delivery.topic, reason, detail, delivery.payload, delivery.received_ms
     )
+
+
+def over_quota(delivery: Delivery, tenant: str, device: str, stats: Stats) -> Rejection:
+    """The rejection of a device beyond its tenant's device quota, counted."""
+    stats.quota_by_tenant.add(tenant)
+    stats.quota_rejected += 1
+    detail = (
+        f"new device {device!r} is over the device quota of tenant {tenant!r} "
+        "(sampling.tenants.<tenant>.max_devices_per_tenant)"
+    )
+    return rejection(delivery, tenant, device, "quota", detail)
 
 
 class Classifier:
@@ -189,13 +200,22 @@ class Classifier:
             # Kept without sampling, yet within the device quota; and the
             # sampler must still see the state it brings: the device's next
             # state change is judged against it.
+            admission = self._sampler.admission(tenant, device, now)
+            if admission is QUOTA_REFUSED:
+                self._sampler.count_refused(tenant)
+                return self._over_quota(delivery, tenant, device)
             self._sampler.observe(tenant, device, event.state, event.write_ts)
-            pending = not self._sampler.admitted(tenant, device, now)
-            return Item(delivery, event, None, _BACKFILL, pending)
+            return Item(delivery, event, None, _BACKFILL, admission is QUOTA_PENDING)
         verdict = self._sampler.decide(
             tenant, device, delivery.topic, event.state, event.metrics, event.write_ts, now
         )
+        if verdict is QUOTA_REFUSED:
+            return self._over_quota(delivery, tenant, device)
         return Item(delivery, event, None, verdict, verdict is QUOTA_PENDING)
+
+    def _over_quota(self, delivery: Delivery, tenant: str, device: str) -> Item:
+        """A device the quota refused within QUOTA_RECHECK: rejected, counted."""
+        return Item(delivery, None, over_quota(delivery, tenant, device, self._stats))
 
 
 class Pipeline:
@@ -374,39 +394,50 @@ class Pipeline:
 
     async def _settle_quota(self, chunk: list[Item]) -> None:
         """Admit or refuse the devices of the chunk's pending events (their
-        tenants' quotas are in Cassandra: store/quota.py); a refused
-        device's events become rejections, before anything of them is
-        written."""
+        tenants' quotas are in Cassandra: store/quota.py), before anything
+        of them is written: a refused device's events become rejections, an
+        admitted device's get the sampler's verdict, in queue order."""
         pending = [item for item in chunk if item.quota_pending]
         if not pending:
             return
         sampler = self._sampler
         wanted: dict[tuple[str, str], int] = {}
+        refused: set[tuple[str, str]] = set()  # by an earlier chunk's settle
         for item in pending:
             event = item.event
             assert event is not None
             key = (event.tenant, event.device_id)
-            if key not in wanted and not sampler.admitted(*key):
-                cap = sampler.quota(event.tenant)
-                if cap is not None:
-                    wanted[key] = cap
-        refused = set() if self._quota is None else await self._quota.settle(wanted)
+            if key in wanted or key in refused:
+                continue
+            admission = sampler.admission(*key)
+            cap = sampler.quota(event.tenant)
+            if admission is QUOTA_REFUSED:
+                refused.add(key)
+            elif admission is QUOTA_PENDING and cap is not None:
+                wanted[key] = cap
+        if wanted and self._quota is not None:
+            settled = await self._quota.settle(wanted)
+            for key in wanted:
+                sampler.settled(*key, admitted=key not in settled)
+            refused |= settled
         for item in pending:
             event = item.event
             assert event is not None
-            tenant, device = event.tenant, event.device_id
-            admitted = (tenant, device) not in refused
-            sampler.settled(tenant, device, admitted)
-            if admitted:
-                continue
-            self._stats.quota_by_tenant.add(tenant)
-            self._stats.quota_rejected += 1
-            detail = (
-                f"new device {device!r} is over the device quota of tenant {tenant!r} "
-                "(sampling.tenants.<tenant>.max_devices_per_tenant)"
-            )
-            item.rejection = rejection(item.delivery, tenant, device, "quota", detail)
-            item.event = None
+            delivery = item.delivery
+            if (event.tenant, event.device_id) in refused:
+                sampler.count_refused(event.tenant)
+                item.rejection = over_quota(delivery, event.tenant, event.device_id, self._stats)
+                item.event = None
+            elif item.verdict is QUOTA_PENDING:  # back-fill keeps its own
+                item.verdict = sampler.decide(
+                    event.tenant,
+                    event.device_id,
+                    delivery.topic,
+                    event.state,
+                    event.metrics,
+                    event.write_ts,
+                    delivery.received_ms / 1000,
+                )
 
     async def _write_chunk(self, chunk: list[Item]) -> None:
         await self._settle_quota(chunk)
@@ -450,13 +481,9 @@ class Pipeline:
         held: Held = []
         stats = self._stats
         rollups, metadata = self._rollups, self._metadata
-        quota = self._quota
         for item in chunk:
             pending = Pending(self._done_callback(item))
             event = item.event
-            # A device the quota admitted just now: its row goes with the
-            # first of its events, whatever becomes of that event below.
-            admitted = [] if quota is None or event is None else quota.writes(event, pending)
             if event is not None and id(event) in over_ids:
                 detail = (
                     f"state {event.state!r} would exceed the tenant's "
@@ -474,9 +501,9 @@ class Pipeline:
                     and id(event) not in stale
                     and (newest[key] is event or key in stateless)
                 ):
-                    mine = admitted + self._latest.writes(event, pending)
+                    mine = self._latest.writes(event, pending)
                 else:
-                    mine = admitted
+                    mine = []
                     stats.coalesced += 1
                 rows = [] if metadata is None else metadata.writes_now(event, pending)
                 if rows is None:
@@ -498,10 +525,8 @@ class Pipeline:
                 writes += mine
             else:
                 assert item.rejection is not None
-                writes += admitted + self._rejects.writes(item.rejection, pending)
+                writes += self._rejects.writes(item.rejection, pending)
         await self._sink.submit(writes)
-        if quota is not None:
-            quota.chunk_done()
         if metadata is not None:
             # Each held pending has an extra count since writes_now, so its
             # other writes could not complete it during the submit; the worker

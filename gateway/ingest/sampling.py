@@ -22,10 +22,12 @@ How it decides:
 * A tenant with ``max_rate`` has a token bucket (``max_rate``, ``burst``); when
   it is empty the tenant's ordinary events are dropped (reason ``tenant_rate``).
   With ``max_devices_per_tenant`` the device quota is held in Cassandra
-  (store/quota.py): the first events of a device this process has not seen
-  admitted are kept whole (``QUOTA_PENDING``, not tracked) and the write loop
-  settles them there (:meth:`Sampler.settled`); devices already admitted
-  keep working, across restarts and instances.
+  (store/quota.py): the events of a device this process has not seen
+  settled are left ``QUOTA_PENDING`` (not tracked) and the write loop
+  settles them there (:meth:`Sampler.settled`), then decides those admitted;
+  a device seen refused is refused from memory (``QUOTA_REFUSED``) for
+  QUOTA_RECHECK. Devices already admitted keep working, across restarts and
+  instances.
 * With ``latest_interval`` above 0 (it is 0 by default: off), latest-table
   updates of noisy devices, and of events dropped by the tenant rate, are
   coalesced to one per ``latest_interval`` seconds per device; always-kept
@@ -41,9 +43,9 @@ Promises:
   ``important`` rule marks (a metric beyond a threshold, or back from beyond
   it). These always have ``update_latest=True``. Only the device quota can
   refuse them. Events the caller keeps without asking (back-fill) pass the
-  device quota alone (:meth:`Sampler.admitted`, else settled like the
-  pending ones) and are shown to :meth:`Sampler.observe`, so a state they
-  bring is what the next event is compared with.
+  device quota alone (:meth:`Sampler.admission`, settled like the pending
+  ones) and are shown to :meth:`Sampler.observe`, so a state they bring is
+  what the next event is compared with.
 * With ``enabled = false`` device sampling is off and every event is kept;
   tenant quotas (rate and device count) still apply.
 * Bounded memory: at most ``max_devices`` devices are tracked (LRU; evictions
@@ -52,7 +54,9 @@ Promises:
   until it is noisy again, ``noisy_for`` later). Tenants without a section
   of their own are tracked in an LRU of ``max_tenants``; tenants with a section are always
   tracked. The per-tenant set of admitted devices exists only for tenants with
-  a device quota and never holds more than the quota.
+  a device quota and never holds more than the quota; refused devices are
+  remembered in an LRU of MAX_REFUSED (one forgotten is asked of Cassandra
+  again).
 * Receive times that go back (a clock stepped back; a backlog received
   before a restart) are taken as no time passing: neither a noisy device's
   slots nor a tenant's token bucket wait for the clock to catch up.
@@ -78,8 +82,9 @@ REASONS = (
     "important",  # an important rule matched
     "sampled",  # the device is noisy; keep_raw says whether this is one of the kept samples
     "tenant_rate",  # the tenant is over max_rate: dropped
-    "quota_pending",  # a device this process has not seen admitted: kept whole
+    "quota_pending",  # a device this process has not seen settled: kept whole
     # until its tenant's quota, held in Cassandra, settles it (store/quota.py)
+    "quota",  # a device the quota refused within QUOTA_RECHECK: rejected
 )
 
 
@@ -108,6 +113,13 @@ _STATE_CHANGE = Verdict(True, True, "state_change")
 _TRANSITION = Verdict(True, True, "transition")
 _IMPORTANT = Verdict(True, True, "important")
 QUOTA_PENDING = Verdict(True, True, "quota_pending")
+QUOTA_REFUSED = Verdict(False, False, "quota")
+# Seconds a device the quota refused stays refused from memory (and a tenant
+# found at its quota is taken to stay there: store/quota.py); then its quota
+# is asked again, so that slots given back are taken.
+QUOTA_RECHECK = 60.0
+# Devices remembered as refused (LRU): a forgotten one costs one read again.
+MAX_REFUSED = 10_000
 # Indexed by keep_raw * 2 + update_latest.
 _SAMPLED = (
     Verdict(False, False, "sampled"),
@@ -247,6 +259,9 @@ class Sampler:
         self._pinned = {name: _Tenant(params, now) for name, params in sections.items()}
         self._tenants: LRU[str, _Tenant] = LRU(config.max_tenants)
         self._devices: LRU[tuple[str, str], _Device] = LRU(config.max_devices)
+        # Devices the quota refused, and when (settled): rejected from memory
+        # for QUOTA_RECHECK, not asked of Cassandra again meanwhile.
+        self._refused: LRU[tuple[str, str], float] = LRU(MAX_REFUSED)
 
     def _params(self, section: TenantSampling) -> _TenantParams:
         c = self._config
@@ -324,7 +339,10 @@ class Sampler:
             if ten.known is not None and device_id not in ten.known:
                 # Not tracked until the quota admits it: a flood of new ids
                 # costs neither memory nor other devices' state.
-                return QUOTA_PENDING
+                verdict = self._unknown(key, now)
+                if verdict is QUOTA_REFUSED:
+                    ten.quota_rejected += 1
+                return verdict
             dev = _Device(topic, 0.0, 0.0, 0.0, now)
             self._resolve(dev, ten.params, topic)
             evicted = devices.put(key, dev)
@@ -457,26 +475,44 @@ class Sampler:
         dev.kept_acc = dev.kept_acc * decay + lam
         return verdict
 
-    def admitted(self, tenant: str, device_id: str, now: float | None = None) -> bool:
-        """Whether the device may be written without asking its quota: its
-        tenant has none, or this process has seen the device admitted."""
-        known = self._tenant(tenant, self._clock() if now is None else now).known
-        return known is None or device_id in known
+    def admission(self, tenant: str, device_id: str, now: float | None = None) -> Verdict | None:
+        """The device quota alone (for back-fill, which skips :meth:`decide`):
+        None when the device may be written (its tenant has no quota, or
+        this process saw it admitted), ``QUOTA_REFUSED`` when this process
+        saw it refused within QUOTA_RECHECK, else ``QUOTA_PENDING``."""
+        now = self._clock() if now is None else now
+        known = self._tenant(tenant, now).known
+        if known is None or device_id in known:
+            return None
+        return self._unknown((tenant, device_id), now)
+
+    def _unknown(self, key: tuple[str, str], now: float) -> Verdict:
+        refused_at = self._refused.peek(key)
+        if refused_at is not None and now - refused_at < QUOTA_RECHECK:
+            return QUOTA_REFUSED
+        return QUOTA_PENDING
+
+    def count_refused(self, tenant: str) -> None:
+        """An event rejected for the quota without :meth:`decide` saying so
+        (settled in the write loop, or back-fill)."""
+        self._tenant(tenant, self._clock()).quota_rejected += 1
 
     def quota(self, tenant: str) -> int | None:
         """The tenant's ``max_devices_per_tenant``, or None."""
         return self._tenant(tenant, self._clock()).max_devices
 
-    def settled(self, tenant: str, device_id: str, admitted: bool) -> None:
-        """The quota's verdict on one event of a device :meth:`decide` left
-        pending (``QUOTA_PENDING``) or that back-fill found not
-        :meth:`admitted`: counted as kept or as a quota rejection, and an
-        admitted device is remembered (at most the quota's number of them)."""
-        ten = self._tenant(tenant, self._clock())
+    def settled(
+        self, tenant: str, device_id: str, admitted: bool, now: float | None = None
+    ) -> None:
+        """The quota's verdict on a device left ``QUOTA_PENDING``: an admitted
+        device is remembered (at most the quota's number of them; its events
+        then go through :meth:`decide`), a refused one for QUOTA_RECHECK."""
+        now = self._clock() if now is None else now
+        ten = self._tenant(tenant, now)
         if not admitted:
-            ten.quota_rejected += 1
+            self._refused.put((tenant, device_id), now)
             return
-        ten.kept += 1
+        self._refused.pop((tenant, device_id))
         known, cap = ten.known, ten.max_devices
         if known is not None and cap is not None and len(known) < cap:
             known.add(device_id)
@@ -608,9 +644,10 @@ class Sampler:
     def tenant_counters(self) -> dict[str, dict[str, int]]:
         """Per tracked tenant. Every decided event is counted exactly once:
         decided = kept + sampled_out + quota_rejected; tenant_rate_sampled is
-        the part of sampled_out dropped by the tenant's rate. Events the
-        device quota settled (:meth:`settled`) count as kept or as quota
-        rejections, back-filled ones too."""
+        the part of sampled_out dropped by the tenant's rate. An event left
+        ``QUOTA_PENDING`` counts once settled: refused, as a quota rejection;
+        admitted, by its :meth:`decide` then. quota_rejected also counts
+        back-filled events refused, which :meth:`decide` never sees."""
         out: dict[str, dict[str, int]] = {}
         for name, ten in (*self._pinned.items(), *self._tenants.items()):
             out[name] = {

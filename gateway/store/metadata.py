@@ -118,7 +118,9 @@ class Metadata:
         )
         # Each tenant's count (reservations.py): whether the tenant is at its
         # cap (counts never go down).
-        self._counts = Reservations(requests, "meta_entry_counts", "reserved", self._count_attempt)
+        self._counts = Reservations(
+            requests, "meta_entry_counts", "reserved", self._count_attempt, self._count_evicted
+        )
         self._cap = config.metadata.max_per_tenant
 
     async def prepare(self, session: WriteSession) -> None:
@@ -155,6 +157,9 @@ class Metadata:
 
     def _count_attempt(self) -> None:
         self._stats.metadata_reservations += 1
+
+    def _count_evicted(self) -> None:
+        self._stats.metadata_cache_evictions += 1
 
     def writes_now(self, event: Event, pending: Pending) -> list[Write] | None:
         """The rows of the event's new entries if each of its entries is

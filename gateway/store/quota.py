@@ -3,7 +3,8 @@ Cassandra (schema/008_device_quota.cql): ``quota_devices`` lists the devices
 each tenant's quota admitted, ``quota_counts`` says how many
 (reservations.py: a compare-and-set, so instances never together pass it).
 
-The sampler admits, from memory, the devices this process has seen admitted
+The sampler admits, from memory, the devices this process has seen admitted,
+and refuses for ``recheck`` seconds those it has seen refused
 (ingest/sampling.py); the first events of any other device of a tenant with
 a quota reach the write loop pending, and :meth:`DeviceQuota.settle` decides
 their devices, a chunk at a time, before anything of theirs is written
@@ -14,18 +15,22 @@ their devices, a chunk at a time, before anything of theirs is written
   admitted it: a restart admits the same devices as before, where a quota in
   memory started empty and admitted whichever devices sent first;
 * the others of a tenant take the count up by as many as fit, in arrival
-  order; each is admitted and its row written with its first event's rows
-  (:meth:`DeviceQuota.writes`), so it is durable before that event is
-  acknowledged;
-* the rest are refused: their events are rejected with reason ``quota``.
+  order, and each of those is written (``IF NOT EXISTS``) before settle
+  returns, so a device is admitted only once its row is durable: every
+  event of it, acknowledged in any order (the spool's), finds it after a
+  crash. A row another instance wrote meanwhile (both found the device
+  absent) gives the slot just taken back;
+* the rest are read again (another instance may have admitted them since
+  the first read) and, if still absent, refused: their events are rejected
+  with reason ``quota``.
 
-A tenant found at its quota is remembered with its count for RECHECK
+A tenant found at its quota is remembered with its count for ``recheck``
 seconds; its devices not found in ``quota_devices`` are refused without a
 compare-and-set meanwhile, and then the count is read again, so that slots
-given back (``gateway quota --release``) are taken within a minute. The
-count may run above what ``quota_devices`` holds (a retried transaction, two
-instances admitting one device at once, a crash between the count and the
-row): fewer devices, never more.
+given back (``gateway quota --release``) are taken within ``recheck``. The
+count may still run above what ``quota_devices`` holds (a compare-and-set
+retried after a timeout it had applied, a crash between the count and the
+rows, a write loop stopped between them): fewer devices, never more.
 """
 
 from __future__ import annotations
@@ -35,21 +40,16 @@ import time
 from dataclasses import dataclass
 
 from ..errors import GatewayError
-from ..event import Event
 from ..identity import state_bucket
 from ..stats import Stats
 from . import queries
 from .database import DICT_ROWS, Database
 from .requests import Requests
 from .reservations import MAX_ATTEMPTS, Reservations
-from .sink import Pending, Write
 from .write_session import Prepared, WriteSession
 
 # quota_devices partitions per tenant: crc32(device_id) % QUOTA_BUCKETS.
 QUOTA_BUCKETS = 16
-# Seconds a tenant found at its quota is taken to stay there.
-RECHECK = 60.0
-
 Device = tuple[str, str]  # (tenant, device_id)
 
 
@@ -61,12 +61,11 @@ class DeviceQuota:
     _insert: Prepared
     _exists: Prepared
 
-    def __init__(self, requests: Requests, stats: Stats) -> None:
+    def __init__(self, requests: Requests, stats: Stats, *, recheck: float) -> None:
         self._requests = requests
         self._stats = stats
+        self._recheck = recheck
         self._counts = Reservations(requests, "quota_counts", "admitted", self._count_attempt)
-        # Devices this chunk admitted whose rows are still to be written.
-        self._new: set[Device] = set()
 
     def _count_attempt(self) -> None:
         self._stats.quota_reservations += 1
@@ -74,7 +73,8 @@ class DeviceQuota:
     async def prepare(self, session: WriteSession) -> None:
         self._insert, self._exists, _ = await asyncio.gather(
             session.prepare(
-                "INSERT INTO {keyspace}.quota_devices (tenant, bucket, device_id) VALUES (?, ?, ?)"
+                "INSERT INTO {keyspace}.quota_devices (tenant, bucket, device_id) "
+                "VALUES (?, ?, ?) IF NOT EXISTS"
             ),
             session.prepare(
                 "SELECT device_id FROM {keyspace}.quota_devices "
@@ -84,57 +84,68 @@ class DeviceQuota:
         )
 
     async def settle(self, wanted: dict[Device, int]) -> set[Device]:
-        """Admit or refuse devices none of this process's chunks admitted
-        yet, each with its tenant's quota; the devices refused."""
+        """Admit or refuse devices this process has not seen settled, each
+        with its tenant's quota; the devices refused."""
         if not wanted:
             return set()
-        self._stats.quota_reads += len(wanted)
+        found = await self._listed(list(wanted))
+        absent: dict[str, list[str]] = {}
+        caps: dict[str, int] = {}
+        for (tenant, device), cap in wanted.items():
+            if (tenant, device) not in found:
+                absent.setdefault(tenant, []).append(device)
+                caps[tenant] = cap
+        if not absent:
+            return set()
+        taken = await asyncio.gather(
+            *(self._admit(tenant, devices, caps[tenant]) for tenant, devices in absent.items())
+        )
+        left = [(tenant, d) for tenant, devices in absent.items() for d in devices]
+        refused = set(left) - {key for admitted in taken for key in admitted}
+        if refused:
+            refused -= await self._listed(list(refused))
+        return refused
+
+    async def _listed(self, devices: list[Device]) -> set[Device]:
+        """Those of ``devices`` that quota_devices lists."""
+        self._stats.quota_reads += len(devices)
         # Keys are text: the bucket as a string, an int again when bound.
         found = await self._requests.read_keys(
-            [(t, str(quota_bucket(d)), d) for t, d in wanted],
+            [(t, str(quota_bucket(d)), d) for t, d in devices],
             lambda prefix: (self._exists, (prefix[0], int(prefix[1]))),
             "device_id",
             in_slot=True,
         )
-        absent: dict[str, list[str]] = {}
-        caps: dict[str, int] = {}
-        for (tenant, device), cap in wanted.items():
-            if (tenant, str(quota_bucket(device)), device) not in found:
-                absent.setdefault(tenant, []).append(device)
-                caps[tenant] = cap
-        granted = await asyncio.gather(
-            *(self._take(tenant, len(devices), caps[tenant]) for tenant, devices in absent.items())
+        return {(t, d) for t, _, d in found}
+
+    async def _admit(self, tenant: str, devices: list[str], cap: int) -> list[Device]:
+        """Take slots for the first of ``devices`` that fit and write their
+        rows; the devices admitted."""
+        granted = await self._take(tenant, len(devices), cap)
+        admitted = devices[:granted]
+        if not admitted:
+            return []
+        rows = await asyncio.gather(
+            *(
+                self._requests.execute_in_slot(self._insert, (tenant, quota_bucket(d), d))
+                for d in admitted
+            )
         )
-        refused: set[Device] = set()
-        for (tenant, devices), count in zip(absent.items(), granted, strict=True):
-            self._new.update((tenant, d) for d in devices[:count])
-            refused.update((tenant, d) for d in devices[count:])
-        return refused
+        twice = sum(1 for r in rows if not r[0]["[applied]"])
+        if twice:
+            # Another instance admitted these meanwhile (and counted them).
+            await self._counts.give_back(tenant, twice)
+        return [(tenant, d) for d in admitted]
 
     async def _take(self, tenant: str, count: int, cap: int) -> int:
         """Slots for ``count`` new devices of the tenant: how many it got."""
         seen = self._counts.known(tenant)
         if seen is not None and seen[0] >= cap:
-            if time.monotonic() - seen[1] < RECHECK:
+            if time.monotonic() - seen[1] < self._recheck:
                 return 0
             if await self._counts.refresh(tenant) >= cap:
                 return 0
         return await self._counts.reserve(tenant, count, cap)
-
-    def writes(self, event: Event, pending: Pending) -> list[Write]:
-        """The ``quota_devices`` row of a device :meth:`settle` admitted just
-        now, with its first event's rows; nothing for any other event."""
-        key = (event.tenant, event.device_id)
-        if key not in self._new:
-            return []
-        self._new.discard(key)
-        values = (event.tenant, quota_bucket(event.device_id), event.device_id)
-        return [Write(("quota", *values[:2]), self._insert, values, pending)]
-
-    def chunk_done(self) -> None:
-        """Forget admissions whose event wrote nothing (none should): the
-        count keeps them, fewer devices, never more."""
-        self._new.clear()
 
 
 # -- `gateway quota`: the count, and slots given back --------------------------
@@ -152,7 +163,7 @@ async def release(db: Database, tenant: str, devices: list[str]) -> Released:
     count down by as many (a compare-and-set against the gateways' own). A
     crash between the two leaves the count high: fewer devices, never more.
     A running gateway that found the tenant at its quota takes the slots
-    within RECHECK seconds; a device released while a gateway remembers it
+    within ``sampling.QUOTA_RECHECK`` seconds; a device released while a gateway remembers it
     as admitted stays admitted by that gateway until it restarts."""
     ks = db.keyspace
     by_bucket: dict[int, list[str]] = {}

@@ -44,12 +44,18 @@ class Reservations:
     _read: Prepared
 
     def __init__(
-        self, requests: Requests, table: str, column: str, on_attempt: Callable[[], None]
+        self,
+        requests: Requests,
+        table: str,
+        column: str,
+        on_attempt: Callable[[], None],
+        on_evict: Callable[[], None] = lambda: None,
     ) -> None:
         self._requests = requests
         self._table = table
         self._column = column
-        self._on_attempt = on_attempt
+        self._on_attempt = on_attempt  # each compare-and-set sent
+        self._on_evict = on_evict  # a tenant's count forgotten at the LRU's bound
         # Tenant -> (count, time.monotonic() when seen).
         self._counts: LRU[str, tuple[int, float]] = LRU(MAX_TENANTS)
 
@@ -66,6 +72,10 @@ class Reservations:
             session.prepare(f"SELECT {column} FROM {{keyspace}}.{table} WHERE tenant = ?"),
         )
 
+    def _remember(self, tenant: str, seen: tuple[int, float]) -> None:
+        if self._counts.put(tenant, seen) is not None:
+            self._on_evict()
+
     def known(self, tenant: str) -> tuple[int, float] | None:
         """The tenant's count as last seen, and when (monotonic s); None if not seen."""
         return self._counts.peek(tenant)
@@ -75,7 +85,7 @@ class Reservations:
         lowered it (``gateway quota --release``)."""
         rows = await self._requests.execute(self._read, (tenant,))
         count = int(rows[0][self._column]) if rows and rows[0][self._column] is not None else 0
-        self._counts.put(tenant, (count, time.monotonic()))
+        self._remember(tenant, (count, time.monotonic()))
         return count
 
     async def reserve(self, tenant: str, count: int, cap: int) -> int:
@@ -105,5 +115,20 @@ class Reservations:
             value = row.get(self._column)
             known = None if value is None else int(value)
         if known is not None:
-            self._counts.put(tenant, (known, time.monotonic()))
+            self._remember(tenant, (known, time.monotonic()))
         return granted
+
+    async def give_back(self, tenant: str, count: int) -> None:
+        """Take ``count`` off the tenant's count (never below 0): slots taken
+        for items that turned out to be there already."""
+        for _ in range(MAX_ATTEMPTS):
+            before = await self.refresh(tenant)
+            after = max(0, before - count)
+            if after == before:
+                return
+            self._on_attempt()
+            rows = await self._requests.execute(self._move, (after, tenant, before))
+            if rows[0]["[applied]"]:
+                self._remember(tenant, (after, time.monotonic()))
+                return
+        # Others kept moving it: the count stays high, fewer items, never more.
