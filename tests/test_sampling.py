@@ -613,9 +613,14 @@ def test_device_quota_leaves_new_devices_pending_until_settled() -> None:
     assert sampler.admission(TENANT, "d3") is QUOTA_REFUSED
     clock.now += QUOTA_RECHECK
     assert sampler.decide(TENANT, "d3", "t", "on", {}) is QUOTA_PENDING
-    # What it remembers never holds more devices than the quota.
-    sampler.settled(TENANT, "d4", True)
-    assert sampler.admission(TENANT, "d4") is QUOTA_PENDING
+    # It remembers every device admitted (a release or a lowered quota can
+    # leave more than the quota), up to twice the quota: the one seen
+    # longest ago goes first, and is asked of Cassandra again.
+    for device in ("d4", "d5", "d6", "d7"):
+        sampler.settled(TENANT, device, True)
+        assert sampler.admission(TENANT, device) is None
+    assert sampler.admission(TENANT, "d0") is QUOTA_PENDING
+    assert sampler.admission(TENANT, "d1") is None
     # Other tenants have no quota.
     assert sampler.quota("other") is None
     for i in range(10):

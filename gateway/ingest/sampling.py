@@ -54,7 +54,7 @@ Promises:
   until it is noisy again, ``noisy_for`` later). Tenants without a section
   of their own are tracked in an LRU of ``max_tenants``; tenants with a section are always
   tracked. The per-tenant set of admitted devices exists only for tenants with
-  a device quota and never holds more than the quota; refused devices are
+  a device quota and never holds more than twice the quota; refused devices are
   remembered in an LRU of MAX_REFUSED (one forgotten is asked of Cassandra
   again).
 * Receive times that go back (a clock stepped back; a backlog received
@@ -164,9 +164,12 @@ class _Tenant:
         self.tokens = params.burst
         self.refilled = now
         self.max_devices = params.max_devices
-        # Devices this process has seen admitted, only with a device quota (and
-        # never more than it): the quota itself is in Cassandra (store/quota.py).
-        self.known: set[str] | None = set() if params.max_devices is not None else None
+        # Devices this process has seen admitted, only with a device quota, in
+        # the order it saw them (at most twice the quota: releases and a
+        # lowered quota can leave more admitted than the quota, and the one
+        # seen longest ago goes first, asked of Cassandra again when it
+        # sends). The quota itself is in Cassandra (store/quota.py).
+        self.known: dict[str, None] | None = {} if params.max_devices is not None else None
         # This tenant's noisy devices, so noisy() needn't scan every device.
         self.noisy: dict[str, _Device] = {}
         self.kept = 0
@@ -339,7 +342,7 @@ class Sampler:
             if ten.known is not None and device_id not in ten.known:
                 # Not tracked until the quota admits it: a flood of new ids
                 # costs neither memory nor other devices' state.
-                verdict = self._unknown(key, now)
+                verdict = self._unknown(key)
                 if verdict is QUOTA_REFUSED:
                     ten.quota_rejected += 1
                 return verdict
@@ -484,11 +487,13 @@ class Sampler:
         known = self._tenant(tenant, now).known
         if known is None or device_id in known:
             return None
-        return self._unknown((tenant, device_id), now)
+        return self._unknown((tenant, device_id))
 
-    def _unknown(self, key: tuple[str, str], now: float) -> Verdict:
+    def _unknown(self, key: tuple[str, str]) -> Verdict:
+        # By the sampler's clock, as settled() stamps it, not a receive time:
+        # a backlog drained from the spool is judged on when it is written.
         refused_at = self._refused.peek(key)
-        if refused_at is not None and now - refused_at < QUOTA_RECHECK:
+        if refused_at is not None and self._clock() - refused_at < QUOTA_RECHECK:
             return QUOTA_REFUSED
         return QUOTA_PENDING
 
@@ -501,21 +506,22 @@ class Sampler:
         """The tenant's ``max_devices_per_tenant``, or None."""
         return self._tenant(tenant, self._clock()).max_devices
 
-    def settled(
-        self, tenant: str, device_id: str, admitted: bool, now: float | None = None
-    ) -> None:
+    def settled(self, tenant: str, device_id: str, admitted: bool) -> None:
         """The quota's verdict on a device left ``QUOTA_PENDING``: an admitted
-        device is remembered (at most the quota's number of them; its events
-        then go through :meth:`decide`), a refused one for QUOTA_RECHECK."""
-        now = self._clock() if now is None else now
+        device is remembered (its events then go through :meth:`decide`), a
+        refused one for QUOTA_RECHECK."""
+        now = self._clock()
         ten = self._tenant(tenant, now)
         if not admitted:
             self._refused.put((tenant, device_id), now)
             return
         self._refused.pop((tenant, device_id))
         known, cap = ten.known, ten.max_devices
-        if known is not None and cap is not None and len(known) < cap:
-            known.add(device_id)
+        if known is None or cap is None:
+            return
+        known[device_id] = None
+        if len(known) > 2 * cap:
+            del known[next(iter(known))]
 
     def observe(self, tenant: str, device_id: str, state: str | None, ts: int) -> None:
         """Note an event that is kept without :meth:`decide` (back-fill).

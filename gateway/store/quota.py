@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import GatewayError
 from ..identity import state_bucket
@@ -73,8 +75,8 @@ class DeviceQuota:
     async def prepare(self, session: WriteSession) -> None:
         self._insert, self._exists, _ = await asyncio.gather(
             session.prepare(
-                "INSERT INTO {keyspace}.quota_devices (tenant, bucket, device_id) "
-                "VALUES (?, ?, ?) IF NOT EXISTS"
+                "INSERT INTO {keyspace}.quota_devices (tenant, bucket, device_id, token) "
+                "VALUES (?, ?, ?, ?) IF NOT EXISTS"
             ),
             session.prepare(
                 "SELECT device_id FROM {keyspace}.quota_devices "
@@ -125,15 +127,22 @@ class DeviceQuota:
         admitted = devices[:granted]
         if not admitted:
             return []
+        tokens = [uuid.uuid4() for _ in admitted]
         rows = await asyncio.gather(
             *(
-                self._requests.execute_in_slot(self._insert, (tenant, quota_bucket(d), d))
-                for d in admitted
+                self._requests.execute_in_slot(self._insert, (tenant, quota_bucket(d), d, token))
+                for d, token in zip(admitted, tokens, strict=True)
             )
         )
-        twice = sum(1 for r in rows if not r[0]["[applied]"])
+        # Not applied with another token: another instance admitted it
+        # meanwhile, and counted it. With ours: our own insert, retried
+        # after a timeout that had applied it.
+        twice = sum(
+            1
+            for (row, *_), token in zip(rows, tokens, strict=True)
+            if not row["[applied]"] and row.get("token") != token
+        )
         if twice:
-            # Another instance admitted these meanwhile (and counted them).
             await self._counts.give_back(tenant, twice)
         return [(tenant, d) for d in admitted]
 
@@ -162,26 +171,29 @@ async def release(db: Database, tenant: str, devices: list[str]) -> Released:
     """Take ``devices`` out of the tenant's quota: their rows first, then the
     count down by as many (a compare-and-set against the gateways' own). A
     crash between the two leaves the count high: fewer devices, never more.
-    A running gateway that found the tenant at its quota takes the slots
-    within ``sampling.QUOTA_RECHECK`` seconds; a device released while a gateway remembers it
-    as admitted stays admitted by that gateway until it restarts."""
+    When the count keeps moving (gateways admitting devices meanwhile) the
+    rows are put back and nothing is released. A running gateway that found
+    the tenant at its quota takes the slots within ``QUOTA_RECHECK`` seconds
+    (ingest/sampling.py); one that remembers a released device as admitted
+    keeps admitting it until it restarts."""
     ks = db.keyspace
+    listed = list(dict.fromkeys(devices))
     by_bucket: dict[int, list[str]] = {}
-    for device in dict.fromkeys(devices):
+    for device in listed:
         by_bucket.setdefault(quota_bucket(device), []).append(device)
     find = await db.prepared(
-        f"SELECT device_id FROM {ks}.quota_devices "
+        f"SELECT device_id, token FROM {ks}.quota_devices "
         "WHERE tenant = ? AND bucket = ? AND device_id IN ?"
     )
     forget = await db.prepared(
         f"DELETE FROM {ks}.quota_devices WHERE tenant = ? AND bucket = ? AND device_id IN ?"
     )
-    present: set[str] = set()
+    present: dict[str, Any] = {}  # device -> its token
     for bucket, group in by_bucket.items():
-        found = [r.device_id for r in await db.execute(find, (tenant, bucket, group))]
+        found = {r.device_id: r.token for r in await db.execute(find, (tenant, bucket, group))}
         if found:
-            await db.execute(forget, (tenant, bucket, found))
-            present.update(found)
+            await db.execute(forget, (tenant, bucket, list(found)))
+            present |= found
     move = await db.prepared(
         f"UPDATE {ks}.quota_counts SET admitted = ? WHERE tenant = ? IF admitted = ?"
     )
@@ -196,8 +208,15 @@ async def release(db: Database, tenant: str, devices: list[str]) -> Released:
             break
         after = await queries.quota_admitted(db, tenant)  # a gateway moved it meanwhile
     else:
-        raise GatewayError(f"the device count of tenant {tenant!r} kept moving; try again")
-    listed = list(dict.fromkeys(devices))
+        restore = await db.prepared(
+            f"INSERT INTO {ks}.quota_devices (tenant, bucket, device_id, token) VALUES (?, ?, ?, ?)"
+        )
+        for device, token in present.items():
+            await db.execute(restore, (tenant, quota_bucket(device), device, token))
+        raise GatewayError(
+            f"the device count of tenant {tenant!r} kept moving (gateways admitting devices): "
+            "nothing was released; try again"
+        )
     return Released(
         [d for d in listed if d in present], [d for d in listed if d not in present], after
     )
