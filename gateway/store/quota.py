@@ -75,7 +75,7 @@ class DeviceQuota:
     async def prepare(self, session: WriteSession) -> None:
         self._insert, self._exists, _ = await asyncio.gather(
             session.prepare(
-                "INSERT INTO {keyspace}.quota_devices (tenant, bucket, device_id, token) "
+                "INSERT INTO {keyspace}.quota_devices (tenant, bucket, device_id, admission) "
                 "VALUES (?, ?, ?, ?) IF NOT EXISTS"
             ),
             session.prepare(
@@ -127,20 +127,20 @@ class DeviceQuota:
         admitted = devices[:granted]
         if not admitted:
             return []
-        tokens = [uuid.uuid4() for _ in admitted]
+        ids = [uuid.uuid4() for _ in admitted]
         rows = await asyncio.gather(
             *(
                 self._requests.execute_in_slot(self._insert, (tenant, quota_bucket(d), d, token))
-                for d, token in zip(admitted, tokens, strict=True)
+                for d, token in zip(admitted, ids, strict=True)
             )
         )
-        # Not applied with another token: another instance admitted it
+        # Not applied with another admission id: another instance admitted it
         # meanwhile, and counted it. With ours: our own insert, retried
         # after a timeout that had applied it.
         twice = sum(
             1
-            for (row, *_), token in zip(rows, tokens, strict=True)
-            if not row["[applied]"] and row.get("token") != token
+            for (row, *_), token in zip(rows, ids, strict=True)
+            if not row["[applied]"] and row.get("admission") != token
         )
         if twice:
             await self._counts.give_back(tenant, twice)
@@ -182,15 +182,15 @@ async def release(db: Database, tenant: str, devices: list[str]) -> Released:
     for device in listed:
         by_bucket.setdefault(quota_bucket(device), []).append(device)
     find = await db.prepared(
-        f"SELECT device_id, token FROM {ks}.quota_devices "
+        f"SELECT device_id, admission FROM {ks}.quota_devices "
         "WHERE tenant = ? AND bucket = ? AND device_id IN ?"
     )
     forget = await db.prepared(
         f"DELETE FROM {ks}.quota_devices WHERE tenant = ? AND bucket = ? AND device_id IN ?"
     )
-    present: dict[str, Any] = {}  # device -> its token
+    present: dict[str, Any] = {}  # device -> its admission id
     for bucket, group in by_bucket.items():
-        found = {r.device_id: r.token for r in await db.execute(find, (tenant, bucket, group))}
+        found = {r.device_id: r.admission for r in await db.execute(find, (tenant, bucket, group))}
         if found:
             await db.execute(forget, (tenant, bucket, list(found)))
             present |= found
@@ -209,7 +209,8 @@ async def release(db: Database, tenant: str, devices: list[str]) -> Released:
         after = await queries.quota_admitted(db, tenant)  # a gateway moved it meanwhile
     else:
         restore = await db.prepared(
-            f"INSERT INTO {ks}.quota_devices (tenant, bucket, device_id, token) VALUES (?, ?, ?, ?)"
+            f"INSERT INTO {ks}.quota_devices (tenant, bucket, device_id, admission) "
+            "VALUES (?, ?, ?, ?)"
         )
         for device, token in present.items():
             await db.execute(restore, (tenant, quota_bucket(device), device, token))
