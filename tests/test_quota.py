@@ -9,8 +9,11 @@ import asyncio
 import time
 
 import orjson
+import pytest
 
+from gateway import app
 from gateway.config import DEFAULT_TEMPLATE, CassandraConfig, Config, TopicTemplate
+from gateway.ingest import sampling
 from gateway.ingest.sampling import QUOTA_RECHECK
 from gateway.stats import Stats
 from gateway.store import queries
@@ -156,3 +159,35 @@ async def test_a_refused_device_is_refused_from_memory(tenant: str) -> None:
         await gw.wait_handled(202)
         assert gw.stats.quota_rejected == 201
         assert gw.stats.quota_reads == reads
+
+
+async def test_a_released_device_still_sending_takes_a_slot_again(
+    db: Database, tenant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A running gateway admitted a device it remembered, after `gateway
+    quota --release` had given its slot back: with the slot taken by
+    another device, the tenant had more devices than its quota until the
+    gateway restarted. Now a remembered admission is asked again after
+    QUOTA_REMEMBER (10 min; 1 s here, and the at-quota memory
+    QUOTA_RECHECK 1 s too, so that the freed slot is seen at once)."""
+    monkeypatch.setattr(sampling, "QUOTA_REMEMBER", 1.0)
+    monkeypatch.setattr(sampling, "QUOTA_RECHECK", 1.0)
+    monkeypatch.setattr(app, "QUOTA_RECHECK", 1.0)
+    now = int(time.time() * 1000)
+    env = base_env(**{f"GATEWAY_SAMPLING__TENANTS__{tenant.upper()}__MAX_DEVICES_PER_TENANT": "2"})
+    async with running_gateway(_config(tenant, 2)) as gw:
+        await _send([(topic(tenant, d), "on") for d in ("d0", "d1")], now)
+        await gw.wait_handled(2)
+        released = await asyncio.to_thread(
+            run_cli, "quota", "--tenant", tenant, "--release", "d0", env=env
+        )
+        assert released.returncode == 0, released.stderr
+        await asyncio.sleep(1.5)
+        # d0 still sends: it takes the slot back; d2, new, finds none.
+        await _send([(topic(tenant, "d0"), "off")], now + 10)
+        await gw.wait_handled(3)
+        await _send([(topic(tenant, "d2"), "on")], now + 20)
+        await gw.wait_handled(4)
+    assert await queries.quota_admitted(db, tenant) == 2
+    assert await _stored(db, tenant, ["d0", "d1", "d2"]) == {"d0": 2, "d1": 1, "d2": 0}
+    assert await _refused(db, tenant, now) == ["d2"]

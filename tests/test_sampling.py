@@ -18,6 +18,7 @@ from gateway.ingest.sampling import (
     QUOTA_PENDING,
     QUOTA_RECHECK,
     QUOTA_REFUSED,
+    QUOTA_REMEMBER,
     REASONS,
     Sampler,
     Verdict,
@@ -630,6 +631,22 @@ def test_device_quota_leaves_new_devices_pending_until_settled() -> None:
     # Counted: the refusal decide gave; the write loop counts the ones it settles.
     sampler.count_refused(TENANT)
     assert sampler.tenant_counters()[TENANT]["quota_rejected"] == 2
+
+
+def test_an_admitted_device_is_asked_again_after_quota_remember() -> None:
+    """A device released from the quota while it still sends kept being
+    admitted from memory by a running gateway, without a slot."""
+    clock = FakeClock()
+    sampler = _sampler(clock, tenants={TENANT: {"max_devices_per_tenant": 3}})
+    assert sampler.decide(TENANT, "d0", "t", "on", {}) is QUOTA_PENDING
+    sampler.settled(TENANT, "d0", True)
+    clock.now += QUOTA_REMEMBER - 1
+    assert sampler.decide(TENANT, "d0", "t", "on", {}) is not QUOTA_PENDING
+    clock.now += 1  # tracked by the sampler, and still asked again
+    assert sampler.decide(TENANT, "d0", "t", "on", {}) is QUOTA_PENDING
+    assert sampler.admission(TENANT, "d0") is QUOTA_PENDING
+    sampler.settled(TENANT, "d0", True)
+    assert sampler.decide(TENANT, "d0", "t", "on", {}) is not QUOTA_PENDING
 
 
 def test_default_section_quota_applies_to_every_tenant() -> None:

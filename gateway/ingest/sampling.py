@@ -26,8 +26,8 @@ How it decides:
   settled are left ``QUOTA_PENDING`` (not tracked) and the write loop
   settles them there (:meth:`Sampler.settled`), then decides those admitted;
   a device seen refused is refused from memory (``QUOTA_REFUSED``) for
-  QUOTA_RECHECK. Devices already admitted keep working, across restarts and
-  instances.
+  QUOTA_RECHECK, one seen admitted admitted from memory for QUOTA_REMEMBER.
+  Devices already admitted keep working, across restarts and instances.
 * With ``latest_interval`` above 0 (it is 0 by default: off), latest-table
   updates of noisy devices, and of events dropped by the tenant rate, are
   coalesced to one per ``latest_interval`` seconds per device; always-kept
@@ -118,6 +118,10 @@ QUOTA_REFUSED = Verdict(False, False, "quota")
 # found at its quota is taken to stay there: store/quota.py); then its quota
 # is asked again, so that slots given back are taken.
 QUOTA_RECHECK = 60.0
+# Seconds a device seen admitted is admitted from memory; then its quota is
+# asked again, so that a device released (`gateway quota --release`) while
+# it still sends takes a slot again, or is refused when there is none.
+QUOTA_REMEMBER = 600.0
 # Devices remembered as refused (LRU): a forgotten one costs one read again.
 MAX_REFUSED = 10_000
 # Indexed by keep_raw * 2 + update_latest.
@@ -169,7 +173,8 @@ class _Tenant:
         # lowered quota can leave more admitted than the quota, and the one
         # seen longest ago goes first, asked of Cassandra again when it
         # sends). The quota itself is in Cassandra (store/quota.py).
-        self.known: dict[str, None] | None = {} if params.max_devices is not None else None
+        # Each with when it was seen admitted (the sampler's clock).
+        self.known: dict[str, float] | None = {} if params.max_devices is not None else None
         # This tenant's noisy devices, so noisy() needn't scan every device.
         self.noisy: dict[str, _Device] = {}
         self.kept = 0
@@ -335,17 +340,17 @@ class Sampler:
         if now is None:
             now = self._clock()
         ten = self._tenant(tenant, now)
-        devices = self._devices
         key = (tenant, device_id)
+        if ten.known is not None and not self._remembered(ten.known, device_id):
+            # Not tracked until the quota admits it: a flood of new ids
+            # costs neither memory nor other devices' state.
+            verdict = self._unknown(key)
+            if verdict is QUOTA_REFUSED:
+                ten.quota_rejected += 1
+            return verdict
+        devices = self._devices
         dev = devices.get(key)
         if dev is None:
-            if ten.known is not None and device_id not in ten.known:
-                # Not tracked until the quota admits it: a flood of new ids
-                # costs neither memory nor other devices' state.
-                verdict = self._unknown(key)
-                if verdict is QUOTA_REFUSED:
-                    ten.quota_rejected += 1
-                return verdict
             dev = _Device(topic, 0.0, 0.0, 0.0, now)
             self._resolve(dev, ten.params, topic)
             evicted = devices.put(key, dev)
@@ -485,9 +490,14 @@ class Sampler:
         saw it refused within QUOTA_RECHECK, else ``QUOTA_PENDING``."""
         now = self._clock() if now is None else now
         known = self._tenant(tenant, now).known
-        if known is None or device_id in known:
+        if known is None or self._remembered(known, device_id):
             return None
         return self._unknown((tenant, device_id))
+
+    def _remembered(self, known: dict[str, float], device_id: str) -> bool:
+        """Seen admitted within QUOTA_REMEMBER (by the sampler's clock)."""
+        at = known.get(device_id)
+        return at is not None and self._clock() - at < QUOTA_REMEMBER
 
     def _unknown(self, key: tuple[str, str]) -> Verdict:
         # By the sampler's clock, as settled() stamps it, not a receive time:
@@ -508,8 +518,8 @@ class Sampler:
 
     def settled(self, tenant: str, device_id: str, admitted: bool) -> None:
         """The quota's verdict on a device left ``QUOTA_PENDING``: an admitted
-        device is remembered (its events then go through :meth:`decide`), a
-        refused one for QUOTA_RECHECK."""
+        device is remembered for QUOTA_REMEMBER (its events then go through
+        :meth:`decide`), a refused one for QUOTA_RECHECK."""
         now = self._clock()
         ten = self._tenant(tenant, now)
         if not admitted:
@@ -519,7 +529,8 @@ class Sampler:
         known, cap = ten.known, ten.max_devices
         if known is None or cap is None:
             return
-        known[device_id] = None
+        known.pop(device_id, None)  # to the end: the one seen longest ago goes first
+        known[device_id] = now
         if len(known) > 2 * cap:
             del known[next(iter(known))]
 

@@ -3,8 +3,9 @@ Cassandra (schema/008_device_quota.cql): ``quota_devices`` lists the devices
 each tenant's quota admitted, ``quota_counts`` says how many
 (reservations.py: a compare-and-set, so instances never together pass it).
 
-The sampler admits, from memory, the devices this process has seen admitted,
-and refuses for ``recheck`` seconds those it has seen refused
+The sampler admits, from memory, the devices this process has seen admitted
+(for QUOTA_REMEMBER), and refuses for ``recheck`` seconds those it has seen
+refused
 (ingest/sampling.py); the first events of any other device of a tenant with
 a quota reach the write loop pending, and :meth:`DeviceQuota.settle` decides
 their devices, a chunk at a time, before anything of theirs is written
@@ -173,9 +174,10 @@ async def release(db: Database, tenant: str, devices: list[str]) -> Released:
     crash between the two leaves the count high: fewer devices, never more.
     When the count keeps moving (gateways admitting devices meanwhile) the
     rows are put back and nothing is released. A running gateway that found
-    the tenant at its quota takes the slots within ``QUOTA_RECHECK`` seconds
-    (ingest/sampling.py); one that remembers a released device as admitted
-    keeps admitting it until it restarts."""
+    the tenant at its quota takes the slots within ``QUOTA_RECHECK`` seconds,
+    and asks again about a device it remembers admitted after
+    ``QUOTA_REMEMBER`` (ingest/sampling.py): a released device that still
+    sends takes a slot again, or is refused."""
     ks = db.keyspace
     listed = list(dict.fromkeys(devices))
     by_bucket: dict[int, list[str]] = {}
