@@ -291,7 +291,7 @@ class Metadata:
     async def _reserve(self, tenant: str, wanted: list[Entry], chunk: dict[Entry, bool]) -> None:
         """Take the tenant's count up by the entries that fit under the cap:
         those are to be written (names and keys first), the rest are capped."""
-        granted = await self._counts.reserve(tenant, len(wanted), self._cap)
+        granted = (await self._counts.reserve(tenant, len(wanted), self._cap)).granted
         wanted.sort(key=lambda e: _PRIORITY[e[0]])
         for index, entry in enumerate(wanted):
             chunk[entry] = index < granted

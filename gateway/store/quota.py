@@ -48,11 +48,19 @@ from ..stats import Stats
 from . import queries
 from .database import DICT_ROWS, Database
 from .requests import Requests
-from .reservations import MAX_ATTEMPTS, Reservations
+from .reservations import MAX_ATTEMPTS, Reservations, Reserved
 from .write_session import Prepared, WriteSession
 
 # quota_devices partitions per tenant: crc32(device_id) % QUOTA_BUCKETS.
 QUOTA_BUCKETS = 16
+# After a compare-and-set lost to another instance, the devices about to be
+# refused are read again up to RACE_REREADS times, twice our own round trip
+# apart, within RACE_WAIT_MIN..RACE_WAIT_MAX s: the winner writes its
+# devices' rows after its compare-and-set, over a link that may be slower.
+RACE_REREADS = 3
+RACE_WAIT_MIN = 0.1
+RACE_WAIT_MAX = 1.0
+NONE_TAKEN = Reserved(0, False, 0.0)
 Device = tuple[str, str]  # (tenant, device_id)
 
 
@@ -103,11 +111,22 @@ class DeviceQuota:
         taken = await asyncio.gather(
             *(self._admit(tenant, devices, caps[tenant]) for tenant, devices in absent.items())
         )
+        admitted = {key for devices, _ in taken for key in devices}
         left = [(tenant, d) for tenant, devices in absent.items() for d in devices]
-        refused = set(left) - {key for admitted in taken for key in admitted}
-        if refused:
-            refused -= await self._listed(list(refused))
-        return refused
+        refused = [key for key in left if key not in admitted]
+        # Read again: another instance may have admitted them since. If one
+        # won a race for the last slots, its rows go out after its
+        # compare-and-set: wait for them, a few times about two of ours.
+        raced = [took for _, (granted, lost, took) in taken if lost]
+        pause = min(RACE_WAIT_MAX, max(RACE_WAIT_MIN, 2 * max(raced, default=0.0)))
+        for attempt in range(RACE_REREADS + 1 if raced else 1):
+            if not refused:
+                break
+            if attempt:
+                await asyncio.sleep(pause)
+            listed = await self._listed(refused)
+            refused = [key for key in refused if key not in listed]
+        return set(refused)
 
     async def _listed(self, devices: list[Device]) -> set[Device]:
         """Those of ``devices`` that quota_devices lists."""
@@ -121,41 +140,55 @@ class DeviceQuota:
         )
         return {(t, d) for t, _, d in found}
 
-    async def _admit(self, tenant: str, devices: list[str], cap: int) -> list[Device]:
+    async def _admit(
+        self, tenant: str, devices: list[str], cap: int
+    ) -> tuple[list[Device], Reserved]:
         """Take slots for the first of ``devices`` that fit and write their
-        rows; the devices admitted."""
-        granted = await self._take(tenant, len(devices), cap)
-        admitted = devices[:granted]
+        rows; the devices admitted, and how the slots were taken."""
+        reserved = await self._take(tenant, len(devices), cap)
+        admitted = devices[: reserved.granted]
         if not admitted:
-            return []
+            return [], reserved
         ids = [uuid.uuid4() for _ in admitted]
         rows = await asyncio.gather(
             *(
-                self._requests.execute_in_slot(self._insert, (tenant, quota_bucket(d), d, token))
-                for d, token in zip(admitted, ids, strict=True)
+                self._requests.execute_in_slot(
+                    self._insert, (tenant, quota_bucket(d), d, admission)
+                )
+                for d, admission in zip(admitted, ids, strict=True)
             )
         )
-        # Not applied with another admission id: another instance admitted it
-        # meanwhile, and counted it. With ours: our own insert, retried
-        # after a timeout that had applied it.
         twice = sum(
             1
-            for (row, *_), token in zip(rows, ids, strict=True)
-            if not row["[applied]"] and row.get("admission") != token
+            for (row, *_), admission in zip(rows, ids, strict=True)
+            if taken_by_another(row, admission)
         )
         if twice:
             await self._counts.give_back(tenant, twice)
-        return [(tenant, d) for d in admitted]
+        return [(tenant, d) for d in admitted], reserved
 
-    async def _take(self, tenant: str, count: int, cap: int) -> int:
-        """Slots for ``count`` new devices of the tenant: how many it got."""
+    async def _take(self, tenant: str, count: int, cap: int) -> Reserved:
+        """Slots for ``count`` new devices of the tenant."""
         seen = self._counts.known(tenant)
         if seen is not None and seen[0] >= cap:
             if time.monotonic() - seen[1] < self._recheck:
-                return 0
+                return NONE_TAKEN
             if await self._counts.refresh(tenant) >= cap:
-                return 0
+                return NONE_TAKEN
         return await self._counts.reserve(tenant, count, cap)
+
+
+def taken_by_another(row: dict[str, Any], admission: uuid.UUID) -> bool:
+    """Whether an ``IF NOT EXISTS`` insert of a device's row with this
+    admission id found the row written by another instance, which counted
+    the device too: not applied, and the row there has another id (or none,
+    written before the column). The same id is our own insert, retried after
+    a timeout that had applied it. acsylla answers a uuid as text, the
+    Python driver as a UUID."""
+    if row["[applied]"]:
+        return False
+    found = row.get("admission")
+    return found is None or str(found) != str(admission)
 
 
 # -- `gateway quota`: the count, and slots given back --------------------------

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from ..lru import LRU
 from .requests import Requests
@@ -34,6 +35,12 @@ MAX_TENANTS = 10_000
 # Compare-and-sets per tenant per call: each one lost means another instance
 # won, so this many instances may race before one call is capped.
 MAX_ATTEMPTS = 8
+
+
+class Reserved(NamedTuple):
+    granted: int  # how many were taken
+    raced: bool  # another instance moved the count meanwhile (a compare-and-set lost)
+    took: float  # seconds the compare-and-sets took
 
 
 class Reservations:
@@ -88,11 +95,14 @@ class Reservations:
         self._remember(tenant, (count, time.monotonic()))
         return count
 
-    async def reserve(self, tenant: str, count: int, cap: int) -> int:
-        """Take up to ``count`` more under ``cap``; how many were granted."""
+    async def reserve(self, tenant: str, count: int, cap: int) -> Reserved:
+        """Take up to ``count`` more under ``cap``: how many were granted, and
+        whether another instance moved the count meanwhile."""
         seen = self._counts.get(tenant)
         known = None if seen is None else seen[0]  # None: no row seen yet
         granted = 0
+        raced = False
+        started = time.monotonic()
         for _ in range(MAX_ATTEMPTS):
             before = known or 0
             allowed = min(count, cap - before)
@@ -114,9 +124,10 @@ class Reservations:
             # tenant), so start it again.
             value = row.get(self._column)
             known = None if value is None else int(value)
+            raced = True
         if known is not None:
             self._remember(tenant, (known, time.monotonic()))
-        return granted
+        return Reserved(granted, raced, time.monotonic() - started)
 
     async def give_back(self, tenant: str, count: int) -> None:
         """Take ``count`` off the tenant's count (never below 0): slots taken
