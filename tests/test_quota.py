@@ -262,3 +262,33 @@ async def test_a_released_device_still_sending_takes_a_slot_again(
     assert await queries.quota_admitted(db, tenant) == 2
     assert await _stored(db, tenant, ["d0", "d1", "d2"]) == {"d0": 2, "d1": 1, "d2": 0}
     assert await _refused(db, tenant, now) == ["d2"]
+
+
+async def test_recount_gives_back_the_slots_a_stopped_gateway_never_used(
+    db: Database, tenant: str
+) -> None:
+    """A gateway stopped between its compare-and-set and its devices' rows
+    leaves the count above the devices listed (a probe: count 50, no rows,
+    every device refused for good), and nothing said so or gave them back."""
+    now = int(time.time() * 1000)
+    env = base_env(**{f"GATEWAY_SAMPLING__TENANTS__{tenant.upper()}__MAX_DEVICES_PER_TENANT": "2"})
+    async with running_gateway(_config(tenant, 2)) as gw:
+        await _send([(topic(tenant, "d0"), "on")], now)
+        await gw.wait_handled(1)
+    # What the stop leaves: one more slot counted, its row never written.
+    await db.execute(
+        f"UPDATE {db.keyspace}.quota_counts SET admitted = 2 WHERE tenant = %s", (tenant,)
+    )
+    shown = run_cli("quota", "--tenant", tenant, env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert "2 of 2 devices admitted" in shown.stdout
+    assert "1 listed: 1 slots were taken for devices never written" in shown.stdout
+    fixed = run_cli("quota", "--tenant", tenant, "--recount", env=env)
+    assert fixed.returncode == 0, fixed.stderr
+    assert "recounted: 2 -> 1" in fixed.stdout
+    assert "1 of 2 devices admitted" in fixed.stdout
+    assert "listed:" not in fixed.stdout
+    async with running_gateway(_config(tenant, 2)) as gw:
+        await _send([(topic(tenant, d), "on") for d in ("d1", "d2")], now + 10)
+        await gw.wait_handled(2)
+    assert await _stored(db, tenant, ["d1", "d2"]) == {"d1": 1, "d2": 0}

@@ -872,6 +872,16 @@ async def quota_admitted(db: Database, tenant: str) -> int:
     return int(rows[0].admitted or 0) if rows else 0
 
 
+async def quota_listed(db: Database, tenant: str, buckets: int) -> int:
+    """The devices quota_devices lists for the tenant (``buckets`` partitions:
+    store/quota.py's QUOTA_BUCKETS), which the count may run above."""
+    stmt = await db.prepared(
+        f"SELECT COUNT(*) AS n FROM {db.keyspace}.quota_devices WHERE tenant = ? AND bucket = ?"
+    )
+    answers = await asyncio.gather(*(db.execute(stmt, (tenant, b)) for b in range(buckets)))
+    return sum(int(rows[0].n) for rows in answers)
+
+
 async def meta_entry_count(db: Database, tenant: str) -> int:
     """The entries the tenant has taken against ``metadata.max_per_tenant``
     (at least those stored; see store/metadata.py)."""

@@ -256,3 +256,28 @@ async def release(db: Database, tenant: str, devices: list[str]) -> Released:
     return Released(
         [d for d in listed if d in present], [d for d in listed if d not in present], after
     )
+
+
+async def recount(db: Database, tenant: str) -> tuple[int, int]:
+    """Set the tenant's count to the devices quota_devices lists: the slots
+    taken for devices whose rows were never written (a gateway stopped
+    between its compare-and-set and its rows) are given back. (count before,
+    count after.) Run it while no gateway admits new devices of the tenant:
+    one between its compare-and-set and its rows at that moment would put
+    the tenant that many devices over its quota."""
+    move = await db.prepared(
+        f"UPDATE {db.keyspace}.quota_counts SET admitted = ? WHERE tenant = ? IF admitted = ?"
+    )
+    first = await queries.quota_admitted(db, tenant)
+    for _ in range(MAX_ATTEMPTS):
+        before = await queries.quota_admitted(db, tenant)
+        listed = await queries.quota_listed(db, tenant, QUOTA_BUCKETS)
+        if listed >= before:
+            return first, before  # nothing to give back
+        rows = await db.execute(move, (listed, tenant, before), profile=DICT_ROWS)
+        if rows[0]["[applied]"]:
+            return first, listed
+    raise GatewayError(
+        f"the device count of tenant {tenant!r} kept moving (gateways admitting devices): "
+        "nothing was recounted; try again when they are quiet"
+    )

@@ -264,12 +264,19 @@ def _parser() -> argparse.ArgumentParser:
         help="devices a tenant's device quota admitted (max_devices_per_tenant); --release",
     )
     quo.add_argument("--tenant", type=_name, required=True, help=TENANT_HELP)
-    quo.add_argument(
+    change = quo.add_mutually_exclusive_group()
+    change.add_argument(
         "--release",
         nargs="+",
         type=_name,
         metavar="DEVICE",
         help="take these devices out of the quota, giving their slots back",
+    )
+    change.add_argument(
+        "--recount",
+        action="store_true",
+        help="set the count to the devices listed (slots a stopped gateway took and never "
+        "used); run it while no gateway admits new devices of the tenant",
     )
     quo.add_argument("--json", action="store_true", help="print JSON")
 
@@ -803,11 +810,17 @@ async def _quota(config: Config, args: argparse.Namespace) -> int:
     tenant = args.tenant
     section = config.sampling.tenants.get(tenant) or config.sampling.tenants.get("default")
     cap = None if section is None else section.max_devices_per_tenant
+    released: quota.Released | None = None
+    recounted: tuple[int, int] | None = None
     async with connect(config.cassandra) as db:
-        released = None if args.release is None else await quota.release(db, tenant, args.release)
-        count = released.admitted if released else await queries.quota_admitted(db, tenant)
+        if args.release is not None:
+            released = await quota.release(db, tenant, args.release)
+        elif args.recount:
+            recounted = await quota.recount(db, tenant)
+        count = await queries.quota_admitted(db, tenant)
+        listed = await queries.quota_listed(db, tenant, quota.QUOTA_BUCKETS)
     if args.json:
-        out: dict[str, Any] = {"tenant": tenant, "admitted": count, "quota": cap}
+        out: dict[str, Any] = {"tenant": tenant, "admitted": count, "listed": listed, "quota": cap}
         if released is not None:
             out |= {"released": released.released, "not_admitted": released.not_admitted}
         _print_json(out)
@@ -818,6 +831,9 @@ async def _quota(config: Config, args: argparse.Namespace) -> int:
             print(f"released {n} device{'' if n == 1 else 's'} ({', '.join(released.released)})")
         if released.not_admitted:
             print(f"not admitted: {', '.join(released.not_admitted)}")
+    if recounted is not None:
+        before, after = recounted
+        print(f"recounted: {before} -> {after}")
     if cap is None:
         print(
             f"{count} devices admitted for tenant {tenant!r}; this config sets no quota for it "
@@ -825,6 +841,14 @@ async def _quota(config: Config, args: argparse.Namespace) -> int:
         )
     else:
         print(f"{count} of {cap} devices admitted for tenant {tenant!r} (max_devices_per_tenant)")
+        if count > cap:
+            print(f"{count - cap} over: the quota was lowered; --release devices to get under it")
+    if listed < count:
+        print(
+            f"{listed} listed: {count - listed} slots were taken for devices never written "
+            f"(a gateway stopped meanwhile); `gateway quota --tenant {tenant} --recount` "
+            "gives them back, while no gateway admits new devices of the tenant"
+        )
     return 0
 
 
