@@ -22,8 +22,10 @@ their devices, a chunk at a time, before anything of theirs is written
   crash. A row another instance wrote meanwhile (both found the device
   absent) gives the slot just taken back;
 * the rest are read again (another instance may have admitted them since
-  the first read) and, if still absent, refused: their events are rejected
-  with reason ``quota``.
+  the first read; when this one lost a compare-and-set, up to RACE_REREADS
+  more times, as the winner writes its rows after its compare-and-set) and,
+  if still absent, refused: their events are rejected with reason
+  ``quota``.
 
 A tenant found at its quota is remembered with its count for ``recheck``
 seconds; its devices not found in ``quota_devices`` are refused without a
@@ -31,7 +33,8 @@ compare-and-set meanwhile, and then the count is read again, so that slots
 given back (``gateway quota --release``) are taken within ``recheck``. The
 count may still run above what ``quota_devices`` holds (a compare-and-set
 retried after a timeout it had applied, a crash between the count and the
-rows, a write loop stopped between them): fewer devices, never more.
+rows, a write loop stopped between them): fewer devices, never more, until
+:func:`recount` (``gateway quota --recount``) sets it to the rows.
 """
 
 from __future__ import annotations
