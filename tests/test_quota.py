@@ -292,3 +292,14 @@ async def test_recount_gives_back_the_slots_a_stopped_gateway_never_used(
         await _send([(topic(tenant, d), "on") for d in ("d1", "d2")], now + 10)
         await gw.wait_handled(2)
     assert await _stored(db, tenant, ["d1", "d2"]) == {"d1": 1, "d2": 0}
+    # A count below the rows (its row deleted by hand) is raised to them.
+    await db.execute(f"DELETE FROM {db.keyspace}.quota_counts WHERE tenant = %s", (tenant,))
+    raised = run_cli("quota", "--tenant", tenant, "--recount", "--json", env=env)
+    assert raised.returncode == 0, raised.stderr
+    assert orjson.loads(raised.stdout) == {
+        "tenant": tenant,
+        "admitted": 2,
+        "listed": 2,
+        "quota": 2,
+        "recounted": {"before": 0, "after": 2},
+    }

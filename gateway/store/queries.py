@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from cassandra import ReadFailure
+from cassandra import OperationTimedOut, ReadFailure, ReadTimeout
 
 from ..config import MAX_BUCKET_SECONDS, Config
 from ..errors import QueryError
@@ -872,13 +872,17 @@ async def quota_admitted(db: Database, tenant: str) -> int:
     return int(rows[0].admitted or 0) if rows else 0
 
 
-async def quota_listed(db: Database, tenant: str, buckets: int) -> int:
+async def quota_listed(db: Database, tenant: str, buckets: int) -> int | None:
     """The devices quota_devices lists for the tenant (``buckets`` partitions:
-    store/quota.py's QUOTA_BUCKETS), which the count may run above."""
+    store/quota.py's QUOTA_BUCKETS), which the count may run above; None when
+    Cassandra could not count them in time (a quota of millions)."""
     stmt = await db.prepared(
         f"SELECT COUNT(*) AS n FROM {db.keyspace}.quota_devices WHERE tenant = ? AND bucket = ?"
     )
-    answers = await asyncio.gather(*(db.execute(stmt, (tenant, b)) for b in range(buckets)))
+    try:
+        answers = await asyncio.gather(*(db.execute(stmt, (tenant, b)) for b in range(buckets)))
+    except (OperationTimedOut, ReadTimeout):
+        return None
     return sum(int(rows[0].n) for rows in answers)
 
 

@@ -117,18 +117,29 @@ class DeviceQuota:
         admitted = {key for devices, _ in taken for key in devices}
         left = [(tenant, d) for tenant, devices in absent.items() for d in devices]
         refused = [key for key in left if key not in admitted]
-        # Read again: another instance may have admitted them since. If one
-        # won a race for the last slots, its rows go out after its
-        # compare-and-set: wait for them, a few times about two of ours.
-        raced = [took for _, (granted, lost, took) in taken if lost]
-        pause = min(RACE_WAIT_MAX, max(RACE_WAIT_MIN, 2 * max(raced, default=0.0)))
-        for attempt in range(RACE_REREADS + 1 if raced else 1):
-            if not refused:
+        if not refused:
+            return set()
+        # Read again: another instance may have admitted them since.
+        listed = await self._listed(refused)
+        refused = [key for key in refused if key not in listed]
+        # A tenant whose count another instance moved while this one was
+        # refusing devices may have lost the last slots to it, and that
+        # instance writes its rows after its compare-and-set: wait for them,
+        # a few times about two of our round trips.
+        raced = {
+            tenant: reserved.took
+            for tenant, (_, reserved) in zip(absent, taken, strict=True)
+            if reserved.raced
+        }
+        racing = [key for key in refused if key[0] in raced]
+        pause = min(RACE_WAIT_MAX, max(RACE_WAIT_MIN, 2 * max(raced.values(), default=0.0)))
+        for _ in range(RACE_REREADS if racing else 0):
+            await asyncio.sleep(pause)
+            listed = await self._listed(racing)
+            racing = [key for key in racing if key not in listed]
+            if not racing:
                 break
-            if attempt:
-                await asyncio.sleep(pause)
-            listed = await self._listed(refused)
-            refused = [key for key in refused if key not in listed]
+        refused = [key for key in refused if key[0] not in raced or key in racing]
         return set(refused)
 
     async def _listed(self, devices: list[Device]) -> set[Device]:
@@ -264,22 +275,35 @@ async def release(db: Database, tenant: str, devices: list[str]) -> Released:
 async def recount(db: Database, tenant: str) -> tuple[int, int]:
     """Set the tenant's count to the devices quota_devices lists: the slots
     taken for devices whose rows were never written (a gateway stopped
-    between its compare-and-set and its rows) are given back. (count before,
-    count after.) Run it while no gateway admits new devices of the tenant:
-    one between its compare-and-set and its rows at that moment would put
-    the tenant that many devices over its quota."""
-    move = await db.prepared(
-        f"UPDATE {db.keyspace}.quota_counts SET admitted = ? WHERE tenant = ? IF admitted = ?"
+    between its compare-and-set and its rows) are given back, and a count
+    below the rows (its row deleted by hand) is raised to them. (count
+    before, count after.) Run it while no gateway admits new devices of the
+    tenant: one between its compare-and-set and its rows at that moment
+    would put the tenant that many devices over its quota."""
+    ks = db.keyspace
+    first = await db.prepared(
+        f"INSERT INTO {ks}.quota_counts (tenant, admitted) VALUES (?, ?) IF NOT EXISTS"
     )
-    first = await queries.quota_admitted(db, tenant)
+    move = await db.prepared(
+        f"UPDATE {ks}.quota_counts SET admitted = ? WHERE tenant = ? IF admitted = ?"
+    )
+    read = await db.prepared(f"SELECT admitted FROM {ks}.quota_counts WHERE tenant = ?")
     for _ in range(MAX_ATTEMPTS):
-        before = await queries.quota_admitted(db, tenant)
+        rows = await db.execute(read, (tenant,))
+        before = int(rows[0].admitted or 0) if rows else None
         listed = await queries.quota_listed(db, tenant, QUOTA_BUCKETS)
-        if listed >= before:
-            return first, before  # nothing to give back
-        rows = await db.execute(move, (listed, tenant, before), profile=DICT_ROWS)
-        if rows[0]["[applied]"]:
-            return first, listed
+        if listed is None:
+            raise GatewayError(
+                f"could not count the devices listed for tenant {tenant!r} in time; try again"
+            )
+        if before == listed:
+            return before, listed
+        if before is None:
+            answer = await db.execute(first, (tenant, listed), profile=DICT_ROWS)
+        else:
+            answer = await db.execute(move, (listed, tenant, before), profile=DICT_ROWS)
+        if answer[0]["[applied]"]:
+            return before or 0, listed
     raise GatewayError(
         f"the device count of tenant {tenant!r} kept moving (gateways admitting devices): "
         "nothing was recounted; try again when they are quiet"

@@ -39,7 +39,7 @@ MAX_ATTEMPTS = 8
 
 class Reserved(NamedTuple):
     granted: int  # how many were taken
-    raced: bool  # another instance moved the count meanwhile (a compare-and-set lost)
+    raced: bool  # a compare-and-set lost: another instance moved the count since last seen
     took: float  # seconds the compare-and-sets took
 
 
@@ -122,9 +122,11 @@ class Reservations:
             # The answer carries the count now: try again from there. No
             # count in the answer: the row is gone (an operator reset the
             # tenant), so start it again.
+            # A race, or (a first insert after a restart) a count only now
+            # learnt: either way devices may have been admitted just now.
+            raced = True
             value = row.get(self._column)
             known = None if value is None else int(value)
-            raced = True
         if known is not None:
             self._remember(tenant, (known, time.monotonic()))
         return Reserved(granted, raced, time.monotonic() - started)
