@@ -168,12 +168,11 @@ class _Tenant:
         self.tokens = params.burst
         self.refilled = now
         self.max_devices = params.max_devices
-        # Devices this process has seen admitted, only with a device quota, in
-        # the order it saw them (at most twice the quota: releases and a
-        # lowered quota can leave more admitted than the quota, and the one
-        # seen longest ago goes first, asked of Cassandra again when it
-        # sends). The quota itself is in Cassandra (store/quota.py).
-        # Each with when it was seen admitted (the sampler's clock).
+        # Devices this process has seen admitted, only with a device quota,
+        # each with when (the sampler's clock), in that order: at most twice
+        # the quota (releases and a lowered quota can leave more admitted
+        # than it), the one seen longest ago going first, asked of Cassandra
+        # again when it sends. The quota itself is in Cassandra (store/quota.py).
         self.known: dict[str, float] | None = {} if params.max_devices is not None else None
         # This tenant's noisy devices, so noisy() needn't scan every device.
         self.noisy: dict[str, _Device] = {}

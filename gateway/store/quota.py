@@ -243,17 +243,11 @@ async def release(db: Database, tenant: str, devices: list[str]) -> Released:
         if found:
             await db.execute(forget, (tenant, bucket, list(found)))
             present |= found
-    move = await db.prepared(
-        f"UPDATE {ks}.quota_counts SET admitted = ? WHERE tenant = ? IF admitted = ?"
-    )
     after = await queries.quota_admitted(db, tenant)
     for _ in range(MAX_ATTEMPTS):
         before = after
         after = max(0, before - len(present))
-        if after == before:
-            break
-        rows = await db.execute(move, (after, tenant, before), profile=DICT_ROWS)
-        if rows[0]["[applied]"]:
+        if after == before or await _move_count(db, tenant, before, after):
             break
         after = await queries.quota_admitted(db, tenant)  # a gateway moved it meanwhile
     else:
@@ -261,8 +255,8 @@ async def release(db: Database, tenant: str, devices: list[str]) -> Released:
             f"INSERT INTO {ks}.quota_devices (tenant, bucket, device_id, admission) "
             "VALUES (?, ?, ?, ?)"
         )
-        for device, token in present.items():
-            await db.execute(restore, (tenant, quota_bucket(device), device, token))
+        for device, admission in present.items():
+            await db.execute(restore, (tenant, quota_bucket(device), device, admission))
         raise GatewayError(
             f"the device count of tenant {tenant!r} kept moving (gateways admitting devices): "
             "nothing was released; try again"
@@ -280,31 +274,33 @@ async def recount(db: Database, tenant: str) -> tuple[int, int]:
     before, count after.) Run it while no gateway admits new devices of the
     tenant: one between its compare-and-set and its rows at that moment
     would put the tenant that many devices over its quota."""
-    ks = db.keyspace
-    first = await db.prepared(
-        f"INSERT INTO {ks}.quota_counts (tenant, admitted) VALUES (?, ?) IF NOT EXISTS"
-    )
-    move = await db.prepared(
-        f"UPDATE {ks}.quota_counts SET admitted = ? WHERE tenant = ? IF admitted = ?"
-    )
-    read = await db.prepared(f"SELECT admitted FROM {ks}.quota_counts WHERE tenant = ?")
     for _ in range(MAX_ATTEMPTS):
-        rows = await db.execute(read, (tenant,))
-        before = int(rows[0].admitted or 0) if rows else None
+        before = await queries.quota_admitted(db, tenant)
         listed = await queries.quota_listed(db, tenant, QUOTA_BUCKETS)
         if listed is None:
             raise GatewayError(
                 f"could not count the devices listed for tenant {tenant!r} in time; try again"
             )
-        if before == listed:
+        if before == listed or await _move_count(db, tenant, before, listed):
             return before, listed
-        if before is None:
-            answer = await db.execute(first, (tenant, listed), profile=DICT_ROWS)
-        else:
-            answer = await db.execute(move, (listed, tenant, before), profile=DICT_ROWS)
-        if answer[0]["[applied]"]:
-            return before or 0, listed
     raise GatewayError(
         f"the device count of tenant {tenant!r} kept moving (gateways admitting devices): "
         "nothing was recounted; try again when they are quiet"
     )
+
+
+async def _move_count(db: Database, tenant: str, before: int, after: int) -> bool:
+    """The tenant's count from ``before`` to ``after`` by compare-and-set (a
+    count of 0 may be no row yet: then it is made); whether it applied."""
+    ks = db.keyspace
+    move = await db.prepared(
+        f"UPDATE {ks}.quota_counts SET admitted = ? WHERE tenant = ? IF admitted = ?"
+    )
+    rows = await db.execute(move, (after, tenant, before), profile=DICT_ROWS)
+    if rows[0]["[applied]"] or before or "admitted" in rows[0]:
+        return bool(rows[0]["[applied]"])
+    first = await db.prepared(
+        f"INSERT INTO {ks}.quota_counts (tenant, admitted) VALUES (?, ?) IF NOT EXISTS"
+    )
+    rows = await db.execute(first, (tenant, after), profile=DICT_ROWS)
+    return bool(rows[0]["[applied]"])

@@ -118,12 +118,12 @@ class Reservations:
                 granted, known = allowed, before + allowed
                 break
             # Another instance moved it first (or our own attempt, retried
-            # after a timeout, did: then it counts twice, fewer, never more).
-            # The answer carries the count now: try again from there. No
-            # count in the answer: the row is gone (an operator reset the
-            # tenant), so start it again.
-            # A race, or (a first insert after a restart) a count only now
-            # learnt: either way devices may have been admitted just now.
+            # after a timeout, did: then it counts twice, fewer, never more),
+            # or, a first insert after a restart, the count is only now
+            # learnt: either way items may have been taken just now. The
+            # answer carries the count: try again from there. No count in
+            # the answer: the row is gone (an operator reset the tenant), so
+            # start it again.
             raced = True
             value = row.get(self._column)
             known = None if value is None else int(value)
