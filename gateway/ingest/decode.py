@@ -26,25 +26,18 @@ from __future__ import annotations
 import math
 import re
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Any
+from typing import Any
 
 import msgpack
 import orjson
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    StrictFloat,
-    StrictInt,
-    StrictStr,
-    ValidationError,
-)
+from pydantic import ValidationError
 
 from ..config import LimitsConfig
 from ..errors import DecodeError
 from ..event import Event
 from ..identity import event_identity
 from ..topic_filters import NO_URL_NAMES, NO_URL_REASON
+from .payload_model import MAX_TS_TEXT, payload_model
 
 REASONS = (
     "topic",  # the topic matches no template or has a bad level
@@ -72,7 +65,6 @@ MSGPACK_TYPES = frozenset(
 
 
 _FIELDS = frozenset({"ts", "state", "value", "metrics", "tags", "sent_at"})
-_MAX_TS_TEXT = 64
 _EMPTY: dict[str, Any] = {}
 # ts, state, value, metrics, tags, sent_at
 _Fields = tuple[
@@ -96,22 +88,7 @@ class Decoder:
 
     def __init__(self, limits: LimitsConfig) -> None:
         self._limits = limits
-        key = Annotated[StrictStr, Field(min_length=1, max_length=limits.max_key_length)]
-        text = Annotated[StrictStr, Field(max_length=limits.max_text_length)]
-        number = Annotated[StrictInt | StrictFloat, Field(allow_inf_nan=False)]
-
-        class Payload(BaseModel):
-            model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
-            ts: StrictInt | Annotated[StrictStr, Field(max_length=_MAX_TS_TEXT)] | None = None
-            state: (
-                Annotated[StrictStr, Field(min_length=1, max_length=limits.max_state_length)] | None
-            ) = None
-            value: text | number | None = None
-            metrics: Annotated[dict[key, number], Field(max_length=limits.max_metrics)] = {}
-            tags: Annotated[dict[key, text], Field(max_length=limits.max_tags)] = {}
-            sent_at: number | None = None
-
-        self._payload = Payload
+        self._payload = payload_model(limits)
         self._min_ms = int(limits.min_timestamp.timestamp() * 1000)
         self._skew_ms = int(limits.max_future_skew * 1000)
 
@@ -157,7 +134,7 @@ class Decoder:
         limits = self._limits
         ts = raw.get("ts")
         if ts is not None and not (
-            (type(ts) is int) or (type(ts) is str and len(ts) <= _MAX_TS_TEXT)
+            (type(ts) is int) or (type(ts) is str and len(ts) <= MAX_TS_TEXT)
         ):
             return None
         state = raw.get("state")

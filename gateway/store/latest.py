@@ -94,6 +94,7 @@ from typing import Any
 
 import orjson
 
+from ..aio import gather_all
 from ..config import Config
 from ..event import Event
 from ..identity import device_hash, state_bucket
@@ -215,7 +216,7 @@ class LatestState:
             self._record_buckets,
             self._register,
             self._newest_state,
-        ) = await asyncio.gather(
+        ) = await gather_all(
             session.prepare(INSERT_STATE, timestamps=(6,)),
             session.prepare(
                 "DELETE FROM {keyspace}.latest_events_by_state USING TIMESTAMP ? "
@@ -581,7 +582,7 @@ class LatestState:
         known = self._tenants.get(tenant)
         if known is not None and not fresh and time.monotonic() - known.loaded_at < self._refresh:
             return known
-        rows, parts = await asyncio.gather(
+        rows, parts = await gather_all(
             self._requests.execute(self._select_states, (tenant,)),
             self._requests.execute(self._select_parts, (tenant,)),
         )

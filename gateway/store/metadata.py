@@ -61,6 +61,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
+from ..aio import gather_all
 from ..config import Config
 from ..event import Event
 from ..lru import LRU, K, V
@@ -132,26 +133,28 @@ class Metadata:
         }
         # Together: each is a round trip, a second or more over a slow link.
         kinds = list(tables)
-        prepared, _ = await asyncio.gather(
-            asyncio.gather(
-                *(
-                    session.prepare(
-                        f"INSERT INTO {{keyspace}}.{table} ({', '.join(columns)}) "
-                        f"VALUES ({', '.join('?' for _ in columns)})"
-                    )
-                    for table, columns in tables.values()
-                ),
-                *(
-                    session.prepare(
-                        f"SELECT {columns[-1]} AS found FROM {{keyspace}}.{table} WHERE "
-                        + " AND ".join(f"{c} = ?" for c in columns[:-1])
-                        + f" AND {columns[-1]} IN ?"
-                    )
-                    for table, columns in tables.values()
-                ),
-            ),
-            self._counts.prepare(session),
-        )
+        async with asyncio.TaskGroup() as group:
+            statements = group.create_task(
+                gather_all(
+                    *(
+                        session.prepare(
+                            f"INSERT INTO {{keyspace}}.{table} ({', '.join(columns)}) "
+                            f"VALUES ({', '.join('?' for _ in columns)})"
+                        )
+                        for table, columns in tables.values()
+                    ),
+                    *(
+                        session.prepare(
+                            f"SELECT {columns[-1]} AS found FROM {{keyspace}}.{table} WHERE "
+                            + " AND ".join(f"{c} = ?" for c in columns[:-1])
+                            + f" AND {columns[-1]} IN ?"
+                        )
+                        for table, columns in tables.values()
+                    ),
+                )
+            )
+            group.create_task(self._counts.prepare(session))
+        prepared = statements.result()
         self._insert = dict(zip(kinds, prepared[: len(kinds)], strict=True))
         self._exists = dict(zip(kinds, prepared[len(kinds) :], strict=True))
 

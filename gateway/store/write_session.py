@@ -58,9 +58,10 @@ import re
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Hashable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Hashable, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import orjson
@@ -198,7 +199,7 @@ class PythonSession(WriteSession):
     # the throughput; 256 kept 0.94-1.09x the local rate at 20-100 ms
     # (bench/results/slow_link_python.md).
     in_flight_floor = 256
-    transient = (
+    transient: tuple[type[BaseException], ...] = (
         OperationTimedOut,
         WriteTimeout,
         ReadTimeout,
@@ -446,12 +447,15 @@ def acsylla_installed() -> bool:
     return True
 
 
-def choose_driver(config: CassandraConfig) -> str:
-    """``acsylla`` or ``python`` for this config (see the module docstring)."""
+def choose_driver(config: CassandraConfig, acsylla: bool | None = None) -> str:
+    """``acsylla`` or ``python`` for this config (see the module docstring);
+    ``acsylla``: whether it is installed (by default, :func:`acsylla_installed`)."""
+    if acsylla is None:
+        acsylla = acsylla_installed()
     if config.driver == "python":
         return "python"
     if config.driver == "acsylla":
-        if not acsylla_installed():
+        if not acsylla:
             raise ConfigError(
                 'cassandra.driver = "acsylla", but acsylla is not installed '
                 "(pip install acsylla; wheels exist for Linux x86_64 and macOS), "
@@ -460,7 +464,7 @@ def choose_driver(config: CassandraConfig) -> str:
         return "acsylla"  # with TLS, the config checked that tls.ca_file is set
     # Only the Python driver compresses (the C++ driver has no compression).
     plain = not config.tls.enabled and config.compression == "none"
-    return "acsylla" if acsylla_installed() and plain else "python"
+    return "acsylla" if acsylla and plain else "python"
 
 
 # The C++ driver's messages about its connections (a socket reset, a host it
@@ -582,15 +586,30 @@ def _create_cluster(acsylla: Any, config: CassandraConfig, options: dict[str, An
     )
 
 
-@asynccontextmanager
-async def open_write_session(config: CassandraConfig) -> AsyncIterator[WriteSession]:
+def open_write_session(config: CassandraConfig) -> AbstractAsyncContextManager[WriteSession]:
     """Connect with the chosen driver; always disconnect on exit."""
-    if choose_driver(config) == "python":
-        async with connect(config) as db:
-            yield PythonSession(db)
-        return
-    session = await _open_acsylla(config)
-    try:
-        yield session
-    finally:
-        await session.close()
+    return _Connected(config)
+
+
+class _Connected:
+    """:func:`open_write_session`'s context: a class, not an async generator,
+    which mypyc does not compile (this module is compiled: setup.py)."""
+
+    def __init__(self, config: CassandraConfig) -> None:
+        self._config = config
+        self._exit = AsyncExitStack()
+
+    async def __aenter__(self) -> WriteSession:
+        if choose_driver(self._config) == "python":
+            return PythonSession(await self._exit.enter_async_context(connect(self._config)))
+        session = await _open_acsylla(self._config)
+        self._exit.push_async_callback(session.close)
+        return session
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        return await self._exit.__aexit__(exc_type, exc, tb)
