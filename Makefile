@@ -27,13 +27,24 @@ help:
 
 # uv (from PyPI) installs the same packages as pip in seconds instead of about a
 # minute, a tenth of make test's budget on a fresh clone.
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q uv
-	$(VENV)/bin/uv pip install -q --python $(VPY) -e '.[test]'
+	GATEWAY_COMPILE=0 $(VENV)/bin/uv pip install -q --python $(VPY) -e '.[test,compile]'
 	@touch $@
 
-venv: $(VENV)/.installed
+# The per-message modules compiled with mypyc (setup.py: about a minute here),
+# again whenever a source changes: a compiled module whose source
+# changed will not load. GATEWAY_COMPILE=0 keeps them plain Python.
+GATEWAY_COMPILE ?= 1
+$(VENV)/.compiled: $(VENV)/.installed $(wildcard gateway/*.py gateway/*/*.py)
+	@echo "compiling the per-message modules (mypyc, setup.py; GATEWAY_COMPILE=$(GATEWAY_COMPILE))"
+	@find gateway -name '*.so' -delete; rm -f gateway/compiled.txt
+	@GATEWAY_COMPILE=$(GATEWAY_COMPILE) $(VENV)/bin/uv pip install -q --python $(VPY) \
+		--no-build-isolation --no-deps --reinstall-package mqtt-cassandra-gateway -e .
+	@touch $@
+
+venv: $(VENV)/.compiled
 
 # CASSANDRA_NODES=3 make up: a three-node cluster on 127.0.0.1..3 instead of
 # the single node (cassandra/cassandra.sh), and the keyspace with replication
@@ -131,8 +142,8 @@ test-quick: up browser test-brokers
 	$(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not faults and not slow and not cluster" $(PYTEST_ARGS)
 
 lint: venv
-	$(VENV)/bin/ruff check gateway tests bench
-	$(VENV)/bin/ruff format --check gateway tests bench
+	$(VENV)/bin/ruff check gateway tests bench setup.py
+	$(VENV)/bin/ruff format --check gateway tests bench setup.py
 	$(VENV)/bin/mypy
 
 clean: down

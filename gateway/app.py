@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 
+from . import COMPILED
 from .config import Config
 from .errors import CassandraUnreachable, ConfigError, SchemaError
 from .ingest.pipeline import Classifier, Flow, NoFlow, Pipeline
@@ -364,6 +365,12 @@ async def open_gateway(
                 raise failed
         await opening(session.plan_packing())
         log.info("writing to Cassandra through %s", session.name)
+        log.info(
+            "per-message modules: %s",
+            f"{len(COMPILED)} compiled (mypyc)"
+            if COMPILED
+            else "plain Python (GATEWAY_COMPILE=1 at install compiles them: setup.py)",
+        )
         cassandra = config.cassandra
         limit = InFlightLimit(
             stats,

@@ -451,18 +451,18 @@ async def test_a_minute_is_spread_over_what_is_left_before_the_next_is_due(
 
     seen: list[float] = []
 
-    async def record(minute_ms: int, spread: float = 0.0) -> None:
-        seen.append(spread)
+    class Recording(RollupWorker):
+        async def process_minute(self, minute_ms: int, spread: float = 0.0) -> None:
+            seen.append(spread)
 
     config = make_config(GATEWAY_ROLLUPS__GRACE="1s", GATEWAY_ROLLUPS__SPREAD="20s")
     now = [0.0]
-    clocked = RollupWorker(
+    clocked = Recording(
         session, config, Stats(), name=f"test-{uuid.uuid4().hex[:8]}", clock=lambda: now[0]
     )
     first = minute_now() - 5 * MINUTE_MS
     now[0] = (first + MINUTE_MS + 1000 + 5000) / 1000  # the first minute, due 5 s ago
     await clocked.start(first)
-    clocked.process_minute = record  # type: ignore[method-assign]
     assert await clocked.catch_up() == 1
     # Three minutes later: the next two are 125 s and 65 s late (the minute
     # after each is due too), the third 5 s (55 s left: the whole 20 s).

@@ -83,7 +83,9 @@ from fractions import Fraction
 from typing import Any
 
 import orjson
+from mypy_extensions import mypyc_attr
 
+from ..aio import gather_all
 from ..config import MAX_BUCKET_SECONDS, Config
 from ..event import Event
 from ..lru import LRU
@@ -262,6 +264,9 @@ def _by_start(
     return devices, metrics_of
 
 
+# Compiled (setup.py) and still open to subclasses: tests/test_rollups.py
+# watches catch_up's pacing through one.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class RollupWorker:
     """Recomputes the windows the marks name, minute by minute (module docstring)."""
 
@@ -305,7 +310,7 @@ class RollupWorker:
             self._read_minutes,
             self._read_counts,
             self._write,
-        ) = await asyncio.gather(
+        ) = await gather_all(
             prepare(
                 "SELECT toUnixTimestamp(minute) AS minute_ms FROM {keyspace}.rollup_progress "
                 "WHERE name = ?"

@@ -1,0 +1,70 @@
+"""The per-message modules compiled with mypyc (setup.py): the install runs
+them compiled, and a compiled module whose source changed refuses to load."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib
+import os
+from importlib.machinery import EXTENSION_SUFFIXES
+from pathlib import Path
+
+import pytest
+
+import gateway
+from gateway import compiled_modules
+
+ROOT = Path(__file__).parent.parent
+
+
+def setup_list() -> list[str]:
+    """setup.py's COMPILED, read without running setup.py."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "COMPILED":
+            return list(ast.literal_eval(node.value))
+    raise AssertionError("setup.py has no COMPILED list")
+
+
+def test_the_per_message_modules_run_compiled() -> None:
+    """`make venv` compiles them unless GATEWAY_COMPILE=0: each is loaded from
+    its extension, not its source."""
+    if os.environ.get("GATEWAY_COMPILE") == "0":
+        assert gateway.COMPILED == []
+        return
+    assert setup_list() == gateway.COMPILED
+    for source in gateway.COMPILED:
+        module = importlib.import_module(source.removesuffix(".py").replace("/", "."))
+        assert module.__file__ is not None
+        assert not module.__file__.endswith(".py"), module.__file__
+
+
+def fake_package(tmp_path: Path, built: bool) -> Path:
+    package = tmp_path / "gateway"
+    (package / "ingest").mkdir(parents=True)
+    source = package / "ingest" / "pipeline.py"
+    source.write_text("X = 1\n")
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()
+    (package / "compiled.txt").write_text(f"{digest} gateway/ingest/pipeline.py\n")
+    if built:
+        (package / "ingest" / f"pipeline{EXTENSION_SUFFIXES[0]}").write_bytes(b"")
+    return package
+
+
+def test_a_compiled_module_whose_source_changed_does_not_load(tmp_path: Path) -> None:
+    package = fake_package(tmp_path, built=True)
+    assert compiled_modules(package) == ["gateway/ingest/pipeline.py"]
+    (package / "ingest" / "pipeline.py").write_text("X = 2\n")
+    with pytest.raises(ImportError, match=r"gateway/ingest/pipeline\.py changed.*make venv"):
+        compiled_modules(package)
+
+
+def test_a_module_left_uncompiled_is_not_checked(tmp_path: Path) -> None:
+    """A source listed but not built (the compiler failed on it) runs as
+    source, so editing it is fine."""
+    package = fake_package(tmp_path, built=False)
+    (package / "ingest" / "pipeline.py").write_text("X = 2\n")
+    assert compiled_modules(package) == []
+    (package / "compiled.txt").unlink()
+    assert compiled_modules(package) == []
