@@ -34,17 +34,22 @@ $(VENV)/.installed: pyproject.toml setup.py
 	@touch $@
 
 # The per-message modules compiled with mypyc (setup.py: about a minute here),
-# again whenever a source changes: a compiled module whose source
-# changed will not load. GATEWAY_COMPILE=0 keeps them plain Python.
+# again whenever a source changes: a compiled module whose source changed
+# will not load. GATEWAY_COMPILE=0 removes them: everything runs as plain
+# Python. The stamp names the choice, so switching it rebuilds.
 GATEWAY_COMPILE ?= 1
-$(VENV)/.compiled: $(VENV)/.installed $(wildcard gateway/*.py gateway/*/*.py)
-	@echo "compiling the per-message modules (mypyc, setup.py; GATEWAY_COMPILE=$(GATEWAY_COMPILE))"
+$(VENV)/.compiled-$(GATEWAY_COMPILE): $(VENV)/.installed $(wildcard gateway/*.py gateway/*/*.py)
+	@rm -f $(VENV)/.compiled-*
 	@find gateway -name '*.so' -delete; rm -f gateway/compiled.txt
-	@GATEWAY_COMPILE=$(GATEWAY_COMPILE) $(VENV)/bin/uv pip install -q --python $(VPY) \
-		--no-build-isolation --no-deps --reinstall-package mqtt-cassandra-gateway -e .
+	@if [ "$(GATEWAY_COMPILE)" = 1 ]; then \
+		echo "compiling the per-message modules with mypyc (setup.py; GATEWAY_COMPILE=0 skips this)"; \
+		GATEWAY_COMPILE=1 $(VENV)/bin/uv pip install -q --python $(VPY) \
+			--no-build-isolation --no-deps --reinstall-package mqtt-cassandra-gateway -e . \
+		|| { rm -f gateway/compiled.txt; find gateway -name '*.so' -delete; exit 1; }; \
+	fi
 	@touch $@
 
-venv: $(VENV)/.compiled
+venv: $(VENV)/.compiled-$(GATEWAY_COMPILE)
 
 # CASSANDRA_NODES=3 make up: a three-node cluster on 127.0.0.1..3 instead of
 # the single node (cassandra/cassandra.sh), and the keyspace with replication
