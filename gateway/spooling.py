@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator
 from contextlib import AsyncExitStack, contextmanager
 
+from .aio import backoff
 from .config import CassandraConfig, Config
 from .errors import CassandraUnreachable
 from .ingest.receive import Delivery, Receiver
@@ -165,7 +166,7 @@ async def _connect(
     try:
         while True:
             attempt += 1
-            delay = random.uniform(RETRY_MIN, min(RETRY_MAX, RETRY_MIN * 2**attempt))
+            delay = random.uniform(RETRY_MIN, backoff(attempt, RETRY_MIN, RETRY_MAX))
             try:
                 async with asyncio.timeout(delay):
                     await stop.wait()

@@ -240,6 +240,58 @@ async def test_a_device_sending_values_near_1e308_stops_no_roll_up(
     assert (plain.count, plain.sum) == (1, 2.5)
 
 
+async def test_a_raw_row_with_a_null_metric_stops_no_roll_up(
+    db: Database, gateway: RunningGateway, worker: RollupWorker, tenant: str
+) -> None:
+    """A raw row whose metric is NaN (another writer's, or an older
+    version's: the decoder refuses NaN) reads back through toJson as null.
+    The worker raised TypeError on that minute again and again, so its cursor
+    never moved on and no later minute of any device was rolled up. The null
+    is left out; the row's other metrics count."""
+    minute = BASE - 20 * MINUTE_MS
+    first_minute = minute_now()
+    await publish_and_wait(
+        gateway,
+        [
+            (topic(tenant, "nan"), orjson.dumps({"ts": minute + 1000, "metrics": {"a": 1.0}})),
+            (topic(tenant, "nan"), orjson.dumps({"ts": minute + 2000, "metrics": {"a": 2.0}})),
+        ],
+    )
+    (part,) = await db.execute(
+        f"SELECT bucket_start, shard FROM {db.keyspace}.telemetry_partitions "
+        "WHERE tenant = %s AND device_id = %s",
+        (tenant, "nan"),
+    )
+    rows = await db.execute(
+        f"SELECT ts, event_id FROM {db.keyspace}.telemetry WHERE tenant = %s "
+        "AND device_id = %s AND bucket_start = %s AND shard = %s",
+        (tenant, "nan", part.bucket_start, part.shard),
+    )
+    newest = max(rows, key=lambda r: r.ts)
+    # Newer than the gateway's write (its timestamp is the event time).
+    await db.execute(
+        f"UPDATE {db.keyspace}.telemetry USING TIMESTAMP %s SET metrics = {{'a': NaN, 'b': 3.0}} "
+        "WHERE tenant = %s AND device_id = %s AND bucket_start = %s AND shard = %s "
+        "AND ts = %s AND event_id = %s",
+        (
+            int(time.time() * 1_000_000),
+            tenant,
+            "nan",
+            part.bucket_start,
+            part.shard,
+            newest.ts,
+            newest.event_id,
+        ),
+    )
+    await settle(worker, first_minute)
+    since = datetime.fromtimestamp(minute / 1000, UTC)
+    until = since + timedelta(minutes=1)
+    (a,) = await queries.rollups(db, tenant, "nan", "a", 60, since, until)
+    assert (a.count, a.sum) == (1, 1.0)
+    (b,) = await queries.rollups(db, tenant, "nan", "b", 60, since, until)
+    assert (b.count, b.sum) == (1, 3.0)
+
+
 async def test_a_top_level_value_and_a_metric_named_value_count_once(
     db: Database, gateway: RunningGateway, worker: RollupWorker, tenant: str
 ) -> None:

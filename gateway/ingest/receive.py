@@ -43,6 +43,7 @@ from typing import Protocol
 
 from mqtt5 import PublishPacket
 
+from ..aio import backoff
 from ..config import MqttConfig
 from ..errors import BrokerError, ConfigError
 from ..stats import Stats
@@ -340,9 +341,7 @@ class Receiver:
                 if tracker is not None:
                     tracker.close()
                 attempt += 1
-                # 2**attempt as a float overflowed after 1,024 failed attempts
-                # (hours of outage): the receiver, and the gateway, stopped.
-                cap = min(cfg.reconnect_max, cfg.reconnect_min * 2 ** min(attempt, 32))
+                cap = backoff(attempt, cfg.reconnect_min, cfg.reconnect_max)
                 delay = random.uniform(cfg.reconnect_min, cap)
                 log.warning(
                     "MQTT connection to %s:%d lost or refused (%s); retrying in %.1f s",

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ..aio import backoff
 from ..config import CassandraConfig
 from ..errors import SinkError
 from ..stats import Stats
@@ -173,7 +174,7 @@ class Requests:
                     ) from None
                 attempt += 1
                 stats.retries += 1
-                delay = min(BACKOFF_MAX, BACKOFF_MIN * 2**attempt)
+                delay = backoff(attempt, BACKOFF_MIN, BACKOFF_MAX)
                 recovered = self._recovered
                 try:
                     async with asyncio.timeout(delay * (0.5 + random.random() / 2)):

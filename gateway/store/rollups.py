@@ -547,6 +547,10 @@ class RollupWorker:
             # A redelivered copy can sit in two partitions (queries.history): once.
             window = (r["tenant"], r["device_id"], ts - ts % MINUTE_MS)
             metrics = orjson.loads(r["metrics"]) if r["metrics"] else None  # "null" when empty
+            if metrics and None in metrics.values():
+                # A NaN or infinite double (not the gateway's: the decoder
+                # refuses them) reads back as null: no sample of that metric.
+                metrics = {k: v for k, v in metrics.items() if v is not None}
             out.setdefault(window, {})[(ts, r["event_id"])] = (r["value_num"], metrics or {})
         return out
 

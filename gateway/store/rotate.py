@@ -46,6 +46,7 @@ import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
+from ..aio import backoff
 from ..config import Config
 from ..errors import GatewayError
 from ..identity import FIRST_HASH
@@ -228,7 +229,7 @@ class StateRotation:
         except GatewayError as exc:
             tries = self._failures.get(key, 0) + 1
             self._failures[key] = tries
-            queue[key] = time.monotonic() + min(MAX_BACKOFF, 2.0**tries)
+            queue[key] = time.monotonic() + backoff(tries, 1.0, MAX_BACKOFF)
             self._failed(key, getattr(step, "__name__", "step"), exc)
             return
         queue.pop(key, None)
