@@ -33,7 +33,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 	GATEWAY_COMPILE=0 $(VENV)/bin/uv pip install -q --python $(VPY) -e '.[test,compile]'
 	@touch $@
 
-# The per-message modules compiled with mypyc (setup.py: about a minute here),
+# The per-message modules compiled with mypyc (setup.py: about 40 s here),
 # again whenever a source changes: a compiled module whose source changed
 # will not load. GATEWAY_COMPILE=0 removes them: everything runs as plain
 # Python. The stamp names the choice, so switching it rebuilds.
