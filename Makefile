@@ -38,14 +38,15 @@ $(VENV)/.installed: pyproject.toml setup.py
 # will not load. GATEWAY_COMPILE=0 removes them: everything runs as plain
 # Python. The stamp names the choice, so switching it rebuilds.
 GATEWAY_COMPILE ?= 1
+CLEAR_COMPILED := find gateway -name '*.so' -delete; rm -f gateway/compiled.txt
 $(VENV)/.compiled-$(GATEWAY_COMPILE): $(VENV)/.installed $(wildcard gateway/*.py gateway/*/*.py)
 	@rm -f $(VENV)/.compiled-*
-	@find gateway -name '*.so' -delete; rm -f gateway/compiled.txt
+	@$(CLEAR_COMPILED)
 	@if [ "$(GATEWAY_COMPILE)" = 1 ]; then \
 		echo "compiling the per-message modules with mypyc (setup.py; GATEWAY_COMPILE=0 skips this)"; \
 		GATEWAY_COMPILE=1 $(VENV)/bin/uv pip install -q --python $(VPY) \
 			--no-build-isolation --no-deps --reinstall-package mqtt-cassandra-gateway -e . \
-		|| { rm -f gateway/compiled.txt; find gateway -name '*.so' -delete; exit 1; }; \
+		|| { $(CLEAR_COMPILED); exit 1; }; \
 	fi
 	@touch $@
 
