@@ -114,8 +114,12 @@ test-brokers:
 		MQTT_PORT=$$((1883 + i)) STATE_DIR=$(STATE_DIR)/test-broker-$$i bash mosquitto/mosquitto.sh start || exit 1; \
 	done
 
+# Each failed test's final error and last warnings are printed again at the
+# very end (TEST_DIGEST, tests/conftest.py): CI shows the end of the output.
+export TEST_DIGEST := $(STATE_DIR)/logs/failed-tests.txt
+
 test: up browser test-brokers
-	@rc=0; \
+	@rc=0; rm -f $(TEST_DIGEST); \
 	$(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not faults and not cluster" $(PYTEST_ARGS) || rc=$$?; \
 	[ $$rc = 5 ] && rc=0; \
 	if [ "$(TEST_CLUSTER)" != 0 ]; then \
@@ -125,6 +129,10 @@ test: up browser test-brokers
 	if [ "$(TEST_CLUSTER)" != 0 ]; then \
 		wait $$others || rc=1; cat $(STATE_DIR)/cluster-start.log; \
 		$(MAKE) -s test-cluster || rc=$$?; \
+	fi; \
+	if [ $$rc != 0 ] && [ -s $(TEST_DIGEST) ]; then \
+		echo "---- failed tests: final error, last warnings logged (whole reports above)"; \
+		cat $(TEST_DIGEST); \
 	fi; \
 	exit $$rc
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -55,6 +56,33 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(SESSION_LOOP, append=False)
     # tests/faults/ restarts the shared broker and Cassandra: run those last.
     items.sort(key=lambda item: FAULTS in item.path.parents)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """With ``TEST_DIGEST`` set (``make test`` sets it), append each failed
+    test's final error and the last WARNING-and-up lines it logged to that
+    file, which ``make test`` prints last: CI shows the end of a long output,
+    where a failure's own report (and the reason a gateway stalled) is cut."""
+    path = os.environ.get("TEST_DIGEST")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # the controller writes what its workers report
+    failed = [*terminalreporter.stats.get("failed", []), *terminalreporter.stats.get("error", [])]
+    if not path or not failed:
+        return
+    with open(path, "a", encoding="utf-8") as digest:
+        for report in failed:
+            digest.write(f"== {report.nodeid} ({report.when})\n")
+            crash = getattr(report.longrepr, "reprcrash", None)
+            if crash is not None:
+                digest.write(f"   {crash.path}:{crash.lineno}: {crash.message[:400]}\n")
+            logged = [
+                line
+                for title, text in report.sections
+                if title.startswith("Captured log")
+                for line in text.splitlines()
+                if line.startswith(("WARNING", "ERROR", "CRITICAL"))
+            ]
+            digest.writelines(f"   {line[:300]}\n" for line in logged[-15:])
 
 
 @pytest.fixture(scope="session")

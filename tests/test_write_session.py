@@ -323,3 +323,31 @@ def test_the_c_driver_s_connection_messages_are_warnings_at_most_once_a_minute(
         name = "".join(chr(ord("a") + int(digit)) for digit in str(host))
         said(f"Connection pool was unable to connect to host {name}")
     assert len(forward.last) <= write_session.DRIVER_KINDS
+
+
+def test_the_c_driver_s_warnings_are_said_once_a_minute_and_its_shard_chatter_is_debug(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """CI saw a gateway's requests answered "no hosts available" for over a
+    minute with nothing in the log saying why: the driver logged at ERROR
+    only, and what says why (a host overloaded, a connection closed after a
+    server error, a pool that cannot reconnect) are its warnings. They are
+    said now, each kind once a minute. Its "no sharding info" line, which
+    names a connection, had been said once a minute as a warning on every
+    Cassandra connection: it is DEBUG."""
+    now = [1000.0]
+    forward = write_session.DriverLog(clock=lambda: now[0])
+    overloaded = "Host 127.0.0.1 is overloaded."
+    shards = (
+        "Could not retrieve sharding info from connection to 127.0.0.1. "
+        "Continuing WITHOUT SHARD-AWARENESS."
+    )
+    with caplog.at_level(logging.DEBUG, logger="gateway.store.write_session"):
+        for _ in range(30):
+            forward(SimpleNamespace(message=overloaded, log_level="WARN"))
+            forward(SimpleNamespace(message=shards, log_level="ERROR"))
+            now[0] += 1
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert lines.count(("WARNING", f"C++ driver: {overloaded}")) == 1
+    assert lines.count(("DEBUG", f"C++ driver: {shards}")) == 30
+    assert len(lines) == 31

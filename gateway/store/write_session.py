@@ -468,9 +468,11 @@ def choose_driver(config: CassandraConfig, acsylla: bool | None = None) -> str:
 
 
 # The C++ driver's messages about its connections (a socket reset, a host it
-# cannot reach) come many a second while a link flaps: each kind is logged at
-# most once a minute, at WARNING (the gateway's own lines say the outage), the
-# next saying how many were held back. Kinds, the text without its numbers
+# cannot reach) come many a second while a link flaps, and so may its warnings
+# (a host overloaded, a connection closed after a server error, a pool that
+# cannot reconnect: what says why requests find no host): each kind is logged
+# at most once a minute, at WARNING (the gateway's own lines say the outage),
+# the next saying how many were held back. Kinds, the text without its numbers
 # (addresses, ports), up to DRIVER_KINDS of them.
 _LINK = re.compile(r"socket|connect", re.IGNORECASE)
 DRIVER_EVERY = 60.0
@@ -486,16 +488,16 @@ class DriverLog:
 
     def __call__(self, message: Any) -> None:
         text = str(getattr(message, "message", message))
-        if _LINK.search(text):
-            self._link(text)
-            return
         level = {"CRITICAL": logging.CRITICAL, "ERROR": logging.ERROR}.get(
             str(getattr(message, "log_level", "")).upper(), logging.WARNING
         )
         if "sharding info" in text:
             # ScyllaDB's driver says so on every Cassandra connection: expected.
-            level = logging.DEBUG
-        log.log(level, "C++ driver: %s", text)
+            log.debug("C++ driver: %s", text)
+        elif level == logging.WARNING or _LINK.search(text):
+            self._link(text)
+        else:
+            log.log(level, "C++ driver: %s", text)
 
     def _link(self, text: str) -> None:
         kind, now = re.sub(r"\d+", "#", text), self._clock()
@@ -577,10 +579,10 @@ def _create_cluster(acsylla: Any, config: CassandraConfig, options: dict[str, An
         # Client-side write times, as the Python driver does.
         timestamp_gen="monotonic",
         token_aware_routing=True,
-        # The driver's own chatter ("no shard awareness" on Cassandra) is
-        # noise; errors still reach our log (those about its connections as
-        # warnings, once a minute: DriverLog).
-        log_level="error",
+        # Its warnings and errors reach our log (those about its connections
+        # and its warnings once a minute per kind: DriverLog); its chatter
+        # ("no shard awareness" on Cassandra) at DEBUG.
+        log_level="warn",
         logging_callback=_forward_log,
         **options,
     )
