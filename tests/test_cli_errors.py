@@ -177,6 +177,24 @@ def test_a_name_that_is_not_utf8_or_too_long_is_refused(
     assert len(err) < 1000  # a long name is not echoed whole
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("quota", "--tenant", "bad/x", "--recount"),  # wrote a count no topic can reach
+        ("devices", "--tenant", "a+b", "--state", "on"),  # said "0 devices", as if there were none
+        ("history", "--tenant", "#", "d"),
+        ("noisy", "--tenant", "t/"),
+        ("rejected", "--tenant", "x/y"),
+    ],
+)
+def test_a_tenant_no_topic_can_name_is_refused(gateway: Run, args: tuple[str, ...]) -> None:
+    """A tenant is one topic level. `gateway quota --tenant bad/x --recount`
+    was accepted and wrote a count for a tenant no message can belong to; the
+    reads answered "0 devices", as if the tenant were empty."""
+    err = _fails(gateway, *args)
+    assert "argument --tenant: a tenant is one topic level" in err, err
+
+
 @pytest.mark.parametrize("since", ["20261126", "1764161000", "1764161000000", "90"])
 def test_a_time_without_a_unit_is_refused(gateway: Run, since: str) -> None:
     """A bare number was read as seconds ago: a date typed as 20261126 went

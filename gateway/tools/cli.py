@@ -38,6 +38,7 @@ from ..errors import BrokerError, ConfigError, GatewayError, QueryError
 from ..sd_notify import Notifier
 from ..store import queries, quota, schema
 from ..store.database import connect
+from ..topic_filters import is_topic_level
 from ..web import tokens
 
 # `gateway run` and `serve` (the app: aiohttp, both drivers, the pipeline),
@@ -188,21 +189,21 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     dev = sub.add_parser("devices", parents=[common], help="devices currently in a state")
-    dev.add_argument("--tenant", type=_name, required=True, help=TENANT_HELP)
+    dev.add_argument("--tenant", type=_tenant, required=True, help=TENANT_HELP)
     dev.add_argument(
         "--state", type=_name, required=True, help="a state the devices report, e.g. on"
     )
     dev.add_argument("--json", action="store_true", help="print a JSON array")
 
     one = sub.add_parser("device", parents=[common], help="a device's latest event")
-    one.add_argument("--tenant", type=_name, required=True, help=TENANT_HELP)
+    one.add_argument("--tenant", type=_tenant, required=True, help=TENANT_HELP)
     one.add_argument("device_id", type=_name)
     one.add_argument("--json", action="store_true", help="print JSON")
 
     his = sub.add_parser(
         "history", parents=[common], help="a device's raw events in a time range, newest first"
     )
-    his.add_argument("--tenant", type=_name, required=True, help=TENANT_HELP)
+    his.add_argument("--tenant", type=_tenant, required=True, help=TENANT_HELP)
     his.add_argument("device_id", type=_name)
     his.add_argument(
         "--since",
@@ -217,7 +218,7 @@ def _parser() -> argparse.ArgumentParser:
     rol = sub.add_parser(
         "rollup", parents=[common], help="a device's 1-minute or 1-hour aggregates, oldest first"
     )
-    rol.add_argument("--tenant", type=_name, required=True, help=TENANT_HELP)
+    rol.add_argument("--tenant", type=_tenant, required=True, help=TENANT_HELP)
     rol.add_argument("device_id", type=_name)
     rol.add_argument(
         "--metric", type=_name, default="value", help="a metrics key, or value (the default)"
@@ -238,24 +239,24 @@ def _parser() -> argparse.ArgumentParser:
     meta_sub = meta.add_subparsers(dest="meta_command", required=True, metavar="WHAT")
     for name, what in (("metrics", "metric names"), ("tags", "tag keys")):
         one_meta = meta_sub.add_parser(name, parents=[common], help=f"the tenant's {what}")
-        one_meta.add_argument("--tenant", type=_name, required=True, help=TENANT_HELP)
+        one_meta.add_argument("--tenant", type=_tenant, required=True, help=TENANT_HELP)
         one_meta.add_argument("--json", action="store_true", help="print JSON")
     values = meta_sub.add_parser("values", parents=[common], help="the values of a tag key")
     values.add_argument("key", type=_name, metavar="KEY")
-    values.add_argument("--tenant", type=_name, required=True, help=TENANT_HELP)
+    values.add_argument("--tenant", type=_tenant, required=True, help=TENANT_HELP)
     values.add_argument("--json", action="store_true", help="print JSON")
     tagged = meta_sub.add_parser(
         "devices", parents=[common], help="devices that carry a tag value (KEY=VALUE)"
     )
     tagged.add_argument("tag", type=_name, metavar="KEY=VALUE")
-    tagged.add_argument("--tenant", type=_name, required=True, help=TENANT_HELP)
+    tagged.add_argument("--tenant", type=_tenant, required=True, help=TENANT_HELP)
     tagged.add_argument("--json", action="store_true", help="print JSON")
     counted = meta_sub.add_parser(
         "count",
         parents=[common],
         help="entries the tenant has taken against metadata.max_per_tenant",
     )
-    counted.add_argument("--tenant", type=_name, required=True, help=TENANT_HELP)
+    counted.add_argument("--tenant", type=_tenant, required=True, help=TENANT_HELP)
     counted.add_argument("--json", action="store_true", help="print JSON")
 
     quo = sub.add_parser(
@@ -263,7 +264,7 @@ def _parser() -> argparse.ArgumentParser:
         parents=[common],
         help="devices a tenant's device quota admitted (max_devices_per_tenant); --release",
     )
-    quo.add_argument("--tenant", type=_name, required=True, help=TENANT_HELP)
+    quo.add_argument("--tenant", type=_tenant, required=True, help=TENANT_HELP)
     change = quo.add_mutually_exclusive_group()
     change.add_argument(
         "--release",
@@ -282,7 +283,7 @@ def _parser() -> argparse.ArgumentParser:
 
     rej = sub.add_parser("rejected", parents=[common], help="recently rejected messages and why")
     rej.add_argument(
-        "--tenant", type=_name, default="", help="tenant ('' for topics that named none)"
+        "--tenant", type=_tenant, default="", help="tenant ('' for topics that named none)"
     )
     back = rej.add_mutually_exclusive_group()
     back.add_argument(
@@ -304,7 +305,7 @@ def _parser() -> argparse.ArgumentParser:
     noi = sub.add_parser(
         "noisy", parents=[common], help="noisy devices of a tenant, from the running gateway"
     )
-    noi.add_argument("--tenant", type=_name, required=True, help=TENANT_HELP)
+    noi.add_argument("--tenant", type=_tenant, required=True, help=TENANT_HELP)
     noi.add_argument("--json", action="store_true", help="print JSON")
 
     tok = sub.add_parser(
@@ -578,6 +579,18 @@ def _seconds_arg(text: str) -> float:
     if not (seconds > 0 and math.isfinite(seconds)):
         raise argparse.ArgumentTypeError(f"a positive number of seconds (got {text!r})")
     return seconds
+
+
+def _tenant(text: str) -> str:
+    """A tenant (``--tenant``): a name (:func:`_name`) that is one topic level,
+    or empty (topics that named none). No topic can carry another, so another
+    found nothing, or, for ``quota``, counted slots of a tenant that cannot send."""
+    text = _name(text)
+    if text and not is_topic_level(text):
+        raise argparse.ArgumentTypeError(
+            f"a tenant is one topic level: no '/', '+', '#' or control characters ({text!r})"
+        )
+    return text
 
 
 def _name(text: str) -> str:
