@@ -346,11 +346,11 @@ async def open_gateway(
         # three times that before READY. What went wrong with the write
         # path's is said first, and the schema check names what is missing.
         write, rollup_session, reader = await asyncio.gather(
-            stack.enter_async_context(open_write_session(config.cassandra)),
+            stack.enter_async_context(open_write_session(config.cassandra, stats)),
             _enter_if(
                 config.rollups.enabled and config.rollups.worker,
                 stack,
-                lambda: open_write_session(config.cassandra),
+                lambda: open_write_session(config.cassandra, stats),
             ),
             _enter_if(config.api.enabled, stack, lambda: connect(config.cassandra)),
             return_exceptions=True,

@@ -14,6 +14,7 @@ import inspect
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -417,6 +418,10 @@ class CuttableProxy:
         self.port = 0
         # Bytes per second towards Cassandra (None: no limit): a slow link.
         self.limit: float | None = None
+        # (code, message): new connections are not forwarded; every request
+        # on them is answered with that CQL error, as a node refusing them
+        # answers (bad credentials: 0x0100). None: forwarded.
+        self.refuse_with: tuple[int, str] | None = None
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
@@ -426,11 +431,18 @@ class CuttableProxy:
         assert self._server is not None
         self._server.close()
         await self._server.wait_closed()
+        self.drop()
+
+    def drop(self) -> None:
+        """Close every connection; new ones are taken (a link that blinked)."""
         for writer in list(self._writers):
             writer.transport.abort()
         self._writers.clear()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.refuse_with is not None:
+            await self._refuse(reader, writer, *self.refuse_with)
+            return
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", CQL_PORT)
         except OSError:
@@ -448,6 +460,22 @@ class CuttableProxy:
             dst.transport.abort()
 
         await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False))
+
+    async def _refuse(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, code: int, message: str
+    ) -> None:
+        """Answer each request frame (9-byte header: version, flags, stream,
+        opcode, body length) with an ERROR frame (opcode 0) on its stream."""
+        self._writers.add(writer)
+        text = message.encode()
+        body = struct.pack(">iH", code, len(text)) + text
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            while True:
+                version, _, stream, _, length = struct.unpack(">BBhBI", await reader.readexactly(9))
+                await reader.readexactly(length)
+                writer.write(struct.pack(">BBhBI", 0x80 | version, 0, stream, 0, len(body)) + body)
+                await writer.drain()
+        writer.transport.abort()
 
 
 @asynccontextmanager

@@ -13,7 +13,9 @@ import asyncio
 import time
 
 import orjson
+import pytest
 
+from gateway.store import write_session
 from gateway.store.database import Database
 
 from .helpers import device_row, make_config, proxy, publish, running_gateway, telemetry_keys, topic
@@ -78,3 +80,37 @@ async def test_giving_up_stops_the_gateway_and_the_broker_keeps_the_rest(
     async with running_gateway(config) as gw:
         await gw.wait_for(lambda s: s.written >= 50, deadline=60)
     assert len(await telemetry_keys(db, tenant, "g")) == 50
+
+
+async def test_a_driver_session_that_gave_its_host_up_is_replaced(
+    db: Database, tenant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C++ driver gives a host's connections up for good after one
+    authentication error while reconnecting, as a password-protected node
+    restarting answers until it can read system_auth: its requests then found
+    no host until the gateway gave up (cassandra.give_up_after, 10 min), though
+    the node took connections again 2 s later (probe: still stuck after 25 s;
+    the Python driver reconnected in 4 s). Now a new driver session is opened
+    after RENEW_AFTER of that, and what was held back is written."""
+    monkeypatch.setattr(write_session, "RENEW_AFTER", 3.0)
+    now = int(time.time() * 1000)
+    events = [(topic(tenant, "lamp"), orjson.dumps({"ts": now + i, "value": i})) for i in range(3)]
+    async with proxy() as link:
+        config = make_config(
+            GATEWAY_CASSANDRA__PORT=str(link.port),
+            GATEWAY_CASSANDRA__DRIVER="acsylla",
+            GATEWAY_SAMPLING__ENABLED="false",
+        )
+        async with running_gateway(config) as gw:
+            await publish(events[:1])
+            await gw.wait_handled(1)
+            link.refuse_with = (0x0100, "Provided username gw and/or password are incorrect")
+            link.drop()
+            await publish(events[1:2])
+            await gw.wait_for(lambda s: s.retries > 0)
+            await asyncio.sleep(2)
+            link.refuse_with = None  # the node takes connections again
+            await publish(events[2:])
+            await gw.wait_handled(3, deadline=60)
+            assert gw.stats.cassandra_sessions_renewed == 1
+    assert len(await telemetry_keys(db, tenant, "lamp")) == 3

@@ -58,7 +58,7 @@ import re
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from pathlib import Path
 from types import TracebackType
@@ -85,6 +85,7 @@ from cassandra import (
 
 from ..config import CassandraConfig
 from ..errors import ConfigError, SchemaError
+from ..stats import Stats
 from .database import DICT_ROWS, Database, cannot_connect, connect
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,16 @@ Rows = list[dict[str, Any]]
 PACK_BYTES = 2 * 1024
 # Rows per page of WriteSession.read: the Python driver's default fetch size.
 READ_PAGE = 5_000
+# Seconds acsylla's requests may find no host before a new driver session is
+# opened (AcsyllaSession._found_no_host): the C++ driver gives a host's
+# connections up for good after one authentication, protocol-version or
+# keyspace error while reconnecting (a password-protected node restarting
+# answers "bad credentials" until it can read system_auth), and then answers
+# "no hosts available" until the process ends; the Python driver keeps
+# reconnecting. The driver's own reconnection waits at most 10 s
+# (_create_cluster), so past this it is not coming back by itself. At most one
+# new session is tried per RENEW_AFTER.
+RENEW_AFTER = 15.0
 
 
 class Prepared:
@@ -263,7 +274,15 @@ class AcsyllaSession(WriteSession):
 
     name = "acsylla (DataStax C++ driver)"
 
-    def __init__(self, config: CassandraConfig, cluster: Any, session: Any) -> None:
+    def __init__(
+        self,
+        config: CassandraConfig,
+        opened: tuple[Any, Any],
+        reopen: Callable[[], Awaitable[tuple[Any, Any]]],
+        stats: Stats | None = None,
+    ) -> None:
+        """``opened``: the driver's cluster and session; ``reopen`` opens
+        another such pair (RENEW_AFTER); ``stats`` counts the new ones."""
         super().__init__(config)
         from acsylla import (  # noqa: PLC0415 - optional
             create_batch_unlogged,
@@ -271,8 +290,13 @@ class AcsyllaSession(WriteSession):
             errors,
         )
 
-        self._cluster = cluster
-        self._session = session
+        self._cluster, self._session = opened
+        self._reopen = reopen
+        self._stats = stats or Stats()
+        self._no_hosts = errors.CassErrorLibNoHostsAvailable
+        self._no_host_since: float | None = None  # since when requests find no host
+        self._renew_tried = -RENEW_AFTER  # when a new session was last tried
+        self._renewing: asyncio.Task[None] | None = None
         self._new_batch = create_batch_unlogged
         self._create_statement = create_statement
         self._invalid_query = errors.CassErrorServerInvalidQuery
@@ -331,7 +355,11 @@ class AcsyllaSession(WriteSession):
         statement.set_page_size(READ_PAGE)  # unset, Cassandra sends all in one
         rows: Rows = []
         while True:
-            result = await self._session.execute(statement)
+            try:
+                result = await self._session.execute(statement)
+            except self._no_hosts:
+                self._found_no_host()
+                raise
             rows += [row.as_dict() for row in result]
             if not result.has_more_pages():
                 return rows
@@ -344,10 +372,16 @@ class AcsyllaSession(WriteSession):
         return batch
 
     async def execute(self, request: Any) -> Rows:
-        if hasattr(request, "add_statement"):
-            result = await self._session.execute_batch(request)
-        else:
-            result = await self._session.execute(request)
+        try:
+            if hasattr(request, "add_statement"):
+                result = await self._session.execute_batch(request)
+            else:
+                result = await self._session.execute(request)
+        except self._no_hosts:
+            self._found_no_host()
+            raise
+        if self._no_host_since is not None:
+            self._no_host_since = None
         if not result.column_count():
             return []
         return [row.as_dict() for row in result]
@@ -385,12 +419,62 @@ class AcsyllaSession(WriteSession):
             return None
         return set(meta.get_tables(self.keyspace))
 
-    async def close(self) -> None:
+    def _found_no_host(self) -> None:
+        """A request found no host: after RENEW_AFTER of that, open a new
+        driver session (in the background; the requests keep retrying)."""
+        now = time.monotonic()
+        since = self._no_host_since
+        if since is None:
+            self._no_host_since = now
+        elif (
+            now - since >= RENEW_AFTER
+            and now - self._renew_tried >= RENEW_AFTER
+            and self._renewing is None
+        ):
+            self._renew_tried = now
+            self._renewing = asyncio.create_task(self._renew(now - since))
+
+    async def _renew(self, failing_for: float) -> None:
         try:
-            await self._session.close()
+            try:
+                opened = await self._reopen()
+            except Exception as exc:
+                # Cassandra unreachable too: an outage, which the gateway's own
+                # lines say; tried again after RENEW_AFTER.
+                log.info("a new Cassandra driver session could not connect either: %s", exc)
+                return
+            old = (self._cluster, self._session)
+            self._cluster, self._session = opened
+            self._no_host_since = None
+            self._stats.cassandra_sessions_renewed += 1
+            log.warning(
+                "Cassandra requests found no host for %.0f s while a new connection succeeds "
+                "(the C++ driver gives a host up for good after an authentication or protocol "
+                "error while reconnecting): writing through a new driver session",
+                failing_for,
+            )
+            try:
+                await _close_acsylla(*old)
+            except Exception as exc:
+                log.info("closing the driver session given up: %s", exc)
         finally:
-            # Closes the socket pair the cluster uses to wake the event loop.
-            self._cluster.destroy()
+            self._renewing = None
+
+    async def close(self) -> None:
+        renewing = self._renewing
+        if renewing is not None:
+            # Let it end (the driver's connect_timeout bounds it): a connect
+            # cancelled half-way may not return.
+            await asyncio.wait({renewing})
+        await _close_acsylla(self._cluster, self._session)
+
+
+async def _close_acsylla(cluster: Any, session: Any) -> None:
+    try:
+        await session.close()
+    finally:
+        # Closes the socket pair the cluster uses to wake the event loop.
+        cluster.destroy()
 
 
 def value_bytes(values: Sequence[Any]) -> int:
@@ -522,7 +606,7 @@ class DriverLog:
 _forward_log = DriverLog()
 
 
-async def _open_acsylla(config: CassandraConfig) -> AcsyllaSession:
+async def _open_acsylla(config: CassandraConfig, stats: Stats | None) -> AcsyllaSession:
     import acsylla  # noqa: PLC0415 - optional
 
     options: dict[str, Any] = {}
@@ -544,18 +628,24 @@ async def _open_acsylla(config: CassandraConfig) -> AcsyllaSession:
         )
     if config.local_dc:
         options["load_balance_dc_aware"] = config.local_dc
-    try:
-        cluster = _create_cluster(acsylla, config, options)
-    except acsylla.errors.CassException as exc:
-        # Raised while the options are applied: a certificate or key the C++
-        # driver cannot parse, most likely.
-        raise ConfigError(f"cassandra (driver acsylla): {exc} (check cassandra.tls.*)") from None
-    try:
-        session = await cluster.create_session()
-    except Exception as exc:
-        cluster.destroy()
-        raise cannot_connect(config, exc) from None
-    return AcsyllaSession(config, cluster, session)
+
+    async def connect() -> tuple[Any, Any]:
+        try:
+            cluster = _create_cluster(acsylla, config, options)
+        except acsylla.errors.CassException as exc:
+            # Raised while the options are applied: a certificate or key the
+            # C++ driver cannot parse, most likely.
+            raise ConfigError(
+                f"cassandra (driver acsylla): {exc} (check cassandra.tls.*)"
+            ) from None
+        try:
+            session = await cluster.create_session()
+        except Exception as exc:
+            cluster.destroy()
+            raise cannot_connect(config, exc) from None
+        return cluster, session
+
+    return AcsyllaSession(config, await connect(), connect, stats)
 
 
 def _read(key: str, path: Path) -> str:
@@ -588,23 +678,27 @@ def _create_cluster(acsylla: Any, config: CassandraConfig, options: dict[str, An
     )
 
 
-def open_write_session(config: CassandraConfig) -> AbstractAsyncContextManager[WriteSession]:
-    """Connect with the chosen driver; always disconnect on exit."""
-    return _Connected(config)
+def open_write_session(
+    config: CassandraConfig, stats: Stats | None = None
+) -> AbstractAsyncContextManager[WriteSession]:
+    """Connect with the chosen driver; always disconnect on exit. ``stats``
+    counts what the session does on its own (cassandra_sessions_renewed)."""
+    return _Connected(config, stats)
 
 
 class _Connected:
     """:func:`open_write_session`'s context: a class, not an async generator,
     which mypyc does not compile (this module is compiled: setup.py)."""
 
-    def __init__(self, config: CassandraConfig) -> None:
+    def __init__(self, config: CassandraConfig, stats: Stats | None) -> None:
         self._config = config
+        self._stats = stats
         self._exit = AsyncExitStack()
 
     async def __aenter__(self) -> WriteSession:
         if choose_driver(self._config) == "python":
             return PythonSession(await self._exit.enter_async_context(connect(self._config)))
-        session = await _open_acsylla(self._config)
+        session = await _open_acsylla(self._config, self._stats)
         self._exit.push_async_callback(session.close)
         return session
 

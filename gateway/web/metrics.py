@@ -85,6 +85,11 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
         "Cassandra requests retried after a transient error.",
     ),
     (
+        "gateway_cassandra_sessions_renewed_total",
+        "cassandra_sessions_renewed",
+        "C++ driver sessions replaced after Cassandra requests found no host for a while.",
+    ),
+    (
         "gateway_cassandra_in_flight_waits_total",
         "in_flight_waits",
         "Cassandra requests that waited because the in-flight limit was reached.",
