@@ -440,8 +440,8 @@ class AcsyllaSession(WriteSession):
                 opened = await self._reopen()
             except Exception as exc:
                 # Cassandra unreachable too: an outage, which the gateway's own
-                # lines say; tried again after RENEW_AFTER.
-                log.info("a new Cassandra driver session could not connect either: %s", exc)
+                # lines say (this one would every RENEW_AFTER); tried again then.
+                log.debug("a new Cassandra driver session could not connect either: %s", exc)
                 return
             old = (self._cluster, self._session)
             self._cluster, self._session = opened
