@@ -266,6 +266,31 @@ async def test_an_outage_of_a_thousand_attempts_does_not_stop_the_receiver() -> 
     assert stats.disconnects > 1030
 
 
+async def test_an_error_raised_while_the_receiver_waits_to_reconnect_is_not_chained_to_it() -> None:
+    """Compiled code (mypyc) waiting inside an ``except`` clause left the
+    broker's error as the thread's current exception: every exception raised
+    meanwhile, in any task, was chained to it. The wait is outside now."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]  # closed again: nothing listens there
+    config = MqttConfig(host="127.0.0.1", port=port, client_id="rx-chain", reconnect_min=5)
+    stats = Stats()
+    stop = asyncio.Event()
+    task = asyncio.create_task(Receiver(config, ["a/#"], stats).run(lambda d: None, stop))
+    try:
+        await wait_until(lambda: stats.disconnects >= 1, 10, "a refused connect")
+        await asyncio.sleep(0.1)  # in its wait to reconnect
+        try:
+            raise ValueError("raised by the test, after nothing")
+        except ValueError as exc:
+            context = exc.__context__
+    finally:
+        stop.set()
+        async with asyncio.timeout(10):
+            await task
+    assert context is None, f"chained to {context!r}"
+
+
 async def test_acks_finished_during_the_reconnect_wait_are_dropped_not_counted() -> None:
     """The tracker was closed only after the wait: what finished meanwhile was
     counted acknowledged, though no connection could carry its PUBACK."""

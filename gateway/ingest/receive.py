@@ -288,6 +288,7 @@ class Receiver:
             tracker: AckTracker | None = None
             pinger: asyncio.Future[None] | None = None
             connected_at: float | None = None
+            retry_in: float | None = None
             try:
                 tracker = AckTracker(self._puback, self._stats, cfg.receive_maximum)
                 conn = Connection(self._on_publish(tracker, handler), self._max_packet_size)
@@ -350,11 +351,7 @@ class Receiver:
                     exc,
                     delay,
                 )
-                try:
-                    async with asyncio.timeout(delay):
-                        await stop.wait()
-                except TimeoutError:
-                    pass
+                retry_in = delay
             finally:
                 if pinger is not None:
                     pinger.cancel()
@@ -364,6 +361,15 @@ class Receiver:
                 self.connected.clear()
                 if tracker is not None:
                     tracker.close()
+            if retry_in is not None:
+                # Waited here, not in the except clause: compiled (mypyc) code
+                # suspended in one leaves the error as the thread's current
+                # exception, chained to every exception raised meanwhile.
+                try:
+                    async with asyncio.timeout(retry_in):
+                        await stop.wait()
+                except TimeoutError:
+                    pass
 
     def _puback(self, packet_ids: list[int]) -> None:
         if self._connection is not None:

@@ -174,6 +174,16 @@ class Requests:
                     ) from None
                 attempt += 1
                 stats.retries += 1
+                failed = True
+            except Exception as exc:
+                raise SinkError(f"Cassandra refused a write: {short(exc)}") from None
+            else:
+                failed = False
+            if failed:
+                # Waited here, not in the except clause: compiled (mypyc) code
+                # suspended in one leaves the error as the thread's current
+                # exception, and every exception raised meanwhile, in any
+                # task, was chained to it (tests/test_outage.py).
                 delay = backoff(attempt, BACKOFF_MIN, BACKOFF_MAX)
                 recovered = self._recovered
                 try:
@@ -182,8 +192,6 @@ class Requests:
                 except TimeoutError:
                     pass
                 continue
-            except Exception as exc:
-                raise SinkError(f"Cassandra refused a write: {short(exc)}") from None
             limit.answered(answered - sent)
             self.answered_at = answered
             self._probe_failing_since = None
