@@ -297,6 +297,7 @@ class AcsyllaSession(WriteSession):
         self._no_host_since: float | None = None  # since when requests find no host
         self._renew_tried = -RENEW_AFTER  # when a new session was last tried
         self._renewing: asyncio.Task[None] | None = None
+        self._closed = False
         self._new_batch = create_batch_unlogged
         self._create_statement = create_statement
         self._invalid_query = errors.CassErrorServerInvalidQuery
@@ -430,6 +431,7 @@ class AcsyllaSession(WriteSession):
             now - since >= RENEW_AFTER
             and now - self._renew_tried >= RENEW_AFTER
             and self._renewing is None
+            and not self._closed  # a request still under way at close (the shielded probe)
         ):
             self._renew_tried = now
             self._renewing = asyncio.create_task(self._renew(now - since))
@@ -461,6 +463,7 @@ class AcsyllaSession(WriteSession):
             self._renewing = None
 
     async def close(self) -> None:
+        self._closed = True
         renewing = self._renewing
         if renewing is not None:
             # Let it end (the driver's connect_timeout bounds it): a connect
