@@ -174,36 +174,32 @@ class Requests:
                     ) from None
                 attempt += 1
                 stats.retries += 1
-                failed = True
             except Exception as exc:
                 raise SinkError(f"Cassandra refused a write: {short(exc)}") from None
             else:
-                failed = False
-            if failed:
-                # Waited here, not in the except clause: compiled (mypyc) code
-                # suspended in one leaves the error as the thread's current
-                # exception, and every exception raised meanwhile, in any
-                # task, was chained to it (tests/test_outage.py).
-                delay = backoff(attempt, BACKOFF_MIN, BACKOFF_MAX)
-                recovered = self._recovered
-                try:
-                    async with asyncio.timeout(delay * (0.5 + random.random() / 2)):
-                        await recovered.wait()
-                except TimeoutError:
-                    pass
-                continue
-            limit.answered(answered - sent)
-            self.answered_at = answered
-            self._probe_failing_since = None
-            if self._failing_since is not None:
-                log.warning(
-                    "Cassandra writes succeed again after %.1f s",
-                    time.monotonic() - self._failing_since,
-                )
-                self._failing_since = None
-                self._recovered.set()
-                self._recovered = asyncio.Event()
-            return result
+                limit.answered(answered - sent)
+                self.answered_at = answered
+                self._probe_failing_since = None
+                if self._failing_since is not None:
+                    log.warning(
+                        "Cassandra writes succeed again after %.1f s",
+                        time.monotonic() - self._failing_since,
+                    )
+                    self._failing_since = None
+                    self._recovered.set()
+                    self._recovered = asyncio.Event()
+                return result
+            # A transient failure. Waited here, not in the except clause:
+            # compiled (mypyc) code suspended in one leaves the error as the
+            # thread's current exception, and every exception raised meanwhile,
+            # in any task, was chained to it (tests/test_outage.py).
+            delay = backoff(attempt, BACKOFF_MIN, BACKOFF_MAX)
+            recovered = self._recovered
+            try:
+                async with asyncio.timeout(delay * (0.5 + random.random() / 2)):
+                    await recovered.wait()
+            except TimeoutError:
+                pass
 
 
 def short(exc: BaseException) -> str:

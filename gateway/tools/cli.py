@@ -38,7 +38,6 @@ from ..errors import BrokerError, ConfigError, GatewayError, QueryError
 from ..sd_notify import Notifier
 from ..store import queries, quota, schema
 from ..store.database import connect
-from ..topic_filters import is_topic_level
 from ..web import tokens
 
 # `gateway run` and `serve` (the app: aiohttp, both drivers, the pipeline),
@@ -582,15 +581,12 @@ def _seconds_arg(text: str) -> float:
 
 
 def _tenant(text: str) -> str:
-    """A tenant (``--tenant``): a name (:func:`_name`) that is one topic level,
-    or empty (topics that named none). No topic can carry another, so another
-    found nothing, or, for ``quota``, counted slots of a tenant that cannot send."""
+    """A tenant (``--tenant``): a name (:func:`_name`) that is one topic level
+    (the check a token's tenant passes), or empty (topics that named none). No
+    topic can carry another, so another found nothing, or, for ``quota``,
+    counted slots of a tenant that cannot send."""
     text = _name(text)
-    if text and not is_topic_level(text):
-        raise argparse.ArgumentTypeError(
-            f"a tenant is one topic level: no '/', '+', '#' or control characters ({text!r})"
-        )
-    return text
+    return _checked(tokens.check_tenant)(text) if text else text
 
 
 def _name(text: str) -> str:
