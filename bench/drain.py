@@ -159,6 +159,8 @@ def spy(pid: int, out: str) -> subprocess.Popen[bytes]:
     if not py_spy.exists():
         sys.exit(f"--profile needs py-spy at {py_spy}: .venv/bin/pip install -e '.[bench]'")
     cmd = [str(py_spy), "record", "--pid", str(pid), "--format", "raw", "--output", out]
+    if os.environ.get("DRAIN_PROFILE_NATIVE") == "1":  # C frames too (mypyc, the driver)
+        cmd.append("--native")
     return subprocess.Popen([*cmd, "--rate", "250", "--threads"], stdout=subprocess.DEVNULL)
 
 

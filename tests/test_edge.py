@@ -741,7 +741,10 @@ async def test_the_watchdog_is_fed_while_the_gateway_opens_after_spooling(
             opened = notifier.times("READY=1")[1]
             pings = [at for at in notifier.times("WATCHDOG=1") if at <= opened]
             gaps = [b - a for a, b in itertools.pairwise([*pings, opened])]
-            assert max(gaps) < 2.0, f"{max(gaps):.1f} s without a ping while opening"
+            # Unfed, the gap is the whole opening: 9.3 s here. Fed, pings
+            # come every 0.25 s, though a busy box (load average 4, CI) once
+            # held one back 2.2 s. systemd's bound is WatchdogSec=30.
+            assert max(gaps) < 5.0, f"{max(gaps):.1f} s without a ping while opening"
             stop.set()
             async with asyncio.timeout(30):
                 await task

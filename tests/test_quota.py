@@ -173,7 +173,7 @@ async def test_an_instance_that_loses_the_last_slots_waits_for_the_winners_rows(
     compare-and-set. The other lost its compare-and-set, read the devices
     again at once, found no rows yet and refused devices that were admitted
     (3 of 5 probe runs, up to 35 of 50 devices). Now, having lost a race, it
-    reads them again a few times, 0.1 to 1 s apart."""
+    reads them again a few times, from 0.1 s apart, each wait doubled."""
     wanted = {(tenant, f"d{i}"): 3 for i in range(3)}
     async with (
         DelayProxy("127.0.0.1", CQL_PORT, delay=0.15) as link,

@@ -57,10 +57,13 @@ from .write_session import Prepared, WriteSession
 # quota_devices partitions per tenant: crc32(device_id) % QUOTA_BUCKETS.
 QUOTA_BUCKETS = 16
 # After a compare-and-set lost to another instance, the devices about to be
-# refused are read again up to RACE_REREADS times, twice our own round trip
-# apart, within RACE_WAIT_MIN..RACE_WAIT_MAX s: the winner writes its
-# devices' rows after its compare-and-set, over a link that may be slower.
-RACE_REREADS = 3
+# refused are read again up to RACE_REREADS times: first twice our own round
+# trip later, within RACE_WAIT_MIN..RACE_WAIT_MAX s, then each wait twice the
+# last, up to RACE_WAIT_MAX (0.1 + 0.2 + 0.4 + 0.8 s on a local link): the
+# winner writes its devices' rows after its compare-and-set, over a link that
+# may be slower, and a busy box delays it further. Three reads 0.1 s apart
+# left a margin of a few hundred ms, which a loaded CI box ate once.
+RACE_REREADS = 4
 RACE_WAIT_MIN = 0.1
 RACE_WAIT_MAX = 1.0
 NONE_TAKEN = Reserved(0, False, 0.0)
@@ -125,7 +128,7 @@ class DeviceQuota:
         # A tenant whose count another instance moved while this one was
         # refusing devices may have lost the last slots to it, and that
         # instance writes its rows after its compare-and-set: wait for them,
-        # a few times about two of our round trips.
+        # a few times, from about two of our round trips, each wait doubled.
         raced = {
             tenant: reserved.took
             for tenant, (_, reserved) in zip(absent, taken, strict=True)
@@ -135,6 +138,7 @@ class DeviceQuota:
         pause = min(RACE_WAIT_MAX, max(RACE_WAIT_MIN, 2 * max(raced.values(), default=0.0)))
         for _ in range(RACE_REREADS if racing else 0):
             await asyncio.sleep(pause)
+            pause = min(RACE_WAIT_MAX, 2 * pause)
             listed = await self._listed(racing)
             racing = [key for key in racing if key not in listed]
             if not racing:
