@@ -16,6 +16,8 @@
 #   cassandra.sh start-node I | stop-node I | kill-node I    one node of the cluster (the
 #                         cluster's fault tests); kill-node is SIGKILL
 #   cassandra.sh nodetool ARGS...   on node $CASSANDRA_NODE (default 1)
+# CASSANDRA_HEAP sets each node's heap, CASSANDRA_GC its collector (g1; zgc and
+# shenandoah for measuring: README, "Tried and not kept: ZGC").
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -31,6 +33,16 @@ else
     CASSANDRA_HEAP="${CASSANDRA_HEAP:-768M}"
 fi
 CASSANDRA_READY_DEADLINE="${CASSANDRA_READY_DEADLINE:-90}"
+# The collector: g1 (the default, as Cassandra ships it), zgc or shenandoah.
+CASSANDRA_GC="${CASSANDRA_GC:-g1}"
+case "$CASSANDRA_GC" in
+    g1) gc_opts=(-XX:+UseG1GC -XX:+ParallelRefProcEnabled -XX:MaxTenuringThreshold=1
+            -XX:G1HeapRegionSize=16m -XX:G1RSetUpdatingPauseTimePercent=5 -XX:MaxGCPauseMillis=300
+            -XX:InitiatingHeapOccupancyPercent=70) ;;
+    zgc) gc_opts=(-XX:+UseZGC) ;;
+    shenandoah) gc_opts=(-XX:+UseShenandoahGC) ;;
+    *) echo "cassandra: CASSANDRA_GC must be g1, zgc or shenandoah, not '$CASSANDRA_GC'" >&2; exit 2 ;;
+esac
 CQL_PORT=9042
 
 lib="$STATE_DIR/cassandra/lib"
@@ -159,10 +171,9 @@ start_node() {
     # tail is checked against it first (README, "The load generator").
     setsid java \
         -Xms"$CASSANDRA_HEAP" -Xmx"$CASSANDRA_HEAP" -Xss256k \
-        -XX:+UseG1GC -XX:+ParallelRefProcEnabled -XX:MaxTenuringThreshold=1 \
-        -XX:G1HeapRegionSize=16m -XX:G1RSetUpdatingPauseTimePercent=5 -XX:MaxGCPauseMillis=300 \
+        "${gc_opts[@]}" \
         -Xlog:gc:file="$logdir/gc.log":time,uptime:filecount=3,filesize=5m \
-        -XX:InitiatingHeapOccupancyPercent=70 -XX:+UseTLAB -XX:+ResizeTLAB -XX:+PerfDisableSharedMem \
+        -XX:+UseTLAB -XX:+ResizeTLAB -XX:+PerfDisableSharedMem \
         -XX:+HeapDumpOnOutOfMemoryError -XX:+ExitOnOutOfMemoryError -XX:HeapDumpPath="$storage" \
         -ea -da:net.openhft... -Djava.net.preferIPv4Stack=true \
         -Dio.netty.tryReflectionSetAccessible=true -Dio.netty.allocator.useCacheForAllThreads=true \
