@@ -60,11 +60,27 @@ export GATEWAY_CASSANDRA__REPLICATION_FACTOR ?= 3
 export GATEWAY_CASSANDRA__CONTACT_POINTS ?= $(shell seq -s, -f '127.0.0.%g' 1 $(CASSANDRA_NODES))
 endif
 
-up: venv
+# Compiling (about 40 s on a fresh clone) and starting the services (Cassandra
+# answers about 8 s after it starts) run at once; `make test` also installs
+# the browser and starts the test brokers meanwhile. Every line names what it
+# is about, and each is printed as it comes (whole lines, never mixed).
+PARALLEL := $(MAKE) -s -j4 --output-sync=line
+up:
+	@$(PARALLEL) venv services
+	@$(GATEWAY) schema apply
+
+# Debian packages go in one at a time (apt holds a lock): Mosquitto's first,
+# then the browser's (only the tests need it).
+.PHONY: packages
+packages:
+	@bash mosquitto/mosquitto.sh install
+
+# Mosquitto and Cassandra, without the schema (up applies it).
+.PHONY: services
+services: $(VENV)/.installed packages
 	@bash mosquitto/mosquitto.sh start
 	@bash cassandra/cassandra.sh start
 	@bash cassandra/cassandra.sh wait
-	@$(GATEWAY) schema apply
 
 down:
 	-@bash mosquitto/mosquitto.sh stop
@@ -94,7 +110,7 @@ run: up
 
 # The browser the page's tests drive (Debian's chromium); only the tests need it.
 .PHONY: browser
-browser:
+browser: packages
 	@bash tests/browser/chromium.sh install
 
 # The suite runs in TEST_WORKERS pytest-xdist workers (a test file per worker
@@ -109,7 +125,7 @@ browser:
 TEST_WORKERS ?= 3
 TEST_CLUSTER ?= 1
 .PHONY: test-brokers
-test-brokers:
+test-brokers: packages
 	@for i in $$(seq 1 $$(( $(TEST_WORKERS) - 1 ))); do \
 		MQTT_PORT=$$((1883 + i)) STATE_DIR=$(STATE_DIR)/test-broker-$$i bash mosquitto/mosquitto.sh start || exit 1; \
 	done
@@ -118,7 +134,13 @@ test-brokers:
 # very end (TEST_DIGEST, tests/conftest.py): CI shows the end of the output.
 export TEST_DIGEST := $(STATE_DIR)/logs/failed-tests.txt
 
-test: up browser test-brokers
+# What the tests need, at once where it can be (PARALLEL above).
+.PHONY: test-setup
+test-setup:
+	@$(PARALLEL) venv services browser test-brokers
+	@$(GATEWAY) schema apply
+
+test: test-setup
 	@rc=0; rm -f $(TEST_DIGEST); \
 	$(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not faults and not cluster" $(PYTEST_ARGS) || rc=$$?; \
 	[ $$rc = 5 ] && rc=0; \
@@ -145,14 +167,14 @@ test: up browser test-brokers
 .PHONY: test-cluster
 test-cluster: venv
 	@bash cassandra/cassandra.sh stop
-	@CASSANDRA_NODES=3 $(MAKE) -s up
+	@CASSANDRA_NODES=3 $(MAKE) -s services
 	@rc=0; CASSANDRA_NODES=3 $(VPY) -m pytest -m cluster tests/cluster $(PYTEST_ARGS) || rc=$$?; \
 	CASSANDRA_NODES=3 bash cassandra/cassandra.sh stop; \
 	bash cassandra/cassandra.sh start >/dev/null; \
 	exit $$rc
 
 .PHONY: test-quick
-test-quick: up browser test-brokers
+test-quick: test-setup
 	$(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not faults and not slow and not cluster" $(PYTEST_ARGS)
 
 lint: venv
