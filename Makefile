@@ -63,8 +63,9 @@ endif
 # Compiling (about 40 s on a fresh clone) and starting the services (Cassandra
 # answers about 8 s after it starts) run at once; `make test` also installs
 # the browser and starts the test brokers meanwhile. Every line names what it
-# is about, and each is printed as it comes (whole lines, never mixed).
-PARALLEL := $(MAKE) -s -j4 --output-sync=line
+# is about and is printed as it comes (no --output-sync: that held a slow
+# step's progress back until it ended).
+PARALLEL := $(MAKE) -s -j4
 up:
 	@$(PARALLEL) venv services
 	@$(GATEWAY) schema apply
@@ -82,16 +83,19 @@ services: $(VENV)/.installed packages
 	@bash cassandra/cassandra.sh start
 	@bash cassandra/cassandra.sh wait
 
+# Every process is told at once and each is waited for (a broker saves its
+# store, a node drains: seconds each).
 down:
-	-@bash mosquitto/mosquitto.sh stop
-	-@if [ -z "$(filter-out 1,$(CASSANDRA_NODES))" ] && ls $(STATE_DIR)/run/cassandra-node*.pid >/dev/null 2>&1; then \
+	-@bash mosquitto/mosquitto.sh stop & \
+	for d in $(STATE_DIR)/test-broker-*; do \
+		[ -d "$$d" ] && { STATE_DIR=$$d bash mosquitto/mosquitto.sh stop & }; \
+	done; \
+	if [ -z "$(filter-out 1,$(CASSANDRA_NODES))" ] && ls $(STATE_DIR)/run/cassandra-node*.pid >/dev/null 2>&1; then \
 		echo "(a three-node cluster left running: stopping it too)"; \
-		CASSANDRA_NODES=3 bash cassandra/cassandra.sh stop; \
-	fi
-	-@for d in $(STATE_DIR)/test-broker-*; do \
-		[ -d "$$d" ] && STATE_DIR=$$d bash mosquitto/mosquitto.sh stop; \
-	done; true
-	-@bash cassandra/cassandra.sh stop
+		CASSANDRA_NODES=3 bash cassandra/cassandra.sh stop & \
+	fi; \
+	bash cassandra/cassandra.sh stop; \
+	wait; true
 
 # Exits non-zero when Mosquitto or Cassandra is not running (each line is
 # still printed); the browser is only the tests' concern, so it just reports.
