@@ -15,7 +15,7 @@ import time
 import orjson
 import pytest
 
-from gateway.store import write_session
+from gateway.store import requests, write_session
 from gateway.store.database import Database
 
 from .helpers import device_row, make_config, proxy, publish, running_gateway, telemetry_keys, topic
@@ -114,6 +114,39 @@ async def test_a_driver_session_that_gave_its_host_up_is_replaced(
             await gw.wait_handled(3, deadline=60)
             assert gw.stats.cassandra_sessions_renewed == 1
     assert len(await telemetry_keys(db, tenant, "lamp")) == 3
+
+
+async def test_requests_waiting_to_retry_go_through_a_new_driver_session_at_once(
+    tenant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When a new driver session replaced one that gave its host up, the
+    requests that had failed meanwhile slept out their backoff first (up to
+    cassandra's 10 s between retries), though the new session worked. Now the
+    replacement wakes them. Every retry here waits 2.5 to 10 s."""
+    monkeypatch.setattr(write_session, "RENEW_AFTER", 3.0)
+    monkeypatch.setattr(requests, "BACKOFF_MIN", 5.0)
+    now = int(time.time() * 1000)
+    events = [(topic(tenant, "lamp"), orjson.dumps({"ts": now + i, "value": i})) for i in range(2)]
+    async with proxy() as link:
+        config = make_config(
+            GATEWAY_CASSANDRA__PORT=str(link.port),
+            GATEWAY_CASSANDRA__DRIVER="acsylla",
+            GATEWAY_SAMPLING__ENABLED="false",
+        )
+        async with running_gateway(config) as gw:
+            await publish(events[:1])
+            await gw.wait_handled(1)
+            link.refuse_with = (0x0100, "Provided username gw and/or password are incorrect")
+            link.drop()
+            await publish(events[1:])
+            await gw.wait_for(lambda s: s.retries > 0)
+            await asyncio.sleep(2)  # the driver's reconnection meets the refusal
+            link.refuse_with = None  # the node takes connections again
+            await gw.wait_for(lambda s: s.cassandra_sessions_renewed == 1, deadline=60)
+            renewed = time.monotonic()
+            await gw.wait_handled(2, deadline=30)
+            waited = time.monotonic() - renewed
+    assert waited < 1.5, f"written {waited:.1f} s after the new session"
 
 
 async def test_an_error_raised_while_a_request_waits_to_retry_is_not_chained_to_it(

@@ -13,8 +13,9 @@ existence reads and entry counts. Promises:
 * After ``cassandra.give_up_after`` seconds of failing, or on an error retrying
   cannot fix, :class:`SinkError` is raised and the gateway stops: the messages
   concerned were never acknowledged, so the broker still has them.
-* When a request succeeds again after failures, every request sleeping in
-  backoff retries at once instead of finishing its sleep.
+* When a request succeeds again after failures, or a new driver session
+  replaced one that gave its host up (``write_session.RENEW_AFTER``), every
+  request sleeping in backoff retries at once instead of finishing its sleep.
 * Every attempt's outcome is reported to the in-flight limit (``limit.py``):
   its latency when answered, an overload when it failed transiently.
 """
@@ -61,8 +62,10 @@ class Requests:
         # Since when the idle link's probe (:meth:`probe`) fails, if it does.
         self._probe_failing_since: float | None = None
         self.answered_at = time.monotonic()  # the last answer Cassandra gave
-        # Set (and replaced) when requests succeed again after failures.
+        # Set (and replaced) when requests succeed again after failures, or
+        # when a new driver session replaced one that gave its host up.
         self._recovered = asyncio.Event()
+        session.renewed = self._wake
 
     @property
     def failing_for(self) -> float | None:
@@ -92,6 +95,11 @@ class Requests:
         if self._probe_failing_since is not None:
             log.warning("Cassandra answers again")
             self._probe_failing_since = None
+
+    def _wake(self) -> None:
+        """Every request sleeping in backoff retries now."""
+        self._recovered.set()
+        self._recovered = asyncio.Event()
 
     def bind(self, prepared: Prepared, values: tuple[Any, ...]) -> Any:
         try:
@@ -186,8 +194,7 @@ class Requests:
                         time.monotonic() - self._failing_since,
                     )
                     self._failing_since = None
-                    self._recovered.set()
-                    self._recovered = asyncio.Event()
+                    self._wake()
                 return result
             # A transient failure. Waited here, not in the except clause:
             # compiled (mypyc) code suspended in one leaves the error as the

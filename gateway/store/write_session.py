@@ -138,6 +138,9 @@ class WriteSession(ABC):
     def __init__(self, config: CassandraConfig) -> None:
         self.config = config
         self.keyspace = config.keyspace
+        # Called when a new driver session has replaced one that gave its
+        # host up (AcsyllaSession): requests.py wakes what sleeps in backoff.
+        self.renewed: Callable[[], None] = _nothing
 
     def cql(self, template: str) -> str:
         return template.replace("{keyspace}", self.keyspace)
@@ -455,6 +458,7 @@ class AcsyllaSession(WriteSession):
                 "error while reconnecting): writing through a new driver session",
                 failing_for,
             )
+            self.renewed()
             try:
                 await _close_acsylla(*old)
             except Exception as exc:
@@ -470,6 +474,10 @@ class AcsyllaSession(WriteSession):
             # cancelled half-way may not return.
             await asyncio.wait({renewing})
         await _close_acsylla(self._cluster, self._session)
+
+
+def _nothing() -> None:
+    pass
 
 
 async def _close_acsylla(cluster: Any, session: Any) -> None:
