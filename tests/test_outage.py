@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import orjson
 import pytest
@@ -18,7 +20,16 @@ import pytest
 from gateway.store import requests, write_session
 from gateway.store.database import Database
 
-from .helpers import device_row, make_config, proxy, publish, running_gateway, telemetry_keys, topic
+from .helpers import (
+    RunningGateway,
+    device_row,
+    make_config,
+    proxy,
+    publish,
+    running_gateway,
+    telemetry_keys,
+    topic,
+)
 
 
 async def test_outage_mid_stream_is_retried_and_nothing_lost(db: Database, tenant: str) -> None:
@@ -82,19 +93,19 @@ async def test_giving_up_stops_the_gateway_and_the_broker_keeps_the_rest(
     assert len(await telemetry_keys(db, tenant, "g")) == 50
 
 
-async def test_a_driver_session_that_gave_its_host_up_is_replaced(
-    db: Database, tenant: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The C++ driver gives a host's connections up for good after one
-    authentication error while reconnecting, as a password-protected node
-    restarting answers until it can read system_auth: its requests then found
-    no host until the gateway gave up (cassandra.give_up_after, 10 min), though
-    the node took connections again 2 s later (probe: still stuck after 25 s;
-    the Python driver reconnected in 4 s). Now a new driver session is opened
-    after RENEW_AFTER of that, and what was held back is written."""
-    monkeypatch.setattr(write_session, "RENEW_AFTER", 3.0)
+@asynccontextmanager
+async def _a_host_given_up(
+    tenant: str, count: int
+) -> AsyncIterator[tuple[RunningGateway, list[tuple[str, bytes]]]]:
+    """A gateway (acsylla, through a proxy) has written the first of
+    ``count`` events of device "lamp" and sent the second; meanwhile the
+    proxy answered the driver's reconnects with "bad credentials" for 2 s, so
+    the C++ driver gave the host up for good. Then the node takes connections
+    again. Yields the gateway and the events."""
     now = int(time.time() * 1000)
-    events = [(topic(tenant, "lamp"), orjson.dumps({"ts": now + i, "value": i})) for i in range(3)]
+    events = [
+        (topic(tenant, "lamp"), orjson.dumps({"ts": now + i, "value": i})) for i in range(count)
+    ]
     async with proxy() as link:
         config = make_config(
             GATEWAY_CASSANDRA__PORT=str(link.port),
@@ -108,11 +119,26 @@ async def test_a_driver_session_that_gave_its_host_up_is_replaced(
             link.drop()
             await publish(events[1:2])
             await gw.wait_for(lambda s: s.retries > 0)
-            await asyncio.sleep(2)
+            await asyncio.sleep(2)  # the driver's reconnection meets the refusal
             link.refuse_with = None  # the node takes connections again
-            await publish(events[2:])
-            await gw.wait_handled(3, deadline=60)
-            assert gw.stats.cassandra_sessions_renewed == 1
+            yield gw, events
+
+
+async def test_a_driver_session_that_gave_its_host_up_is_replaced(
+    db: Database, tenant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C++ driver gives a host's connections up for good after one
+    authentication error while reconnecting, as a password-protected node
+    restarting answers until it can read system_auth: its requests then found
+    no host until the gateway gave up (cassandra.give_up_after, 10 min), though
+    the node took connections again 2 s later (probe: still stuck after 25 s;
+    the Python driver reconnected in 4 s). Now a new driver session is opened
+    after RENEW_AFTER of that, and what was held back is written."""
+    monkeypatch.setattr(write_session, "RENEW_AFTER", 3.0)
+    async with _a_host_given_up(tenant, 3) as (gw, events):
+        await publish(events[2:])
+        await gw.wait_handled(3, deadline=60)
+        assert gw.stats.cassandra_sessions_renewed == 1
     assert len(await telemetry_keys(db, tenant, "lamp")) == 3
 
 
@@ -125,27 +151,11 @@ async def test_requests_waiting_to_retry_go_through_a_new_driver_session_at_once
     replacement wakes them. Every retry here waits 2.5 to 10 s."""
     monkeypatch.setattr(write_session, "RENEW_AFTER", 3.0)
     monkeypatch.setattr(requests, "BACKOFF_MIN", 5.0)
-    now = int(time.time() * 1000)
-    events = [(topic(tenant, "lamp"), orjson.dumps({"ts": now + i, "value": i})) for i in range(2)]
-    async with proxy() as link:
-        config = make_config(
-            GATEWAY_CASSANDRA__PORT=str(link.port),
-            GATEWAY_CASSANDRA__DRIVER="acsylla",
-            GATEWAY_SAMPLING__ENABLED="false",
-        )
-        async with running_gateway(config) as gw:
-            await publish(events[:1])
-            await gw.wait_handled(1)
-            link.refuse_with = (0x0100, "Provided username gw and/or password are incorrect")
-            link.drop()
-            await publish(events[1:])
-            await gw.wait_for(lambda s: s.retries > 0)
-            await asyncio.sleep(2)  # the driver's reconnection meets the refusal
-            link.refuse_with = None  # the node takes connections again
-            await gw.wait_for(lambda s: s.cassandra_sessions_renewed == 1, deadline=60)
-            renewed = time.monotonic()
-            await gw.wait_handled(2, deadline=30)
-            waited = time.monotonic() - renewed
+    async with _a_host_given_up(tenant, 2) as (gw, _):
+        await gw.wait_for(lambda s: s.cassandra_sessions_renewed == 1, deadline=60)
+        renewed = time.monotonic()
+        await gw.wait_handled(2, deadline=30)
+        waited = time.monotonic() - renewed
     assert waited < 1.5, f"written {waited:.1f} s after the new session"
 
 
