@@ -64,7 +64,16 @@ from ..lru import LRU
 from ..store import queries
 from ..store.database import Database
 from .openapi import OPENAPI
-from .routes import DEFAULT_LIMIT, MAX_CURSOR, MAX_LIMIT, MAX_PARAM, PREFIX, ROUTES
+from .routes import (
+    DEFAULT_LIMIT,
+    DEFAULT_METRIC,
+    DEFAULT_STEP,
+    MAX_CURSOR,
+    MAX_LIMIT,
+    MAX_PARAM,
+    PREFIX,
+    ROUTES,
+)
 from .server import AddRoutes, error_response, once_per
 from .tokens import Grant, TokenStore, token_from_header
 
@@ -312,8 +321,9 @@ class ReadApi:
         tenant, device = request.match_info["tenant"], request.match_info["device_id"]
         query = request.query
         since, until = _day_range(query)
-        step = queries.parse_step(query.get("step") or "1m")
-        metric = query.get("metric") or "value"
+        step_text = query.get("step") or DEFAULT_STEP
+        step = queries.parse_step(step_text)
+        metric = query.get("metric") or DEFAULT_METRIC
 
         async def compute() -> tuple[Any, float]:
             rows = await queries.rollups(self._db, tenant, device, metric, step, since, until)
@@ -321,7 +331,7 @@ class ReadApi:
                 "tenant": tenant,
                 "device_id": device,
                 "metric": metric,
-                "step": query.get("step") or "1m",
+                "step": step_text,
                 "rollups": [r.as_json() for r in rows],
             }, 0
 

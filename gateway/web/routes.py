@@ -10,9 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..store import queries
+from ..store.rollups import VALUE_METRIC
 
 PREFIX = "/api/v1"
 DEFAULT_LIMIT = 100
+# A roll-up query's window and metric when it names none (`gateway rollup` says the same).
+DEFAULT_STEP = "1m"
+DEFAULT_METRIC = VALUE_METRIC
 MAX_LIMIT = 500
 MAX_PARAM = 512  # characters in any query parameter but a cursor
 # A cursor the server gave out: a device cursor holds a device id (up to
@@ -85,13 +89,13 @@ ROLLUP_PARAMS = (
     Param(
         "step",
         "The window: 1m or 1h (default 1m).",
-        {"type": "string", "enum": list(queries.ROLLUP_STEPS), "default": "1m"},
+        {"type": "string", "enum": list(queries.ROLLUP_STEPS), "default": DEFAULT_STEP},
         example="1h",
     ),
     Param(
         "metric",
         "The metric (default value: the event's numeric value).",
-        {"type": "string", "default": "value"},
+        {"type": "string", "default": DEFAULT_METRIC},
         example="temperature",
     ),
 )
