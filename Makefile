@@ -149,7 +149,8 @@ test: test-setup
 	$(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not faults and not cluster" $(PYTEST_ARGS) || rc=$$?; \
 	[ $$rc = 5 ] && rc=0; \
 	if [ "$(TEST_CLUSTER)" != 0 ]; then \
-		CASSANDRA_NODES=3 bash cassandra/cassandra.sh start-others >$(STATE_DIR)/cluster-start.log 2>&1 & others=$$!; \
+		{ CASSANDRA_NODES=3 bash cassandra/cassandra.sh start-others && $(VPY) -m tests.cluster.prepare; } \
+			>$(STATE_DIR)/cluster-start.log 2>&1 & others=$$!; \
 	fi; \
 	$(VPY) -m pytest -m "faults and not cluster" $(PYTEST_ARGS) || { r=$$?; [ $$r = 5 ] || rc=$$r; }; \
 	if [ "$(TEST_CLUSTER)" != 0 ]; then \
@@ -167,7 +168,8 @@ test: test-setup
 # (768 MB heap each), the tests run, the cluster stops, and the single node is
 # started again (not waited for: `make up` waits when it is next needed).
 # `make test` starts the cluster's nodes 2 and 3 while the fault tests run
-# (they don't need 127.0.0.1), so only node 1 is left to start here.
+# (they don't need 127.0.0.1) and applies the tests' keyspace through them
+# (tests/cluster/prepare.py), so only node 1 is left to start here.
 .PHONY: test-cluster
 test-cluster: venv
 	@bash cassandra/cassandra.sh stop
