@@ -329,6 +329,15 @@ class CassandraConfig(_Model):
     # After this long without success the gateway stops with an error; nothing
     # is lost because unwritten messages were never acknowledged to the broker.
     give_up_after: Duration = 600.0
+    # acsylla only: after its requests have found no host for this long, a new
+    # driver session replaces the one in use, at most one try per period. The
+    # C++ driver gives a host's connections up for good after one
+    # authentication, protocol-version or keyspace error while reconnecting
+    # (a password-protected node restarting answers "bad credentials" until
+    # it can read system_auth), and then answers "no hosts available" until
+    # the process ends. Its own reconnection waits at most 10 s
+    # (write_session._create_cluster), so past that it is not coming back.
+    renew_after: Duration = 15.0
     username: str | None = None
     password: SecretStr | None = None
     password_file: Path | None = None

@@ -96,7 +96,7 @@ class Stats:
     in_flight_limit: int = 0  # how many may be (store/limit.py adapts it to the latency)
     in_flight_waits: int = 0  # requests that waited for the in-flight limit
     # C++ driver sessions replaced after requests found no host for a while
-    # (store/write_session.py RENEW_AFTER)
+    # (cassandra.renew_after, store/write_session.py)
     cassandra_sessions_renewed: int = 0
     latency_floor: float = 0.0  # seconds: lowest recent Cassandra request latency (0: none yet)
     queue_depth: int = 0

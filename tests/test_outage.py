@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 import orjson
 import pytest
 
-from gateway.store import requests, write_session
+from gateway.store import requests
 from gateway.store.database import Database
 
 from .helpers import (
@@ -110,6 +110,7 @@ async def _a_host_given_up(
         config = make_config(
             GATEWAY_CASSANDRA__PORT=str(link.port),
             GATEWAY_CASSANDRA__DRIVER="acsylla",
+            GATEWAY_CASSANDRA__RENEW_AFTER="3s",
             GATEWAY_SAMPLING__ENABLED="false",
         )
         async with running_gateway(config) as gw:
@@ -125,7 +126,7 @@ async def _a_host_given_up(
 
 
 async def test_a_driver_session_that_gave_its_host_up_is_replaced(
-    db: Database, tenant: str, monkeypatch: pytest.MonkeyPatch
+    db: Database, tenant: str
 ) -> None:
     """The C++ driver gives a host's connections up for good after one
     authentication error while reconnecting, as a password-protected node
@@ -133,8 +134,7 @@ async def test_a_driver_session_that_gave_its_host_up_is_replaced(
     no host until the gateway gave up (cassandra.give_up_after, 10 min), though
     the node took connections again 2 s later (probe: still stuck after 25 s;
     the Python driver reconnected in 4 s). Now a new driver session is opened
-    after RENEW_AFTER of that, and what was held back is written."""
-    monkeypatch.setattr(write_session, "RENEW_AFTER", 3.0)
+    after cassandra.renew_after of that, and what was held back is written."""
     async with _a_host_given_up(tenant, 3) as (gw, events):
         await publish(events[2:])
         await gw.wait_handled(3, deadline=60)
@@ -149,7 +149,6 @@ async def test_requests_waiting_to_retry_go_through_a_new_driver_session_at_once
     requests that had failed meanwhile slept out their backoff first (up to
     cassandra's 10 s between retries), though the new session worked. Now the
     replacement wakes them. Every retry here waits 2.5 to 10 s."""
-    monkeypatch.setattr(write_session, "RENEW_AFTER", 3.0)
     monkeypatch.setattr(requests, "BACKOFF_MIN", 5.0)
     async with _a_host_given_up(tenant, 2) as (gw, _):
         await gw.wait_for(lambda s: s.cassandra_sessions_renewed == 1, deadline=60)

@@ -353,16 +353,16 @@ def test_the_c_driver_s_warnings_are_said_once_a_minute_and_its_shard_chatter_is
     assert len(lines) == 31
 
 
-async def test_a_closed_acsylla_session_opens_no_new_one(
-    keyspace: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_closed_acsylla_session_opens_no_new_one(keyspace: str) -> None:
     """A request still under way at close (the link probe is shielded from
     the stop) that finds no host must not open a new driver session, which
     nothing would close."""
-    monkeypatch.setattr(write_session, "RENEW_AFTER", 0.0)
-    config = make_config(GATEWAY_CASSANDRA__DRIVER="acsylla").cassandra
+    config = make_config(
+        GATEWAY_CASSANDRA__DRIVER="acsylla", GATEWAY_CASSANDRA__RENEW_AFTER="1ms"
+    ).cassandra
     async with open_write_session(config) as opened:
         assert isinstance(opened, write_session.AcsyllaSession)
     opened._found_no_host()  # what a request that found no host calls
+    await asyncio.sleep(0.01)
     opened._found_no_host()
     assert opened._renewing is None

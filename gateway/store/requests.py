@@ -14,7 +14,7 @@ existence reads and entry counts. Promises:
   cannot fix, :class:`SinkError` is raised and the gateway stops: the messages
   concerned were never acknowledged, so the broker still has them.
 * When a request succeeds again after failures, or a new driver session
-  replaced one that gave its host up (``write_session.RENEW_AFTER``), every
+  replaced one that gave its host up (``cassandra.renew_after``), every
   request sleeping in backoff retries at once instead of finishing its sleep.
 * Every attempt's outcome is reported to the in-flight limit (``limit.py``):
   its latency when answered, an overload when it failed transiently.

@@ -101,16 +101,6 @@ Rows = list[dict[str, Any]]
 PACK_BYTES = 2 * 1024
 # Rows per page of WriteSession.read: the Python driver's default fetch size.
 READ_PAGE = 5_000
-# Seconds acsylla's requests may find no host before a new driver session is
-# opened (AcsyllaSession._found_no_host): the C++ driver gives a host's
-# connections up for good after one authentication, protocol-version or
-# keyspace error while reconnecting (a password-protected node restarting
-# answers "bad credentials" until it can read system_auth), and then answers
-# "no hosts available" until the process ends; the Python driver keeps
-# reconnecting. The driver's own reconnection waits at most 10 s
-# (_create_cluster), so past this it is not coming back by itself. At most one
-# new session is tried per RENEW_AFTER.
-RENEW_AFTER = 15.0
 
 
 class Prepared:
@@ -285,7 +275,7 @@ class AcsyllaSession(WriteSession):
         stats: Stats | None = None,
     ) -> None:
         """``opened``: the driver's cluster and session; ``reopen`` opens
-        another such pair (RENEW_AFTER); ``stats`` counts the new ones."""
+        another such pair (``cassandra.renew_after``); ``stats`` counts the new ones."""
         super().__init__(config)
         from acsylla import (  # noqa: PLC0415 - optional
             create_batch_unlogged,
@@ -298,7 +288,8 @@ class AcsyllaSession(WriteSession):
         self._stats = stats or Stats()
         self._no_hosts = errors.CassErrorLibNoHostsAvailable
         self._no_host_since: float | None = None  # since when requests find no host
-        self._renew_tried = -RENEW_AFTER  # when a new session was last tried
+        self._renew_after = config.renew_after
+        self._renew_tried = -self._renew_after  # when a new session was last tried
         self._renewing: asyncio.Task[None] | None = None
         self._closed = False
         self._new_batch = create_batch_unlogged
@@ -424,15 +415,15 @@ class AcsyllaSession(WriteSession):
         return set(meta.get_tables(self.keyspace))
 
     def _found_no_host(self) -> None:
-        """A request found no host: after RENEW_AFTER of that, open a new
+        """A request found no host: after ``cassandra.renew_after`` of that, open a new
         driver session (in the background; the requests keep retrying)."""
         now = time.monotonic()
         since = self._no_host_since
         if since is None:
             self._no_host_since = now
         elif (
-            now - since >= RENEW_AFTER
-            and now - self._renew_tried >= RENEW_AFTER
+            now - since >= self._renew_after
+            and now - self._renew_tried >= self._renew_after
             and self._renewing is None
             and not self._closed  # a request still under way at close (the shielded probe)
         ):
@@ -445,7 +436,7 @@ class AcsyllaSession(WriteSession):
                 opened = await self._reopen()
             except Exception as exc:
                 # Cassandra unreachable too: an outage, which the gateway's own
-                # lines say (this one would every RENEW_AFTER); tried again then.
+                # lines say (this one would every renew_after); tried again then.
                 log.debug("a new Cassandra driver session could not connect either: %s", exc)
                 return
             old = (self._cluster, self._session)
