@@ -350,11 +350,7 @@ class AcsyllaSession(WriteSession):
         statement.set_page_size(READ_PAGE)  # unset, Cassandra sends all in one
         rows: Rows = []
         while True:
-            try:
-                result = await self._session.execute(statement)
-            except self._no_hosts:
-                self._found_no_host()
-                raise
+            result = await self._answer(self._session.execute(statement))
             rows += [row.as_dict() for row in result]
             if not result.has_more_pages():
                 return rows
@@ -367,16 +363,10 @@ class AcsyllaSession(WriteSession):
         return batch
 
     async def execute(self, request: Any) -> Rows:
-        try:
-            if hasattr(request, "add_statement"):
-                result = await self._session.execute_batch(request)
-            else:
-                result = await self._session.execute(request)
-        except self._no_hosts:
-            self._found_no_host()
-            raise
-        if self._no_host_since is not None:
-            self._no_host_since = None
+        if hasattr(request, "add_statement"):
+            result = await self._answer(self._session.execute_batch(request))
+        else:
+            result = await self._answer(self._session.execute(request))
         if not result.column_count():
             return []
         return [row.as_dict() for row in result]
@@ -413,6 +403,19 @@ class AcsyllaSession(WriteSession):
         if self.keyspace not in meta.get_keyspaces():
             return None
         return set(meta.get_tables(self.keyspace))
+
+    async def _answer(self, request: Awaitable[Any]) -> Any:
+        """The driver's answer to ``request`` (a read's page, a write): one
+        that found no host goes to :meth:`_found_no_host`, any other clears it.
+        Reads did not clear it, so a read-only session (the roll-up worker's)
+        counted one from hours before as part of a new run of failures."""
+        try:
+            result = await request
+        except self._no_hosts:
+            self._found_no_host()
+            raise
+        self._no_host_since = None
+        return result
 
     def _found_no_host(self) -> None:
         """A request found no host: after ``cassandra.renew_after`` of that, open a new
