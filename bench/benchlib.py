@@ -360,22 +360,44 @@ def warm_up_cassandra(prefix: str, devices: int, out: Path, log: Path) -> float:
     return time.monotonic() - began
 
 
+def local_pid(*names: str, marker: bytes) -> int | None:
+    """The pid in the first of ``names`` (pidfiles in `make up`'s run
+    directory) whose process is alive and has ``marker`` in its command line,
+    or None when there is none of ours."""
+    run = Path(os.environ.get("STATE_DIR", ROOT / ".state")) / "run"
+    for name in names:
+        try:
+            pid = int((run / name).read_text().split()[0])
+            if marker in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
+
+
+def cassandra_pid() -> int | None:
+    """The local Cassandra's pid (`make up`'s, one node or node 1 of three)."""
+    return local_pid("cassandra.pid", "cassandra-node1.pid", marker=b"CassandraDaemon")
+
+
+def mosquitto_pid() -> int | None:
+    """The local Mosquitto's pid (`make up`'s)."""
+    return local_pid("mosquitto.pid", marker=b"mosquitto")
+
+
 def cassandra_age_s() -> float | None:
     """Seconds since the local Cassandra started (`make up`'s, one node or
     node 1 of three), or None when there is none of ours to look at."""
-    state = Path(os.environ.get("STATE_DIR", ROOT / ".state"))
-    for name in ("cassandra.pid", "cassandra-node1.pid"):
-        try:
-            pid = int((state / "run" / name).read_text().split()[0])
-            if b"CassandraDaemon" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                continue
-            # Field 22 of /proc/<pid>/stat: start time, in ticks after boot.
-            started = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-            uptime = float(Path("/proc/uptime").read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue
-        return uptime - started / os.sysconf("SC_CLK_TCK")
-    return None
+    pid = cassandra_pid()
+    if pid is None:
+        return None
+    try:
+        # Field 22 of /proc/<pid>/stat: start time, in ticks after boot.
+        started = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - started / os.sysconf("SC_CLK_TCK")
 
 
 def add_warm_up(parser: argparse.ArgumentParser) -> None:

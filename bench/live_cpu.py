@@ -6,7 +6,11 @@ this starts `gateway run` on the bench keyspace (benchlib.gateway_env),
 publishes the simulated fleet at that rate for --duration seconds (the
 publisher runs in this process, not the gateway's), waits until every message
 is handled (written, rejected or sampled out), and prints the gateway's CPU
-per message by thread, with its chunks and requests per message.
+per message by thread, with its chunks and requests per message, and the CPU
+per message of the local Cassandra and Mosquitto (`make up`'s) over the same
+time: the two cores are shared, so what the gateway asks of them counts too.
+The roll-up worker reads each minute back ``rollups.grace`` after it ends
+(30 s): a --duration of 120 s or more holds some of that work.
 
 Usage: .venv/bin/python bench/live_cpu.py --rates 500,1000,2000 [--duration 20]
        [--gateway-env GATEWAY_PIPELINE__LINGER=0s]
@@ -29,11 +33,14 @@ from benchlib import (
     add_gateway_env,
     add_warm_up,
     apply_schema,
+    cassandra_pid,
     clear_session,
+    cpu_seconds,
     fleet_spec,
     gateway_env,
     gateway_settings,
     maybe_warm_up,
+    mosquitto_pid,
     run_tool,
 )
 from drain import follow, gateway, thread_cpu, wait_line
@@ -57,7 +64,7 @@ def main() -> None:
     apply_schema()
     print(
         "rate msg/s | achieved | CPU us/msg | event loop | other threads | msgs/chunk"
-        " | chunks lingered | requests/msg"
+        " | chunks lingered | requests/msg | Cassandra us/msg | Mosquitto us/msg"
     )
     for rate in (float(r) for r in args.rates.split(",")):
         run(rate, args.duration, args.devices, extra)
@@ -72,11 +79,14 @@ def run(rate: float, duration: float, devices: int, extra: dict[str, str]) -> No
     try:
         wait_line(proc, log, "subscribed to")
         before = thread_cpu(proc.pid)
+        services = {"Cassandra": cassandra_pid(), "Mosquitto": mosquitto_pid()}
+        services_before = {name: _cpu(pid) for name, pid in services.items()}
         spec = fleet_spec(f"live{uuid.uuid4().hex[:6]}", devices, rate, root=ROOT)
         stats = asyncio.run(publish(spec, duration=duration, status_every=3600))
         wait_written(proc, log, stats.sent)
         cpu = thread_cpu(proc.pid)
         cpu.subtract(before)
+        used = {name: _cpu(pid) - services_before[name] for name, pid in services.items()}
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
         counters = final_counters(log)
@@ -84,7 +94,12 @@ def run(rate: float, duration: float, devices: int, extra: dict[str, str]) -> No
         if proc.poll() is None:
             proc.kill()
         clear_session(client_id)
-    report(rate, stats.rate, stats.sent, cpu, counters)
+    report(rate, stats.rate, stats.sent, cpu, counters, used)
+
+
+def _cpu(pid: int | None) -> float:
+    """A local service's CPU seconds; NaN when it is not ours (not started by `make up`)."""
+    return float("nan") if pid is None else cpu_seconds(pid)
 
 
 def wait_written(proc: subprocess.Popen[bytes], log: str, count: int) -> None:
@@ -106,7 +121,12 @@ def final_counters(log: str) -> dict[str, int]:
 
 
 def report(
-    rate: float, achieved: float, sent: int, cpu: Counter[str], counters: dict[str, int]
+    rate: float,
+    achieved: float,
+    sent: int,
+    cpu: Counter[str],
+    counters: dict[str, int],
+    services: dict[str, float],
 ) -> None:
     per = 1e6 / sent
     chunks = counters.get("chunks", 0)
@@ -115,6 +135,7 @@ def report(
         f" | {cpu['event loop'] * per:.0f} | {cpu['other threads'] * per:.0f}"
         f" | {sent / max(chunks, 1):.1f} | {counters.get('lingers', 0)} of {chunks}"
         f" | {counters.get('requests', 0) / sent:.2f}"
+        f" | {services['Cassandra'] * per:.0f} | {services['Mosquitto'] * per:.0f}"
     )
 
 
