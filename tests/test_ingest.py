@@ -446,6 +446,13 @@ async def test_a_sparse_stream_goes_out_at_once_and_a_dense_one_in_fuller_chunks
         for i in range(sparse):
             event = {"ts": now + i, "state": "on", "value": i}
             await publish([(topic(tenant, f"s{i}"), orjson.dumps(event))])
+            # Alone: the one before it written, and none of its requests still
+            # in flight. On a loaded box a first write (a new tenant, state and
+            # device) can take longer than any fixed gap, and with writes in
+            # flight the writer rightly waits (once in a CI run: lingers 1).
+            await gw.wait_for(
+                lambda s, n=i + 1: s.written >= n and s.acked >= n and s.in_flight == 0
+            )
             await asyncio.sleep(0.25)
         await gw.wait_handled(sparse)
         assert gw.stats.lingers == 0
