@@ -17,10 +17,11 @@ from contextlib import asynccontextmanager
 import orjson
 import pytest
 
-from gateway.store import requests
+from gateway.store import requests, write_session
 from gateway.store.database import Database
 
 from .helpers import (
+    CuttableProxy,
     RunningGateway,
     device_row,
     make_config,
@@ -96,12 +97,12 @@ async def test_giving_up_stops_the_gateway_and_the_broker_keeps_the_rest(
 @asynccontextmanager
 async def _a_host_given_up(
     tenant: str, count: int
-) -> AsyncIterator[tuple[RunningGateway, list[tuple[str, bytes]]]]:
+) -> AsyncIterator[tuple[RunningGateway, list[tuple[str, bytes]], CuttableProxy]]:
     """A gateway (acsylla, through a proxy) has written the first of
     ``count`` events of device "lamp" and sent the second; meanwhile the
     proxy answered the driver's reconnects with "bad credentials" for 2 s, so
     the C++ driver gave the host up for good. Then the node takes connections
-    again. Yields the gateway and the events."""
+    again. Yields the gateway, the events and the proxy."""
     now = int(time.time() * 1000)
     events = [
         (topic(tenant, "lamp"), orjson.dumps({"ts": now + i, "value": i})) for i in range(count)
@@ -122,7 +123,7 @@ async def _a_host_given_up(
             await gw.wait_for(lambda s: s.retries > 0)
             await asyncio.sleep(2)  # the driver's reconnection meets the refusal
             link.refuse_with = None  # the node takes connections again
-            yield gw, events
+            yield gw, events, link
 
 
 async def test_a_driver_session_that_gave_its_host_up_is_replaced(
@@ -135,7 +136,7 @@ async def test_a_driver_session_that_gave_its_host_up_is_replaced(
     the node took connections again 2 s later (probe: still stuck after 25 s;
     the Python driver reconnected in 4 s). Now a new driver session is opened
     after cassandra.renew_after of that, and what was held back is written."""
-    async with _a_host_given_up(tenant, 3) as (gw, events):
+    async with _a_host_given_up(tenant, 3) as (gw, events, _):
         await publish(events[2:])
         await gw.wait_handled(3, deadline=60)
         assert gw.stats.cassandra_sessions_renewed == 1
@@ -150,12 +151,43 @@ async def test_requests_waiting_to_retry_go_through_a_new_driver_session_at_once
     cassandra's 10 s between retries), though the new session worked. Now the
     replacement wakes them. Every retry here waits 2.5 to 10 s."""
     monkeypatch.setattr(requests, "BACKOFF_MIN", 5.0)
-    async with _a_host_given_up(tenant, 2) as (gw, _):
+    async with _a_host_given_up(tenant, 2) as (gw, _, _):
         await gw.wait_for(lambda s: s.cassandra_sessions_renewed == 1, deadline=60)
         renewed = time.monotonic()
         await gw.wait_handled(2, deadline=30)
         waited = time.monotonic() - renewed
     assert waited < 1.5, f"written {waited:.1f} s after the new session"
+
+
+def _driver_lines(forward: write_session.DriverLog) -> int:
+    """How many lines the C++ driver has given ``forward`` (logged or held back)."""
+    return sum(1 + held for _, held in forward.last.values())
+
+
+async def test_the_c_driver_still_reports_after_its_session_was_replaced(
+    tenant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """acsylla gives the C++ driver one logging callback for the whole
+    process, and closing a cluster clears it. Replacing a driver session
+    closed the old session's cluster: from then on the driver's warnings and
+    errors reached no log, for the new session and the roll-up worker's
+    too. (write_session.SharedClusters; tests/test_write_session.py has the
+    same with two sessions and no gateway.)"""
+    forward = write_session.DriverLog()  # its own: lines counted from this test only
+    monkeypatch.setattr(write_session, "_forward_log", forward)
+    async with _a_host_given_up(tenant, 2) as (gw, _, link):
+        await gw.wait_for(lambda s: s.cassandra_sessions_renewed == 1, deadline=60)
+        await gw.wait_handled(2, deadline=30)
+        before = _driver_lines(forward)
+        link.drop()
+        try:
+            async with asyncio.timeout(15):
+                while True:
+                    if _driver_lines(forward) > before:
+                        break
+                    await asyncio.sleep(0.1)
+        except TimeoutError:
+            pytest.fail("the link dropped, and the C++ driver said nothing in 15 s")
 
 
 async def test_an_error_raised_while_a_request_waits_to_retry_is_not_chained_to_it(

@@ -38,7 +38,7 @@ from gateway.store.write_session import (
     value_bytes,
 )
 
-from .helpers import ACSYLLA_PLATFORM, DRIVERS, make_config, self_signed
+from .helpers import ACSYLLA_PLATFORM, DRIVERS, make_config, proxy, self_signed
 
 # Some write sessions are read back through `db`, which lives on the session
 # loop (conftest.py): every session is opened, and its tests run, on that loop.
@@ -366,3 +366,80 @@ async def test_a_closed_acsylla_session_opens_no_new_one(keyspace: str) -> None:
     await asyncio.sleep(0.01)
     opened._found_no_host()
     assert opened._renewing is None
+
+
+async def _driver_lines(caplog: pytest.LogCaptureFixture, deadline: float = 15.0) -> list[str]:
+    """The C++ driver's lines logged so far, once there is one (or the deadline)."""
+    async with asyncio.timeout(deadline):
+        while True:
+            lines = [r.getMessage() for r in caplog.records if "C++ driver" in r.getMessage()]
+            if lines:
+                return lines
+            await asyncio.sleep(0.1)
+
+
+@pytest.mark.skipif(not ACSYLLA_PLATFORM, reason="pyproject.toml installs no acsylla here")
+async def test_the_c_driver_still_reports_after_another_session_of_the_process_closes(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """acsylla gives the C++ driver one logging callback for the whole
+    process, set by each cluster it creates and cleared by each one closed.
+    `gateway run` opens two (the write path's and the roll-up worker's), and
+    closes one when it replaces a session that gave its host up, or when a
+    replacement cannot connect: from then on the driver's warnings and errors
+    reached no log, for any session, until a restart. Here a second session
+    opens and closes beside the first; then the first one's link drops."""
+    # A fresh one: no kind of line held back from an earlier test.
+    monkeypatch.setattr(write_session, "_forward_log", write_session.DriverLog())
+    async with proxy() as link:
+        config = make_config(
+            GATEWAY_CASSANDRA__PORT=str(link.port), GATEWAY_CASSANDRA__DRIVER="acsylla"
+        ).cassandra
+        async with open_write_session(config) as kept:
+            local = await kept.prepare("SELECT release_version FROM system.local")
+            async with open_write_session(config):
+                pass
+            with caplog.at_level(logging.WARNING, logger="gateway.store.write_session"):
+                link.drop()
+                try:
+                    lines = await _driver_lines(caplog)
+                except TimeoutError:
+                    lines = []
+            assert lines, "the link dropped and the C++ driver said nothing in 15 s"
+            # and the session still works once the driver has reconnected
+            async with asyncio.timeout(30):
+                while True:
+                    try:
+                        await kept.read(local, ())
+                        break
+                    except Exception:
+                        await asyncio.sleep(0.2)
+
+
+@pytest.mark.skipif(not ACSYLLA_PLATFORM, reason="pyproject.toml installs no acsylla here")
+async def test_sessions_of_one_config_share_a_cluster_closed_with_the_last(keyspace: str) -> None:
+    """The reason is above; the bound: one cluster per config open at once."""
+    config = make_config(GATEWAY_CASSANDRA__DRIVER="acsylla").cassandra
+    same = make_config(GATEWAY_CASSANDRA__DRIVER="acsylla").cassandra  # equal, not the same object
+    other = make_config(
+        GATEWAY_CASSANDRA__DRIVER="acsylla", GATEWAY_CASSANDRA__REQUEST_TIMEOUT="7s"
+    ).cassandra
+    before = len(write_session._clusters)
+    async with (
+        open_write_session(config) as a,
+        open_write_session(same) as b,
+        open_write_session(other) as c,
+    ):
+        assert isinstance(a, write_session.AcsyllaSession)
+        assert isinstance(b, write_session.AcsyllaSession)
+        assert isinstance(c, write_session.AcsyllaSession)
+        assert a._cluster is b._cluster
+        assert c._cluster is not a._cluster
+        assert len(write_session._clusters) == before + 2
+        async with open_write_session(config):
+            assert len(write_session._clusters) == before + 2
+        # the first two still work after the third closed
+        for opened in (a, b):
+            local = await opened.prepare("SELECT release_version FROM system.local")
+            assert await opened.read(local, ())
+    assert len(write_session._clusters) == before

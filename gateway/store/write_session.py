@@ -60,6 +60,7 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -478,8 +479,65 @@ async def _close_acsylla(cluster: Any, session: Any) -> None:
     try:
         await session.close()
     finally:
+        _clusters.release(cluster)
+
+
+@dataclass(slots=True)
+class _Shared:
+    config: CassandraConfig
+    loop: asyncio.AbstractEventLoop
+    cluster: Any
+    users: int
+
+
+class SharedClusters:
+    """acsylla clusters, one per config and event loop, shared by the driver
+    sessions open on it and closed with the last of them.
+
+    acsylla gives the C++ driver one logging callback for the whole process:
+    every cluster it creates sets it, and every one closed clears it, for
+    every session. `gateway run` opened a cluster per session: the write
+    path's, the roll-up worker's, and one for each session replacing one that
+    gave its host up (``cassandra.renew_after``), closing the one it
+    replaced or the one that could not connect. After the first such close the
+    driver's warnings and errors reached no log, for any session, until a
+    restart; and a driver thread logging just as a cluster is closed can
+    still hold the callback's freed data. With one cluster per config, a
+    gateway closes its cluster only when it stops. Sessions of different
+    configs in one process (tests, tools) still have one cluster each: the
+    limit is said in the README. Bounded by the configs open at once."""
+
+    def __init__(self) -> None:
+        self._open: list[_Shared] = []
+
+    def acquire(self, config: CassandraConfig, create: Callable[[], Any]) -> Any:
+        """The cluster for ``config`` on the running loop, ``create``d if none is open."""
+        loop = asyncio.get_running_loop()
+        for shared in self._open:
+            if shared.loop is loop and shared.config == config:
+                shared.users += 1
+                return shared.cluster
+        cluster = create()
+        self._open.append(_Shared(config, loop, cluster, 1))
+        return cluster
+
+    def release(self, cluster: Any) -> None:
+        """One session on ``cluster`` is closed (or never opened); the last closes it."""
+        for shared in self._open:
+            if shared.cluster is cluster:
+                shared.users -= 1
+                if shared.users > 0:
+                    return
+                self._open.remove(shared)
+                break
         # Closes the socket pair the cluster uses to wake the event loop.
         cluster.destroy()
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+
+_clusters = SharedClusters()
 
 
 def value_bytes(values: Sequence[Any]) -> int:
@@ -636,7 +694,7 @@ async def _open_acsylla(config: CassandraConfig, stats: Stats | None) -> Acsylla
 
     async def connect() -> tuple[Any, Any]:
         try:
-            cluster = _create_cluster(acsylla, config, options)
+            cluster = _clusters.acquire(config, lambda: _create_cluster(acsylla, config, options))
         except acsylla.errors.CassException as exc:
             # Raised while the options are applied: a certificate or key the
             # C++ driver cannot parse, most likely.
@@ -646,7 +704,9 @@ async def _open_acsylla(config: CassandraConfig, stats: Stats | None) -> Acsylla
         try:
             session = await cluster.create_session()
         except Exception as exc:
-            cluster.destroy()
+            # (Not when cancelled: the driver may still answer the connect,
+            # into the cluster's socket pair. The cluster stays open.)
+            _clusters.release(cluster)
             raise cannot_connect(config, exc) from None
         return cluster, session
 
