@@ -96,7 +96,7 @@ async def test_giving_up_stops_the_gateway_and_the_broker_keeps_the_rest(
 
 @asynccontextmanager
 async def _a_host_given_up(
-    tenant: str, count: int
+    tenant: str, count: int, rollup_worker: bool = False
 ) -> AsyncIterator[tuple[RunningGateway, list[tuple[str, bytes]], CuttableProxy]]:
     """A gateway (acsylla, through a proxy) has written the first of
     ``count`` events of device "lamp" and sent the second; meanwhile the
@@ -113,6 +113,7 @@ async def _a_host_given_up(
             GATEWAY_CASSANDRA__DRIVER="acsylla",
             GATEWAY_CASSANDRA__RENEW_AFTER="3s",
             GATEWAY_SAMPLING__ENABLED="false",
+            GATEWAY_ROLLUPS__WORKER=str(rollup_worker).lower(),
         )
         async with running_gateway(config) as gw:
             await publish(events[:1])
@@ -175,9 +176,12 @@ async def test_the_c_driver_still_reports_after_its_session_was_replaced(
     same with two sessions and no gateway.)"""
     forward = write_session.DriverLog()  # its own: lines counted from this test only
     monkeypatch.setattr(write_session, "_forward_log", forward)
-    async with _a_host_given_up(tenant, 2) as (gw, _, link):
+    clusters = len(write_session._clusters)
+    async with _a_host_given_up(tenant, 2, rollup_worker=True) as (gw, _, link):
         await gw.wait_for(lambda s: s.cassandra_sessions_renewed == 1, deadline=60)
         await gw.wait_handled(2, deadline=30)
+        # The write path, the roll-up worker and the replacement: one cluster.
+        assert len(write_session._clusters) == clusters + 1
         before = _driver_lines(forward)
         link.drop()
         try:
