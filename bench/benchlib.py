@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import re
 import signal
@@ -383,6 +384,31 @@ def cassandra_pid() -> int | None:
 def mosquitto_pid() -> int | None:
     """The local Mosquitto's pid (`make up`'s)."""
     return local_pid("mosquitto.pid", marker=b"mosquitto")
+
+
+SERVICES = {"Cassandra": cassandra_pid, "Mosquitto": mosquitto_pid}
+
+
+def services_cpu() -> dict[str, float]:
+    """CPU seconds so far of the local Cassandra and Mosquitto (`make up`'s),
+    by name; NaN for one that is not ours (not started by `make up`)."""
+    cpu: dict[str, float] = {}
+    for name, find in SERVICES.items():
+        pid = find()
+        cpu[name] = float("nan") if pid is None else cpu_seconds(pid)
+    return cpu
+
+
+def services_cpu_since(before: dict[str, float], messages: int) -> dict[str, float | None]:
+    """µs of CPU per message each service used since ``before``
+    (:func:`services_cpu`); None for one that is not ours."""
+    after = services_cpu()
+    return {
+        name: None
+        if math.isnan(used := after[name] - before[name])
+        else used / max(messages, 1) * 1e6
+        for name in before
+    }
 
 
 def cassandra_age_s() -> float | None:

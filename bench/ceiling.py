@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import uvloop
+from benchlib import services_cpu, services_cpu_since
 from rows import ALL_CQL, KEYSPACE, Statements, cql
 
 from gateway.config import CassandraConfig, LimitsConfig
@@ -122,11 +123,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             tenant = f"{args.prefix}c{level}"
             events = decoded_events(tenant, args.devices, args.count)
             statements = Statements(prepared)
-            cpu0, t0 = cpu_seconds(), time.monotonic()
+            services, cpu0, t0 = services_cpu(), cpu_seconds(), time.monotonic()
             sent, failures = await write_all(
                 session, statements_of(statements, events), level, args.pack
             )
             elapsed, cpu = time.monotonic() - t0, cpu_seconds() - cpu0
+            services_used = services_cpu_since(services, len(events))
             print(
                 f"level {level}: {len(events)} events, {sent} statements in {elapsed:.2f} s "
                 f"({len(events) / elapsed:.0f} events/s), {len(failures)} failed "
@@ -141,6 +143,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "statements": sent,
                     "seconds": elapsed,
                     "cpu_s": cpu,
+                    "services_cpu_us_per_msg": services_used,
                     "failures": len(failures),
                     "first_failures": failures[:3],
                     "sent": [[e.device_id, e.ts_ms, e.state] for e in events],

@@ -33,15 +33,13 @@ from benchlib import (
     add_gateway_env,
     add_warm_up,
     apply_schema,
-    cassandra_pid,
     clear_session,
-    cpu_seconds,
     fleet_spec,
     gateway_env,
     gateway_settings,
     maybe_warm_up,
-    mosquitto_pid,
     run_tool,
+    services_cpu,
 )
 from drain import follow, gateway, thread_cpu, wait_line
 
@@ -79,14 +77,13 @@ def run(rate: float, duration: float, devices: int, extra: dict[str, str]) -> No
     try:
         wait_line(proc, log, "subscribed to")
         before = thread_cpu(proc.pid)
-        services = {"Cassandra": cassandra_pid(), "Mosquitto": mosquitto_pid()}
-        services_before = {name: _cpu(pid) for name, pid in services.items()}
+        services_before = services_cpu()
         spec = fleet_spec(f"live{uuid.uuid4().hex[:6]}", devices, rate, root=ROOT)
         stats = asyncio.run(publish(spec, duration=duration, status_every=3600))
         wait_written(proc, log, stats.sent)
         cpu = thread_cpu(proc.pid)
         cpu.subtract(before)
-        used = {name: _cpu(pid) - services_before[name] for name, pid in services.items()}
+        used = {name: cpu - services_before[name] for name, cpu in services_cpu().items()}
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
         counters = final_counters(log)
@@ -95,11 +92,6 @@ def run(rate: float, duration: float, devices: int, extra: dict[str, str]) -> No
             proc.kill()
         clear_session(client_id)
     report(rate, stats.rate, stats.sent, cpu, counters, used)
-
-
-def _cpu(pid: int | None) -> float:
-    """A local service's CPU seconds; NaN when it is not ours (not started by `make up`)."""
-    return float("nan") if pid is None else cpu_seconds(pid)
 
 
 def wait_written(proc: subprocess.Popen[bytes], log: str, count: int) -> None:

@@ -149,6 +149,7 @@ def markdown(results: dict[str, Any], plots: list[str]) -> Iterator[str]:
         f"gateway/broker ceiling {_ratio(r, 'broker')}, gateway/naive {_ratio(r, 'naive')}, "
         f"gateway/Node-RED {_ratio(r, 'nodered')}."
     )
+    yield from cores_used(systems, m.get("cores"))
     by_rate = systems.get("gateway", {}).get("latency_by_rate") or []
     if by_rate:
         yield ""
@@ -282,6 +283,41 @@ def _load(value: Any) -> str:
     return "/".join(f"{x:.2f}" for x in value) if value else "?"
 
 
+def cores_used(systems: dict[str, Any], cores: int | None) -> Iterator[str]:
+    """What each drain cost the box: the system's own CPU per message, and
+    Cassandra's and Mosquitto's over the same drain; and the rate at which
+    that cost alone would fill every core."""
+    rows = []
+    for key in SYSTEMS:
+        s = systems.get(key) or {}
+        services = s.get("services_cpu_us_per_msg")
+        if not services or s.get("cpu_s_per_1k_msgs") is None:
+            continue
+        own = s["cpu_s_per_1k_msgs"] * 1000
+        cassandra, mosquitto = services.get("Cassandra"), services.get("Mosquitto")
+        total = own + (cassandra or 0) + (mosquitto or 0)
+        allowed = cores * 1e6 / total if cores and total else None
+        rows.append(
+            f"| {PLOT_LABELS[key]} | {_f(own)} | {_f(cassandra)} | {_f(mosquitto)} | {_f(total)} "
+            f"| {_f(allowed)} | {_f(s.get('msg_per_s'))} |"
+        )
+    if not rows:
+        return
+    yield ""
+    yield (
+        "CPU per message while each system drained (µs): its own (the table above), "
+        "and the local Cassandra's and Mosquitto's over the same drain; the last but one "
+        f"column is the rate at which that CPU alone fills the box's {cores} cores:"
+    )
+    yield ""
+    yield (
+        "| System | itself | Cassandra | Mosquitto | together "
+        "| msg/s that fills the cores | measured msg/s |"
+    )
+    yield "|---|---:|---:|---:|---:|---:|---:|"
+    yield from rows
+
+
 NOTES = [
     "Sustained msg/s: a backlog is published while the system is away (its persistent "
     "session holds it), then the system starts and drains it; the rate is the messages "
@@ -313,6 +349,11 @@ NOTES = [
     "partitions, as the gateway packs them on one node); the gateway also skips "
     "latest-table writes that a newer event of the same device in the same chunk "
     "supersedes, so it can come out above this 'ceiling'.",
+    "Cassandra's and Mosquitto's CPU per message: utime+stime of `make up`'s processes "
+    "(their pidfiles) from the system's start to the end of its drain (the Cassandra "
+    "ceiling: around each level's writes), over the messages drained; it includes their "
+    "background work meanwhile (compaction of earlier phases' rows, the system's start-up "
+    "while they idle), and is '-' for services `make up` did not start.",
     "Every system, the broker, Cassandra and the publisher share the same cores, so "
     "figures are lower than on a dedicated box and vary with other load.",
 ]

@@ -9,7 +9,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from benchlib import Proc, clear_session, cpu_seconds, create_session, peak_rss_mb
+from benchlib import (
+    Proc,
+    clear_session,
+    cpu_seconds,
+    create_session,
+    peak_rss_mb,
+    services_cpu,
+    services_cpu_since,
+)
 from harness import Bench, Drain
 
 from phases.latency import run as latency_run
@@ -34,6 +42,7 @@ def drain(
     startup = startup_cpu(bench, key, make, cid)
     create_session(cid)  # fresh and empty: only the backlog below is queued
     sent = bench.publish_backlog(tenant, devices, count)
+    services = services_cpu()  # Cassandra's and Mosquitto's, over the same drain
     proc = bench.proc(make(cid))
     started = time.monotonic()
     result = Drain(count=count)
@@ -42,6 +51,7 @@ def drain(
         bench.say(f"{proc.name} ready, draining {count} messages")
         done = bench.wait(proc, count, timeout=60 + count / 50, what="drained")
         cpu = cpu_seconds(proc.pid) - startup
+        result.extra["services_cpu_us_per_msg"] = services_cpu_since(services, proc.count)
         result.wall_s = time.monotonic() - started
         result.reached = proc.count
         result.peak_rss_mb = peak_rss_mb(proc.pid)

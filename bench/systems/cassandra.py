@@ -69,6 +69,7 @@ def run(bench: Bench) -> None:
             "peak_rss_mb": report["peak_rss_mb"],
             "check": best["check"],
             "best_concurrency": best["concurrency"],
+            "services_cpu_us_per_msg": best.get("services_cpu_us_per_msg", {}),
         }
     else:
         result["status"] = "failed: no concurrency level wrote every row without errors"
