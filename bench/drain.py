@@ -26,7 +26,14 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from benchlib import add_warm_up, clear_session, maybe_warm_up, run_tool
+from benchlib import (
+    add_warm_up,
+    clear_session,
+    maybe_warm_up,
+    run_tool,
+    services_cpu,
+    services_cpu_since,
+)
 
 from gateway.tools.simulate import FleetSpec, publish
 
@@ -119,12 +126,14 @@ def measure(args: argparse.Namespace, proc: subprocess.Popen[bytes], log: str) -
     cpu0 = None
     written = 0
     threads0: Counter[str] = Counter()
+    services0 = services_cpu()
     profiler: subprocess.Popen[bytes] | None = None
     for line in follow(proc, log):
         if cpu0 is None and "subscribed to" in line:
             start = time.monotonic()
             cpu0 = _cpu(proc.pid)
             threads0 = thread_cpu(proc.pid)
+            services0 = services_cpu()
             if args.profile:
                 profiler = spy(proc.pid, args.profile)
         if (m := STATUS.search(line)) and "status:" in line:
@@ -133,6 +142,7 @@ def measure(args: argparse.Namespace, proc: subprocess.Popen[bytes], log: str) -
                 break
     elapsed = time.monotonic() - start
     cpu = _cpu(proc.pid) - (cpu0 or 0.0)
+    services = services_cpu_since(services0, written)
     threads = thread_cpu(proc.pid)
     threads.subtract(threads0)
     rss = _rss_mb(proc.pid)
@@ -151,6 +161,10 @@ def measure(args: argparse.Namespace, proc: subprocess.Popen[bytes], log: str) -
         if seconds > 0
     )
     print(f"  by thread, us/event: {split}")
+    print(
+        "  the local services over the same drain, us/event: "
+        + ", ".join(f"{name} {'-' if us is None else f'{us:.0f}'}" for name, us in services.items())
+    )
 
 
 def spy(pid: int, out: str) -> subprocess.Popen[bytes]:
