@@ -411,6 +411,30 @@ def services_cpu_since(before: dict[str, float], messages: int) -> dict[str, flo
     }
 
 
+# Cassandra at rest here uses 0.015 to 0.025 of a core; after a phase that
+# wrote 100,000 events it went on compacting into the next system's drain.
+QUIET_CORES = 0.1
+QUIET_WINDOW_S = 2.0
+
+
+def settle_cassandra(limit_s: float = 120.0) -> tuple[float, float | None]:
+    """Wait until the local Cassandra uses under QUIET_CORES over
+    QUIET_WINDOW_S (its compactions of what earlier phases wrote are done),
+    at most ``limit_s``. Returns the seconds waited and the cores it used in
+    the last window (None when there is no Cassandra of ours to watch)."""
+    pid = cassandra_pid()
+    if pid is None:
+        return 0.0, None
+    started = time.monotonic()
+    while True:
+        before = cpu_seconds(pid)
+        time.sleep(QUIET_WINDOW_S)
+        cores = (cpu_seconds(pid) - before) / QUIET_WINDOW_S
+        waited = time.monotonic() - started
+        if cores < QUIET_CORES or waited >= limit_s:
+            return waited, cores
+
+
 def cassandra_age_s() -> float | None:
     """Seconds since the local Cassandra started (`make up`'s, one node or
     node 1 of three), or None when there is none of ours to look at."""

@@ -27,6 +27,7 @@ from benchlib import (
     clear_session,
     fleet_spec,
     publish_recorded,
+    settle_cassandra,
 )
 
 RESULTS = BENCH / "results"
@@ -180,6 +181,15 @@ class Bench:
             self.say(f"{what}: {proc.count}/{target}")
 
         return proc.wait_count(target, timeout, tick)
+
+    def settle(self, key: str) -> None:
+        """Let Cassandra finish what earlier phases left it (compactions)
+        before ``key``'s drain, so that no system pays for another's rows;
+        what it waited is in the report (``settled``)."""
+        waited, cores = settle_cassandra()
+        self.results.setdefault("settled", {})[key] = {"waited_s": waited, "cores": cores}
+        if cores is not None:
+            self.say(f"Cassandra settled in {waited:.0f} s (last {cores:.2f} cores)")
 
     def publish_backlog(self, tenant: str, devices: int, count: int) -> list[Sent]:
         self.cdb.register_states([tenant])

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from benchlib import QUIET_CORES, QUIET_WINDOW_S
 from harness import SYSTEMS, Bench
 
 try:
@@ -149,7 +150,7 @@ def markdown(results: dict[str, Any], plots: list[str]) -> Iterator[str]:
         f"gateway/broker ceiling {_ratio(r, 'broker')}, gateway/naive {_ratio(r, 'naive')}, "
         f"gateway/Node-RED {_ratio(r, 'nodered')}."
     )
-    yield from cores_used(systems, m.get("cores"))
+    yield from cores_used(results, m.get("cores"))
     by_rate = systems.get("gateway", {}).get("latency_by_rate") or []
     if by_rate:
         yield ""
@@ -283,10 +284,11 @@ def _load(value: Any) -> str:
     return "/".join(f"{x:.2f}" for x in value) if value else "?"
 
 
-def cores_used(systems: dict[str, Any], cores: int | None) -> Iterator[str]:
+def cores_used(results: dict[str, Any], cores: int | None) -> Iterator[str]:
     """What each drain cost the box: the system's own CPU per message, and
     Cassandra's and Mosquitto's over the same drain; and the rate at which
     that cost alone would fill every core."""
+    systems = results["systems"]
     rows = []
     for key in SYSTEMS:
         s = systems.get(key) or {}
@@ -316,6 +318,19 @@ def cores_used(systems: dict[str, Any], cores: int | None) -> Iterator[str]:
     )
     yield "|---|---:|---:|---:|---:|---:|---:|"
     yield from rows
+    settled = results.get("settled") or {}
+    waits = [
+        f"{PLOT_LABELS.get(key, key)} {w['waited_s']:.0f} s"
+        for key, w in settled.items()
+        if w.get("cores") is not None
+    ]
+    if waits:
+        yield ""
+        yield (
+            "Before each drain the bench waited for Cassandra to settle (under "
+            f"{QUIET_CORES} of a core over {QUIET_WINDOW_S:.0f} s, at most 120 s: the "
+            "compactions of what earlier phases wrote): " + ", ".join(waits) + "."
+        )
 
 
 NOTES = [

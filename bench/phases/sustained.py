@@ -41,6 +41,7 @@ def drain(
     tenant = bench.tenant(f"{key}{devices}")
     startup = startup_cpu(bench, key, make, cid)
     create_session(cid)  # fresh and empty: only the backlog below is queued
+    bench.settle(key)
     sent = bench.publish_backlog(tenant, devices, count)
     services = services_cpu()  # Cassandra's and Mosquitto's, over the same drain
     proc = bench.proc(make(cid))

@@ -19,6 +19,7 @@ def run(bench: Bench) -> None:
     out = LOGS / "ceiling.json"
     args = bench.args
     cmd = ceiling_command(bench.tenant(""), args.devices, args.ceiling_count, args.levels, out)
+    bench.settle("cassandra")  # after the warm-up's writes
     proc = bench.proc(
         Proc("ceiling", cmd, dict(os.environ), bench.log("ceiling"), [], re.compile(r"^$"))
     )
