@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import pytest_asyncio
 
+from gateway import repeats
 from gateway.config import CassandraConfig, PipelineConfig
 from gateway.errors import ConfigError
 from gateway.stats import Stats
@@ -322,7 +323,7 @@ def test_the_c_driver_s_connection_messages_are_warnings_at_most_once_a_minute(
     for host in range(1000):
         name = "".join(chr(ord("a") + int(digit)) for digit in str(host))
         said(f"Connection pool was unable to connect to host {name}")
-    assert len(forward.last) <= write_session.DRIVER_KINDS
+    assert len(forward.last) <= repeats.KINDS
 
 
 def test_the_c_driver_s_warnings_are_said_once_a_minute_and_its_shard_chatter_is_debug(
@@ -443,3 +444,19 @@ async def test_sessions_of_one_config_share_a_cluster_closed_with_the_last(keysp
             local = await opened.prepare("SELECT release_version FROM system.local")
             assert await opened.read(local, ())
     assert len(write_session._clusters) == before
+
+
+def test_repeats_says_how_many_it_held_back_once_the_minute_is_over() -> None:
+    """The rule both drivers' lines go through (gateway/repeats.py)."""
+    now = [0.0]
+    said = repeats.Repeats(clock=lambda: now[0])
+    retry = "Error attempting to reconnect to 127.0.0.1:9042, scheduling retry in {} seconds"
+    out = []
+    for delay in (1, 2, 4, 8, 10, 10, 10, 10, 10, 10):  # retries at 0, 1, 3, 7, 15, ... 65 s
+        out.append(said.say(retry.format(delay)))
+        now[0] += delay
+    assert out == [
+        retry.format(1),
+        *[None] * 8,
+        retry.format(10) + " (8 more like it held back over the last 65 s)",
+    ]

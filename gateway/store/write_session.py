@@ -86,6 +86,7 @@ from cassandra import (
 
 from ..config import CassandraConfig
 from ..errors import ConfigError, SchemaError
+from ..repeats import Repeats
 from ..stats import Stats
 from .database import DICT_ROWS, Database, cannot_connect, connect
 
@@ -614,24 +615,21 @@ def choose_driver(config: CassandraConfig, acsylla: bool | None = None) -> str:
     return "acsylla" if acsylla and plain else "python"
 
 
-# The C++ driver's messages about its connections (a socket reset, a host it
+# The C++ driver's messages about its connections (a socket error, a host it
 # cannot reach) come many a second while a link flaps, and so may its warnings
 # (a host overloaded, a connection closed after a server error, a pool that
 # cannot reconnect: what says why requests find no host): each kind is logged
 # at most once a minute, at WARNING (the gateway's own lines say the outage),
-# the next saying how many were held back. Kinds, the text without its numbers
-# (addresses, ports), up to DRIVER_KINDS of them.
+# the next saying how many were held back (repeats.py).
 _LINK = re.compile(r"socket|connect", re.IGNORECASE)
-DRIVER_EVERY = 60.0
-DRIVER_KINDS = 32
 
 
 class DriverLog:
     """The C++ driver's logging callback: its records into this module's log."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self.last: dict[str, tuple[float, int]] = {}  # kind: (logged at, held back since)
+        self._repeats = Repeats(clock=clock)
+        self.last = self._repeats.last  # kind: (logged at, held back since)
 
     def __call__(self, message: Any) -> None:
         text = str(getattr(message, "message", message))
@@ -642,28 +640,11 @@ class DriverLog:
             # ScyllaDB's driver says so on every Cassandra connection: expected.
             log.debug("C++ driver: %s", text)
         elif level == logging.WARNING or _LINK.search(text):
-            self._link(text)
+            said = self._repeats.say(text)
+            if said is not None:
+                log.warning("C++ driver: %s", said)
         else:
             log.log(level, "C++ driver: %s", text)
-
-    def _link(self, text: str) -> None:
-        kind, now = re.sub(r"\d+", "#", text), self._clock()
-        logged, held = self.last.pop(kind, (None, 0))
-        if logged is not None and now - logged < DRIVER_EVERY:
-            self.last[kind] = (logged, held + 1)
-            return
-        while len(self.last) >= DRIVER_KINDS:
-            del self.last[next(iter(self.last))]  # the kind seen longest ago
-        self.last[kind] = (now, 0)
-        if held and logged is not None:
-            log.warning(
-                "C++ driver: %s (%d more like it held back over the last %.0f s)",
-                text,
-                held,
-                now - logged,
-            )
-        else:
-            log.warning("C++ driver: %s", text)
 
 
 _forward_log = DriverLog()

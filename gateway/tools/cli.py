@@ -35,6 +35,7 @@ import uvloop
 
 from ..config import ENV_CONFIG_PATH, ENV_LOG_LEVEL, Config, load_config
 from ..errors import BrokerError, ConfigError, GatewayError, QueryError
+from ..repeats import Repeats
 from ..sd_notify import Notifier
 from ..store import queries, quota, schema
 from ..store.database import connect
@@ -97,6 +98,28 @@ def _driver_without_traceback(record: logging.LogRecord) -> bool:
     return True
 
 
+class _DriverRepeats(logging.Filter):
+    """cassandra-driver's warnings (a pool that cannot reconnect, a host
+    marked down), each kind once a minute, as the C++ driver's are
+    (repeats.py): through an outage the read API's session said one every
+    1 to 10 s, 360 an hour, beside the gateway's own line a minute."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self._repeats = Repeats(clock=clock)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING or not (
+            record.name == "cassandra" or record.name.startswith("cassandra.")
+        ):
+            return True
+        said = self._repeats.say(record.getMessage())
+        if said is None:
+            return False
+        record.msg, record.args = said, None
+        return True
+
+
 def _setup_logging(level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     if _stderr_is_journal():
@@ -108,6 +131,7 @@ def _setup_logging(level: str) -> None:
             )
         )
     handler.addFilter(_driver_without_traceback)
+    handler.addFilter(_DriverRepeats())
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
     # The driver is chatty at INFO (topology events); its warnings still show.
     logging.getLogger("cassandra").setLevel(logging.WARNING)
