@@ -21,6 +21,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -107,13 +108,15 @@ class _DriverRepeats(logging.Filter):
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         self._repeats = Repeats(clock=clock)
+        self._lock = threading.Lock()  # the driver logs from its own threads too
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno != logging.WARNING or not (
             record.name == "cassandra" or record.name.startswith("cassandra.")
         ):
             return True
-        said = self._repeats.say(record.getMessage())
+        with self._lock:
+            said = self._repeats.say(record.getMessage())
         if said is None:
             return False
         record.msg, record.args = said, None
