@@ -40,6 +40,7 @@ from benchlib import (
     maybe_warm_up,
     run_tool,
     services_cpu,
+    services_cpu_since,
 )
 from drain import follow, gateway, thread_cpu, wait_line
 
@@ -83,7 +84,7 @@ def run(rate: float, duration: float, devices: int, extra: dict[str, str]) -> No
         wait_written(proc, log, stats.sent)
         cpu = thread_cpu(proc.pid)
         cpu.subtract(before)
-        used = {name: cpu - services_before[name] for name, cpu in services_cpu().items()}
+        used = services_cpu_since(services_before, stats.sent)
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
         counters = final_counters(log)
@@ -118,7 +119,7 @@ def report(
     sent: int,
     cpu: Counter[str],
     counters: dict[str, int],
-    services: dict[str, float],
+    services: dict[str, float | None],
 ) -> None:
     per = 1e6 / sent
     chunks = counters.get("chunks", 0)
@@ -127,7 +128,7 @@ def report(
         f" | {cpu['event loop'] * per:.0f} | {cpu['other threads'] * per:.0f}"
         f" | {sent / max(chunks, 1):.1f} | {counters.get('lingers', 0)} of {chunks}"
         f" | {counters.get('requests', 0) / sent:.2f}"
-        f" | {services['Cassandra'] * per:.0f} | {services['Mosquitto'] * per:.0f}"
+        + "".join(f" | {'-' if us is None else f'{us:.0f}'}" for us in services.values())
     )
 
 

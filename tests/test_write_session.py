@@ -39,7 +39,7 @@ from gateway.store.write_session import (
     value_bytes,
 )
 
-from .helpers import ACSYLLA_PLATFORM, DRIVERS, make_config, proxy, self_signed
+from .helpers import ACSYLLA_PLATFORM, DRIVERS, make_config, proxy, self_signed, wait_until
 
 # Some write sessions are read back through `db`, which lives on the session
 # loop (conftest.py): every session is opened, and its tests run, on that loop.
@@ -369,14 +369,8 @@ async def test_a_closed_acsylla_session_opens_no_new_one(keyspace: str) -> None:
     assert opened._renewing is None
 
 
-async def _driver_lines(caplog: pytest.LogCaptureFixture, deadline: float = 15.0) -> list[str]:
-    """The C++ driver's lines logged so far, once there is one (or the deadline)."""
-    async with asyncio.timeout(deadline):
-        while True:
-            lines = [r.getMessage() for r in caplog.records if "C++ driver" in r.getMessage()]
-            if lines:
-                return lines
-            await asyncio.sleep(0.1)
+def _said_by_the_driver(caplog: pytest.LogCaptureFixture) -> bool:
+    return any("C++ driver" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.skipif(not ACSYLLA_PLATFORM, reason="pyproject.toml installs no acsylla here")
@@ -402,19 +396,21 @@ async def test_the_c_driver_still_reports_after_another_session_of_the_process_c
                 pass
             with caplog.at_level(logging.WARNING, logger="gateway.store.write_session"):
                 link.drop()
+                await wait_until(
+                    lambda: _said_by_the_driver(caplog),
+                    15,
+                    "the link dropped and the C++ driver said something",
+                )
+
+            async def answers() -> bool:
                 try:
-                    lines = await _driver_lines(caplog)
-                except TimeoutError:
-                    lines = []
-            assert lines, "the link dropped and the C++ driver said nothing in 15 s"
+                    await kept.read(local, ())
+                except Exception:
+                    return False
+                return True
+
             # and the session still works once the driver has reconnected
-            async with asyncio.timeout(30):
-                while True:
-                    try:
-                        await kept.read(local, ())
-                        break
-                    except Exception:
-                        await asyncio.sleep(0.2)
+            await wait_until(answers, 30, "the kept session answers again", interval=0.2)
 
 
 @pytest.mark.skipif(not ACSYLLA_PLATFORM, reason="pyproject.toml installs no acsylla here")
