@@ -306,3 +306,27 @@ def test_run_hides_the_drivers_reports_of_its_first_connect_only(
         *opening,
         *[(logger.name, "after the run") for logger in drivers],
     ]
+
+
+@pytest.mark.parametrize(("chunk", "young"), [(2000, 100_000), (500, 50_000), (5000, 250_000)])
+def test_run_s_young_collection_holds_a_chunk(
+    monkeypatch: pytest.MonkeyPatch, chunk: int, young: int
+) -> None:
+    """The cyclic collector's young generation is at least a chunk's objects
+    (about 50 per message): below that, nearly every full chunk was a
+    collection that walked it all."""
+    seen: list[tuple[int, ...]] = []
+
+    async def fake_run(config: Config, stop: asyncio.Event, **kw: Any) -> Stats:
+        seen.append(gc.get_threshold())
+        return Stats()
+
+    config = load_config(None, {"GATEWAY_PIPELINE__BATCH_MAX_EVENTS": str(chunk)})
+    threshold = gc.get_threshold()
+    try:
+        monkeypatch.setattr(app, "run", fake_run)
+        assert asyncio.run(_run(config)) == 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
+    assert seen == [(young, 10, 10)]

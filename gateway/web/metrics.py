@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, GCCollector, ProcessCollector
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -544,7 +544,12 @@ def gateway_registry(
     spool: SpoolGauges | None = None,
     max_series: int = DEFAULT_MAX_SERIES,
 ) -> CollectorRegistry:
-    """A private registry holding the gateway's collector (not prometheus_client's global one)."""
+    """A private registry holding the gateway's collector (not prometheus_client's
+    global one), and prometheus_client's standard ``process_*`` (CPU, memory,
+    file descriptors) and ``python_gc_*`` (the cyclic collector's passes by
+    generation, and what they found) families, read at each scrape."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(GatewayCollector(stats, noisy=noisy, spool=spool, max_series=max_series))
+    ProcessCollector(registry=registry)
+    GCCollector(registry=registry)
     return registry
