@@ -20,7 +20,8 @@ so start-up (the limit starts at 64 and has to grow) is included. CPU is the
 gateway process's (all threads) over the same span.
 
 Usage: .venv/bin/python bench/slow_link.py [--count 20000] [--seconds 30]
-       [--rtts 0 20 50 100] [--quick]
+       [--rtts 0 20 50 100] [--quick] [--only CASE ...]
+       [--gateway-env GATEWAY_PIPELINE__BATCH_MAX_EVENTS=500]
 Writes bench/results/slow_link.{json,md}. The box has 2 shared cores and
 Cassandra, Mosquitto, the publisher and the gateway share them: expect ±30%.
 """
@@ -48,12 +49,14 @@ import rows
 from benchlib import (
     BENCH,
     Proc,
+    add_gateway_env,
     apply_schema,
     clear_session,
     connect_cluster,
     cpu_seconds,
     create_session,
     fleet_spec,
+    gateway_settings,
     publish_recorded,
     run_tool,
 )
@@ -86,6 +89,7 @@ class Case:
     ratio_to_local: float | None = None
     ratio_to_proxy0: float | None = None  # to the 0 ms proxy case: same proxy CPU
     note: str = ""
+    settings: dict[str, str] = field(default_factory=dict)  # --gateway-env, applied last
 
     def env(self, cid: str, port: int) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
@@ -103,7 +107,7 @@ class Case:
         if not self.adaptive:
             env["GATEWAY_CASSANDRA__ADAPTIVE_IN_FLIGHT"] = "false"
             env["GATEWAY_CASSANDRA__MAX_IN_FLIGHT"] = "64"
-        return env
+        return env | self.settings
 
 
 @dataclass
@@ -277,6 +281,7 @@ def main() -> None:
     parser.add_argument("--rtts", type=float, nargs="+", default=[0, 20, 50, 100])
     parser.add_argument("--quick", action="store_true", help="no python-driver cases")
     parser.add_argument("--only", nargs="*", help="case names to run (default: all)")
+    add_gateway_env(parser, "a setting for every case's gateway (repeatable), applied last")
     parser.add_argument("--out", default=str(RESULTS / "slow_link"), help="results path stem")
     parser.add_argument(
         "--profile", type=Path, help="py-spy each gateway into this folder (bench/profile_top.py)"
@@ -298,6 +303,7 @@ def main() -> None:
         for case in cases(args.rtts, args.quick):
             if args.only and case.name not in args.only:
                 continue
+            case.settings = gateway_settings(args.gateway_env)
             say(f"case {case.name}")
             drain(case, db, args.count, args.devices, args.seconds, args.profile)
             run.cases.append(case)
