@@ -114,7 +114,9 @@ class Stats:
     quota_rejected: int = 0  # messages of new devices over a tenant's device quota
     quota_reads: int = 0  # devices looked up in quota_devices (store/quota.py)
     quota_reservations: int = 0  # compare-and-sets of a tenant's admitted-device count
-    coalesced: int = 0  # events whose latest-table writes a newer event in the chunk made moot
+    # events whose latest-table writes a newer event made moot: in the chunk, or
+    # queued behind it and sure to write them (ingest/pipeline.py)
+    coalesced: int = 0
     hot_partitions: int = 0  # partitions over the hot threshold, once per window
     untracked_writes: int = 0  # writes to partitions beyond hot_partitions.max_tracked
     newest_reads: int = 0  # reads of a device's newest write (once per device per start-up)

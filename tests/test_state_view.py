@@ -39,6 +39,7 @@ from .helpers import (
     RunningGateway,
     as_ms,
     base_env,
+    clear_session,
     device_row,
     make_config,
     proxy,
@@ -46,6 +47,7 @@ from .helpers import (
     run_cli,
     running_gateway,
     state_rows,
+    subscribe_session,
     telemetry_keys,
     topic,
 )
@@ -694,3 +696,85 @@ async def test_devices_leaving_a_large_state_in_id_order_leave_no_tombstone_run(
     assert not {r.device_id for r in page.devices} & set(leaving)
     on = await queries.devices_in_state(db, make_config(), tenant, "on")
     assert [r.device_id for r in on] == devices[1400:]
+
+
+@asynccontextmanager
+async def drained_backlog(
+    config: Any, messages: list[tuple[str, bytes]]
+) -> AsyncIterator[RunningGateway]:
+    """``messages`` published while the gateway is away (its persistent
+    session holds them), then a gateway that drains them: the queue stays
+    full, and a chunk's devices have newer events queued behind it."""
+    client_id = config.mqtt.client_id
+    await subscribe_session(client_id, "tenants/+/devices/+/events")
+    try:
+        await publish(messages)
+        async with running_gateway(config) as gw:
+            await gw.wait_handled(len(messages), deadline=120)
+            yield gw
+    finally:
+        await clear_session(client_id)
+
+
+async def test_a_backlog_s_devices_write_their_latest_rows_once_per_stretch_of_the_queue(
+    db: Database, tenant: str
+) -> None:
+    """A backlog of 40 events each from 50 devices, drained in chunks of 20:
+    of a device with a newer event still queued, no event of the chunk
+    writes the latest tables (the queued one will), so almost every event is
+    coalesced, not the few repeats a chunk of 20 holds; and each device ends
+    in exactly the state of its newest event."""
+    config = make_config(GATEWAY_PIPELINE__BATCH_MAX_EVENTS="20")
+    t0 = int(time.time() * 1000) - 60_000
+    devices = [f"lamp{i:02d}" for i in range(50)]
+    states = {
+        d: ["on" if (i * 7 + j * 3) % 5 < 2 else "off" for j in range(40)]
+        for i, d in enumerate(devices)
+    }
+    messages = [
+        msg(tenant, d, ts=t0 + j * 100 + i, state=states[d][j], value=j)
+        for j in range(40)
+        for i, d in enumerate(devices)
+    ]
+    async with drained_backlog(config, messages) as gw:
+        assert gw.stats.written == 2000
+        coalesced = gw.stats.coalesced
+    # Chunks of 20 of 50 devices alone would leave most events writing.
+    assert coalesced >= 1500, coalesced
+    on, off = await state_rows(db, tenant, "on"), await state_rows(db, tenant, "off")
+    for i, d in enumerate(devices):
+        newest = states[d][-1]
+        assert (d in on, d in off) == (newest == "on", newest == "off"), d
+        row = await device_row(db, tenant, d)
+        assert row.state == newest, d
+        assert as_ms(row.ts) == t0 + 39 * 100 + i, d
+
+
+async def test_an_event_whose_newer_queued_event_is_refused_still_writes_its_state(
+    db: Database, tenant: str
+) -> None:
+    """A device's "on", then a newer event queued behind it in a state the
+    tenant has no room for (max_states_per_tenant 2, "on" and "off" taken):
+    that newer event is refused ("too_many_states") when its chunk comes, so
+    the "on" must not have left its latest rows to it."""
+    config = make_config(
+        GATEWAY_PIPELINE__BATCH_MAX_EVENTS="20", GATEWAY_PIPELINE__MAX_STATES_PER_TENANT="2"
+    )
+    t0 = int(time.time() * 1000) - 60_000
+    filler = [
+        msg(tenant, f"f{i:03d}", ts=t0 + i, state="on" if i % 2 else "off") for i in range(400)
+    ]
+    messages = [
+        *filler[:100],
+        msg(tenant, "door", ts=t0 + 1000, state="on"),
+        *filler[100:300],
+        msg(tenant, "door", ts=t0 + 2000, state="jammed"),
+        *filler[300:],
+    ]
+    async with drained_backlog(config, messages) as gw:
+        assert gw.stats.rejected_by_reason["too_many_states"] == 1
+    assert await states_of(db, tenant, "door", ["on", "off", "jammed"]) == ["on"]
+    row = await device_row(db, tenant, "door")
+    assert row is not None
+    assert row.state == "on"
+    assert as_ms(row.ts) == t0 + 1000

@@ -42,7 +42,7 @@ from ..store.sink import Pending, Sink, Write
 from ..store.telemetry import Telemetry
 from ..topic_filters import covers
 from .decode import Decoder
-from .receive import Delivery
+from .receive import Ack, Delivery
 from .sampling import QUOTA_PENDING, QUOTA_REFUSED, Sampler, Verdict
 from .topics import TopicMatcher
 
@@ -255,6 +255,11 @@ class Pipeline:
         self._low_water = config.pipeline.queue_size // 2
         self._batch = config.pipeline.batch_max_events
         self._linger = config.pipeline.linger
+        # Per device, its newest queued event that will surely write the
+        # latest tables (_note_queued): a chunk's older events of the device
+        # leave them to it. Entries leave with their event (_taken), so
+        # this holds at most the queued events.
+        self._queued_newest: dict[tuple[str, str], Event] = {}
         self._arrival_rate = 0.0  # messages/s (_count_arrivals)
         self._arrivals = 0
         self._window_ms = 0
@@ -278,6 +283,7 @@ class Pipeline:
         """
         item = self._classify(delivery)
         self._read_ahead(item)
+        self._note_queued(item)
         if self._overflow or self._queue.full():
             self._overflow.append(item)
             self._stats.overflow += 1
@@ -291,12 +297,44 @@ class Pipeline:
         """A pull source's handler: classify and enqueue, waiting for room."""
         item = self._classify(delivery)
         self._read_ahead(item)
+        self._note_queued(item)
         await self._queue.put(item)
 
     def _read_ahead(self, item: Item) -> None:
         event = item.event
         if event is not None and item.verdict.update_latest:
             self._latest.read_ahead(event)  # its device's newest write, unless known
+
+    def _note_queued(self, item: Item) -> None:
+        """Remember the event if it is its device's newest queued one that
+        is sure to write the latest tables when its chunk comes: with a
+        state, decided (no quota to settle), not sampled out of them, and
+        redelivered by the broker should the gateway die before writing it
+        (QoS 1, unacknowledged until then). Whether its state is
+        registered is asked when a chunk would rely on it."""
+        event = item.event
+        if (
+            event is None
+            or event.state is None
+            or item.quota_pending
+            or not item.verdict.update_latest
+        ):
+            return
+        ack = item.delivery.ack
+        if not isinstance(ack, Ack) or ack.qos == 0:
+            return
+        key = (event.tenant, event.device_id)
+        known = self._queued_newest.get(key)
+        if known is None or (event.write_ts, event.event_id) > (known.write_ts, known.event_id):
+            self._queued_newest[key] = event
+
+    def _taken(self, item: Item) -> None:
+        """The item left the queue for a chunk: no longer a later event."""
+        event = item.event
+        if event is not None:
+            key = (event.tenant, event.device_id)
+            if self._queued_newest.get(key) is event:
+                del self._queued_newest[key]
 
     def _refill(self) -> None:
         queue, overflow = self._queue, self._overflow
@@ -369,6 +407,7 @@ class Pipeline:
             stop = first is _STOP
             if not stop:
                 chunk.append(first)  # type: ignore[arg-type]
+                self._taken(first)  # type: ignore[arg-type]
                 if self._linger and self._should_linger():
                     self._stats.lingers += 1
                     await asyncio.sleep(self._linger)
@@ -380,6 +419,7 @@ class Pipeline:
                 if item is _TICK:
                     continue  # this chunk starts them anyway
                 chunk.append(item)  # type: ignore[arg-type]
+                self._taken(item)  # type: ignore[arg-type]
             self._refill()
             self._stats.queue_depth = queue.qsize()
             if chunk:
@@ -477,6 +517,24 @@ class Pipeline:
             # Ties (a tie-break collision) go to the larger event id, as in latest.py.
             if current is None or (e.write_ts, e.event_id) > (current.write_ts, current.event_id):
                 newest[key] = e
+        # And of a device with a newer event still queued that will write
+        # them (_note_queued; its state already registered, so no budget can
+        # refuse it), none in this chunk does: a backlog's device writes its
+        # latest rows once per stretch of the queue, not once per chunk. If
+        # the gateway dies first, the queued event was not acknowledged and
+        # comes again; the prepare_chunk above recorded this chunk's newest
+        # write time, which that event is above.
+        later = self._queued_newest
+        if later:
+            for key, e in list(newest.items()):
+                queued = later.get(key)
+                if (
+                    queued is not None
+                    and key not in stateless
+                    and (queued.write_ts, queued.event_id) > (e.write_ts, e.event_id)
+                    and self._latest.registered(queued.tenant, queued.state)
+                ):
+                    del newest[key]
         writes: list[Write] = []
         held: Held = []
         stats = self._stats
@@ -499,7 +557,7 @@ class Pipeline:
                 if (
                     verdict.update_latest
                     and id(event) not in stale
-                    and (newest[key] is event or key in stateless)
+                    and (newest.get(key) is event or key in stateless)
                 ):
                     mine = self._latest.writes(event, pending)
                 else:

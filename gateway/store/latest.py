@@ -265,6 +265,12 @@ class LatestState:
                     new[(event.tenant, event.state)] = None
         return list(new)
 
+    def registered(self, tenant: str, state: str | None) -> bool:
+        """Whether ``state`` is among the tenant's registered states as this
+        process knows them now (no read: False when the tenant is not cached)."""
+        known = self._tenants.peek(tenant)
+        return known is not None and state in known.states
+
     async def register(self, states: list[tuple[str, str]]) -> None:
         """Record new states in tenant_states, within each tenant's budget.
 

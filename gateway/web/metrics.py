@@ -147,7 +147,8 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
     (
         "gateway_coalesced_events_total",
         "coalesced",
-        "Events whose latest-state writes a newer event in the same chunk made moot.",
+        "Events whose latest-state writes a newer event made moot (in the same chunk, "
+        "or queued behind it and sure to write them).",
     ),
     ("gateway_chunks_total", "chunks", "Groups of messages the writer took off the queue."),
     (
