@@ -90,6 +90,12 @@ class NoFlow:
         pass
 
 
+def _newer(a: Event, b: Event) -> bool:
+    """``a`` goes after ``b`` in a device's latest tables: by write time, ties
+    (a tie-break collision) to the larger event id, as in store/latest.py."""
+    return a.write_ts > b.write_ts or (a.write_ts == b.write_ts and a.event_id > b.event_id)
+
+
 def rejection(
     delivery: Delivery, tenant: str, device: str | None, reason: str, detail: str
 ) -> Rejection:
@@ -325,7 +331,7 @@ class Pipeline:
             return
         key = (event.tenant, event.device_id)
         known = self._queued_newest.get(key)
-        if known is None or (event.write_ts, event.event_id) > (known.write_ts, known.event_id):
+        if known is None or _newer(event, known):
             self._queued_newest[key] = event
 
     def _taken(self, item: Item) -> None:
@@ -514,8 +520,7 @@ class Pipeline:
             if e.state is None:
                 stateless.add(key)
             current = newest.get(key)
-            # Ties (a tie-break collision) go to the larger event id, as in latest.py.
-            if current is None or (e.write_ts, e.event_id) > (current.write_ts, current.event_id):
+            if current is None or _newer(e, current):
                 newest[key] = e
         # And of a device with a newer event still queued that will write
         # them (_note_queued; its state already registered, so no budget can
@@ -531,7 +536,7 @@ class Pipeline:
                 if (
                     queued is not None
                     and key not in stateless
-                    and (queued.write_ts, queued.event_id) > (e.write_ts, e.event_id)
+                    and _newer(queued, e)
                     and self._latest.registered(queued.tenant, queued.state)
                 ):
                     del newest[key]

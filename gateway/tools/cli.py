@@ -531,7 +531,7 @@ class _HearDriversWhenReady(Notifier):
 # And at least GC_PER_EVENT per message of a chunk (pipeline.batch_max_events):
 # a chunk and its writes are alive together, and a threshold below that made
 # nearly every full chunk a collection that walked it all (chunks of 2,000 at
-# 50,000: 11 to 15 collections of about 20 ms each in a drain of 60,000
+# 50,000: 8 to 15 collections of about 20 ms each in a drain of 60,000
 # messages; at 100,000, one; peak memory the same).
 GC_YOUNG = 50_000
 GC_PER_EVENT = 50
