@@ -630,6 +630,72 @@ async def test_many_devices_in_one_pass_each_equal_their_raw_rows(
         await assert_rollups_match_raw(db, tenant, device)
 
 
+async def test_the_event_loop_runs_other_tasks_while_a_group_is_decoded_and_aggregated(
+    db: Database, gateway: RunningGateway, session: WriteSession
+) -> None:
+    """The worker decodes and aggregates a group's raw rows on the event loop,
+    where the gateway also reads MQTT and writes. It yields every SLICE_ROWS
+    rows: for 30 windows of 200 rows each (devices sending 3.3 msg/s, one
+    group), 6,000 rows, a task that does nothing but yield runs at least 4
+    times between the raw rows' arrival and the end of their decoding, and
+    again between that and the end of their aggregation (it ran 0 times in
+    each when a group was handled in one go). Each window still counts its
+    200 rows."""
+    tenant = f"rupslice{uuid.uuid4().hex[:8]}"
+    devices = [f"s{i:02d}" for i in range(30)]
+    start = BASE - 20 * MINUTE_MS
+    await publish_and_wait(
+        gateway,
+        [
+            (topic(tenant, device), Ev(start + k * 250, float(k), {}).payload())
+            for device in devices
+            for k in range(200)
+        ],
+    )
+    ticks = 0
+    seen: list[tuple[str, int]] = []  # (step, the other task's ticks when it ended)
+
+    class Recording(RollupWorker):
+        async def _read_in(self, groups: Any, read: Any) -> list[Any]:
+            rows = await super()._read_in(groups, read)
+            seen.append(("read", ticks))
+            return rows
+
+        async def _raw(self, windows: list[tuple[str, str, int]]) -> Any:
+            raw = await super()._raw(windows)
+            seen.append(("decoded", ticks))
+            return raw
+
+        async def _keep_larger(self, computed: Any, step: int, source_ttl: Any) -> None:
+            seen.append(("aggregated", ticks))
+            await super()._keep_larger(computed, step, source_ttl)
+
+    async def other_task() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0)
+            ticks += 1
+
+    w = Recording(session, make_config(), Stats(), name=f"test-{uuid.uuid4().hex[:8]}")
+    await w.start()
+    other = asyncio.create_task(other_task())
+    try:
+        await w.recompute({(tenant, device, start) for device in devices})
+    finally:
+        other.cancel()
+    # The group's index read, its raw read, then the hours' read of minutes.
+    steps = [step for step, _ in seen]
+    assert steps[:4] == ["read", "read", "decoded", "aggregated"], seen
+    (_, arrived), (_, decoded), (_, aggregated) = seen[1:4]
+    assert decoded - arrived >= 4, seen
+    assert aggregated - decoded >= 4, seen
+    since = datetime.fromtimestamp(start / 1000, UTC)
+    until = since + timedelta(minutes=1)
+    for device in devices:
+        got = await queries.rollups(db, tenant, device, "value", 60, since, until)
+        assert [(r.count, r.min, r.max) for r in got] == [(200, 0.0, 199.0)], device
+
+
 async def test_written_batches_stay_under_cassandras_batch_size_warning(
     db: Database, gateway: RunningGateway, worker: RollupWorker, caplog: Any
 ) -> None:

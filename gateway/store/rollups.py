@@ -56,7 +56,8 @@ the bound a forgotten mark is simply written again (idempotent, counted as
 ``rollup_mark_evictions``); nothing is held in memory that a crash would lose.
 The worker holds one minute's marks at a time and recomputes their windows
 GROUP (100) at a time (their raw rows in memory together, where 16 windows'
-rows were before): the reads go READ_IN devices to a request (``device_id IN
+rows were before; the event loop yields every SLICE_ROWS rows it decodes or
+aggregates): the reads go READ_IN devices to a request (``device_id IN
 (...)``), and the rows written go PACK_WINDOWS windows to an UNLOGGED batch,
 at most ``rollups.concurrency`` batches at once. Per window that is a few
 hundredths of a read and about two tenths of a write, where it had been about
@@ -110,6 +111,12 @@ INIT_CURSOR = "INSERT INTO {keyspace}.rollup_progress (name, minute) VALUES (?, 
 # reads, not 3,000.
 GROUP = 100
 READ_IN = 100
+# Rows the event loop decodes or aggregates between two yields to whatever
+# else is ready (MQTT reads, write answers, acknowledgements): a group's rows
+# are many (100 windows of devices that send 4 msg/s: 26,000), and handled in
+# one go they held the loop up to 120 ms, a dozen times a minute (README,
+# "Roll-ups and the event loop").
+SLICE_ROWS = 1000
 # Windows (partitions) per written batch: Cassandra warns above 10 partitions
 # or 5 KiB of mutations per batch. The mutations count about twice the bound
 # values (expiring cells carry their TTL and deletion time): 30 rows of
@@ -472,7 +479,15 @@ class RollupWorker:
             group = ordered[first : first + GROUP]
             read_at = time.time()  # before any of the group's reads began
             raw = await self._raw(group)
-            computed = {w: self._minute(raw.get(w, {})) for w in group}
+            computed: dict[Window, dict[str, Aggregate]] = {}
+            since_yield = 0
+            for w in group:
+                rows = raw.get(w, {})
+                computed[w] = self._minute(rows)
+                since_yield += len(rows)
+                if since_yield >= SLICE_ROWS:
+                    since_yield = 0
+                    await asyncio.sleep(0)
             await self._keep_larger(computed, 60, lambda tenant: self._config.tenant(tenant).ttl)
             writes: list[_Bound] = []
             for (tenant, device, start), aggregates in computed.items():
@@ -542,7 +557,12 @@ class RollupWorker:
             return self._session.read(self._read_raw, values)
 
         out: dict[Window, RawRows] = {}
+        since_yield = 0
         for r in await self._read_in(by_partition, read_raw):
+            since_yield += 1
+            if since_yield == SLICE_ROWS:
+                since_yield = 0
+                await asyncio.sleep(0)
             ts = r["ts_ms"]
             # A redelivered copy can sit in two partitions (queries.history): once.
             window = (r["tenant"], r["device_id"], ts - ts % MINUTE_MS)
@@ -568,7 +588,12 @@ class RollupWorker:
             return self._session.read(self._read_minutes, values)
 
         parts: dict[tuple[str, str, int], dict[str, list[Aggregate]]] = {}
+        since_yield = 0
         for r in await self._read_in(by_hour, read_minutes):
+            since_yield += 1
+            if since_yield == SLICE_ROWS:
+                since_yield = 0
+                await asyncio.sleep(0)
             start = r["start_ms"]
             key = (r["tenant"], r["device_id"], start - start % HOUR_MS)
             metric = r["metric"]
