@@ -129,9 +129,10 @@ browser: packages
 # A worker that crashes (a native fault) ends the suite at once, naming the
 # test it ran (XDIST_ARGS): with --dist loadfile, pytest-xdist 3.8 restarting
 # it hung the whole run, every worker idle (seen once in a clean-clone .ci/run; a test with
-# a deliberate segfault hangs it every time).
+# a deliberate segfault hangs it every time). The 15 slowest tests are
+# listed at the end: `make test` must stay under 10 minutes on a clean clone.
 TEST_WORKERS ?= 3
-XDIST_ARGS = -n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0
+XDIST_ARGS = -n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0 --durations=15
 TEST_CLUSTER ?= 1
 .PHONY: test-brokers
 test-brokers: packages
