@@ -23,7 +23,7 @@ from gateway.stats import Stats
 from gateway.store import queries
 from gateway.store.database import Database
 from gateway.store.limit import InFlightLimit
-from gateway.store.quota import DeviceQuota, taken_by_another
+from gateway.store.quota import DeviceQuota, release, taken_by_another
 from gateway.store.requests import Requests
 from gateway.store.write_session import open_write_session
 from gateway.tools.delay_proxy import DelayProxy
@@ -149,6 +149,27 @@ async def test_one_device_admitted_by_two_instances_at_once_takes_one_slot(
         assert await queries.quota_admitted(db, tenant) == 1
         assert await one.settle({(tenant, "d1"): 2}) == set()
         assert await two.settle({(tenant, "d2"): 2}) == {(tenant, "d2")}
+
+
+async def test_an_instance_that_filled_the_quota_itself_reads_the_count_before_refusing(
+    keyspace: str, db: Database, tenant: str
+) -> None:
+    """An instance whose own compare-and-set took a tenant's last slot
+    remembered the tenant as full, and refused every new device for
+    QUOTA_RECHECK without a look, though a slot had been given back since:
+    by another instance that lost a race for the same device (what made the
+    test above fail now and then), or by `gateway quota --release` (here,
+    which is deterministic). Now it reads the count before it refuses, and
+    only a tenant found full is refused from memory."""
+    async with _quota_on(keyspace) as (_, one):
+        assert await one.settle({(tenant, "d0"): 2, (tenant, "d1"): 2}) == set()
+        assert (await release(db, tenant, ["d1"])).admitted == 1
+        assert await one.settle({(tenant, "d2"): 2}) == set()
+        assert await one.settle({(tenant, "d3"): 2}) == {(tenant, "d3")}
+        # Found full now: refused from memory, even with a slot given back.
+        assert (await release(db, tenant, ["d2"])).admitted == 1
+        assert await one.settle({(tenant, "d4"): 2}) == {(tenant, "d4")}
+    assert await queries.quota_admitted(db, tenant) == 1
 
 
 @asynccontextmanager

@@ -27,10 +27,16 @@ their devices, a chunk at a time, before anything of theirs is written
   if still absent, refused: their events are rejected with reason
   ``quota``.
 
-A tenant found at its quota is remembered with its count for ``recheck``
-seconds; its devices not found in ``quota_devices`` are refused without a
-compare-and-set meanwhile, and then the count is read again, so that slots
-given back (``gateway quota --release``) are taken within ``recheck``. The
+A tenant found at its quota (a compare-and-set, or a read of the count, left
+no room for a device) is remembered for ``recheck`` seconds; its devices not
+found in ``quota_devices`` are refused without a compare-and-set meanwhile,
+and then the count is read again, so that slots given back (``gateway quota
+--release``) are taken within ``recheck``. A tenant this instance filled
+itself, its last compare-and-set granting every slot it asked for, is not
+found full: its count is read again before the next device is refused, as
+another instance may have given a slot back since (two instances that
+admitted the same device, the loser giving its slot back, left the winner
+refusing devices for ``recheck`` with a slot free). The
 count may still run above what ``quota_devices`` holds (a compare-and-set
 retried after a timeout it had applied, a crash between the count and the
 rows, a write loop stopped between them): fewer devices, never more, until
@@ -47,11 +53,12 @@ from typing import Any
 
 from ..errors import GatewayError
 from ..identity import state_bucket
+from ..lru import LRU
 from ..stats import Stats
 from . import queries
 from .database import DICT_ROWS, Database
 from .requests import Requests
-from .reservations import MAX_ATTEMPTS, Reservations, Reserved
+from .reservations import MAX_ATTEMPTS, MAX_TENANTS, Reservations, Reserved
 from .write_session import Prepared, WriteSession
 
 # quota_devices partitions per tenant: crc32(device_id) % QUOTA_BUCKETS.
@@ -83,6 +90,9 @@ class DeviceQuota:
         self._stats = stats
         self._recheck = recheck
         self._counts = Reservations(requests, "quota_counts", "admitted", self._count_attempt)
+        # Tenant -> when (time.monotonic()) it was found at its quota (an LRU
+        # of MAX_TENANTS: one forgotten costs one read of its count).
+        self._full: LRU[str, float] = LRU(MAX_TENANTS)
 
     def _count_attempt(self) -> None:
         self._stats.quota_reservations += 1
@@ -186,14 +196,19 @@ class DeviceQuota:
         return [(tenant, d) for d in admitted], reserved
 
     async def _take(self, tenant: str, count: int, cap: int) -> Reserved:
-        """Slots for ``count`` new devices of the tenant."""
+        """Slots for ``count`` new devices of the tenant (module docstring:
+        a tenant found at its quota)."""
+        found_full = self._full.peek(tenant)
+        if found_full is not None and time.monotonic() - found_full < self._recheck:
+            return NONE_TAKEN
         seen = self._counts.known(tenant)
-        if seen is not None and seen[0] >= cap:
-            if time.monotonic() - seen[1] < self._recheck:
-                return NONE_TAKEN
-            if await self._counts.refresh(tenant) >= cap:
-                return NONE_TAKEN
-        return await self._counts.reserve(tenant, count, cap)
+        if seen is not None and seen[0] >= cap and await self._counts.refresh(tenant) >= cap:
+            self._full.put(tenant, time.monotonic())
+            return NONE_TAKEN
+        reserved = await self._counts.reserve(tenant, count, cap)
+        if reserved.granted < count:
+            self._full.put(tenant, time.monotonic())
+        return reserved
 
 
 def taken_by_another(row: dict[str, Any], admission: uuid.UUID) -> bool:
