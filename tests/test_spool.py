@@ -50,6 +50,8 @@ class _Acks:
 
 
 class _Ack:
+    comes_back = True  # the broker's QoS 1 resend
+
     def __init__(self, done: list[str], topic: str) -> None:
         self._done, self._topic = done, topic
 

@@ -42,7 +42,7 @@ from ..store.sink import Pending, Sink, Write
 from ..store.telemetry import Telemetry
 from ..topic_filters import covers
 from .decode import Decoder
-from .receive import Ack, Delivery
+from .receive import Delivery
 from .sampling import QUOTA_PENDING, QUOTA_REFUSED, Sampler, Verdict
 from .topics import TopicMatcher
 
@@ -315,9 +315,10 @@ class Pipeline:
         """Remember the event if it is its device's newest queued one that
         is sure to write the latest tables when its chunk comes: with a
         state, decided (no quota to settle), not sampled out of them, and
-        redelivered by the broker should the gateway die before writing it
-        (QoS 1, unacknowledged until then). Whether its state is
-        registered is asked when a chunk would rely on it."""
+        delivered again should the gateway die before writing it (by the
+        broker at QoS 1, unacknowledged until then; by the spool, whose
+        record stays until then). Whether its state is registered is asked
+        when a chunk would rely on it."""
         event = item.event
         if (
             event is None
@@ -326,8 +327,7 @@ class Pipeline:
             or not item.verdict.update_latest
         ):
             return
-        ack = item.delivery.ack
-        if not isinstance(ack, Ack) or ack.qos == 0:
+        if not item.delivery.ack.comes_back:
             return
         key = (event.tenant, event.device_id)
         known = self._queued_newest.get(key)

@@ -91,6 +91,11 @@ class Ack:
         self.qos = qos
         self._done = False
 
+    @property
+    def comes_back(self) -> bool:
+        """QoS 1: the broker sends it again if the gateway stops before done()."""
+        return self.qos > 0
+
     def done(self) -> None:
         if not self._done:
             self._done = True
@@ -173,6 +178,11 @@ class AckTracker:
 
 class Done(Protocol):
     """What a delivery calls once it is durable (an MQTT ack, or a spool delete)."""
+
+    @property
+    def comes_back(self) -> bool:
+        """Whether the message is delivered again, should the gateway stop
+        before :meth:`done`: the broker's QoS 1 resend, or the spool's replay."""
 
     def done(self) -> None: ...
 

@@ -581,6 +581,11 @@ class _Deleted:
     def __init__(self, source: SpoolSource, seq: int, size: int) -> None:
         self._source, self._seq, self._size = source, seq, size
 
+    @property
+    def comes_back(self) -> bool:
+        """Its record stays spooled until done(), and a restart replays it."""
+        return True
+
     def done(self) -> None:
         self._source.written(self._seq, self._size)
 
