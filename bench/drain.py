@@ -24,6 +24,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from benchlib import (
@@ -47,6 +48,25 @@ def gateway(env: dict[str, str], log: str) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
             [sys.executable, "-m", "gateway", "run"], env=env, stdout=out, stderr=subprocess.STDOUT
         )
+
+
+@contextmanager
+def gateway_session(env: dict[str, str], log: str) -> Iterator[subprocess.Popen[bytes]]:
+    """`gateway run` (:func:`gateway`) for the block; then stopped with
+    SIGTERM (so its log ends with its "stopped:" counts; killed if still there
+    30 s later), and its MQTT session cleared (a session left behind queues
+    every later bench publish: README, Performance)."""
+    proc = gateway(env, log)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        clear_session(env["GATEWAY_MQTT__CLIENT_ID"])
 
 
 def follow(proc: subprocess.Popen[bytes], log: str) -> Iterator[str]:

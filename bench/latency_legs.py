@@ -19,7 +19,6 @@ Usage: .venv/bin/python bench/latency_legs.py [--rate 3000] [--duration 20] [--a
 from __future__ import annotations
 
 import argparse
-import signal
 import urllib.request
 import uuid
 from datetime import UTC, datetime
@@ -29,7 +28,6 @@ from benchlib import (
     add_gateway_env,
     add_warm_up,
     apply_schema,
-    clear_session,
     fleet_spec,
     gateway_env,
     gateway_settings,
@@ -38,7 +36,7 @@ from benchlib import (
     quantile,
     run_tool,
 )
-from drain import gateway, wait_line
+from drain import gateway_session, wait_line
 from live_cpu import wait_written
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -64,20 +62,13 @@ def main() -> None:
     log = f"/tmp/{client_id}.log"
     tenant = f"legs{uuid.uuid4().hex[:6]}"
     db = BenchDb()
-    proc = gateway(env, log)
-    try:
+    with gateway_session(env, log) as proc:
         wait_line(proc, log, "subscribed to")
         db.register_states([tenant])
         spec = fleet_spec(tenant, args.devices, args.rate, root=ROOT)
         stats, sent = publish_recorded(spec, duration=args.duration)
         wait_written(proc, log, stats.sent)
         acked = ack_shares(args.api_port)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        clear_session(client_id)
     sent_at = {(s.device_id, s.ts): s.sent_at for s in sent}
     t0 = min(s.sent_at for s in sent if s.sent_at is not None)
     arrive: list[float] = []

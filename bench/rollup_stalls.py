@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import signal
 import time
 import uuid
 
@@ -35,7 +34,6 @@ import uvloop
 from benchlib import (
     add_warm_up,
     apply_schema,
-    clear_session,
     fleet_spec,
     gateway_env,
     maybe_warm_up,
@@ -43,7 +41,7 @@ from benchlib import (
     quantile,
     run_tool,
 )
-from drain import gateway, wait_line
+from drain import gateway_session, wait_line
 from live_cpu import wait_written
 from rows import KEYSPACE
 
@@ -71,18 +69,11 @@ def main() -> None:
     env = gateway_env(client_id, ROOT, ROLLUPS__WORKER="false")
     log = f"/tmp/{client_id}.log"
     tenant = f"stalls{uuid.uuid4().hex[:6]}"
-    proc = gateway(env, log)
-    try:
+    with gateway_session(env, log) as proc:
         wait_line(proc, log, "subscribed to")
         spec = fleet_spec(tenant, args.devices, root=ROOT)
         stats, sent = publish_recorded(spec, count=args.count)
         wait_written(proc, log, stats.sent)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        clear_session(client_id)
     windows = {(tenant, s.device_id, s.ts - s.ts % MINUTE_MS) for s in sent}
     print(f"{len(sent)} events of {args.devices} devices written: {len(windows)} windows")
     del sent  # as `gateway run`: what is loaded stays out of every collection

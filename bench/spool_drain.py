@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
-import signal
 import tempfile
 import time
 import uuid
@@ -31,7 +30,6 @@ from benchlib import (
     add_gateway_env,
     add_warm_up,
     apply_schema,
-    clear_session,
     cpu_seconds,
     gateway_env,
     gateway_settings,
@@ -41,7 +39,7 @@ from benchlib import (
     services_cpu_since,
     template,
 )
-from drain import STATUS, follow, gateway
+from drain import STATUS, follow, gateway_session
 
 from gateway.ingest.spool import Spool
 from gateway.tools.simulate import Fleet, FleetSpec
@@ -68,10 +66,7 @@ def main() -> None:
         client_id = f"bench-spool-{uuid.uuid4().hex[:8]}"
         env = gateway_env(client_id, ROOT, SPOOL__ENABLED="true", SPOOL__PATH=str(path))
         env |= gateway_settings(args.gateway_env)
-        try:
-            drain(env, f"/tmp/{client_id}.log", args.count)
-        finally:
-            clear_session(client_id)
+        drain(env, f"/tmp/{client_id}.log", args.count)
 
 
 async def fill(path: Path, tenant: str, devices: int, count: int, outage_s: float) -> None:
@@ -90,11 +85,10 @@ async def fill(path: Path, tenant: str, devices: int, count: int, outage_s: floa
 
 
 def drain(env: dict[str, str], log: str, count: int) -> None:
-    proc = gateway(env, log)
     start = cpu0 = 0.0
     services0 = services_cpu()
     written = 0
-    try:
+    with gateway_session(env, log) as proc:
         for line in follow(proc, log):
             if not start and "subscribed to" in line:
                 start, cpu0, services0 = time.monotonic(), cpu_seconds(proc.pid), services_cpu()
@@ -105,11 +99,6 @@ def drain(env: dict[str, str], log: str, count: int) -> None:
         elapsed = time.monotonic() - start
         cpu = cpu_seconds(proc.pid) - cpu0
         services = services_cpu_since(services0, written)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     stopped = next(
         line for line in reversed(Path(log).read_text().splitlines()) if "stopped:" in line
     )
