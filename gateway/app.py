@@ -456,11 +456,6 @@ async def open_gateway(
                 pipeline,
                 receiver,
                 stats,
-                # Records per read of the spool: a queue's worth, so that a
-                # spooled backlog keeps the queue full, whatever the chunk
-                # size (a chunk leaves a device's latest rows to its newer
-                # event queued behind it: Pipeline._note_queued).
-                config.pipeline.queue_size,
                 config.pipeline.queue_size,
             )
             if spool is not None

@@ -115,7 +115,6 @@ async def spool_until_reachable(
             _NotYet(),
             receiver,
             stats,
-            config.pipeline.queue_size,  # records per read, as gateway run's (app.py)
             config.pipeline.queue_size,
         )
         if config.api.enabled:

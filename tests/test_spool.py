@@ -88,7 +88,7 @@ async def test_closing_during_a_commit_with_a_delivery_behind_it_does_not_hang(
     wake-up used up; the gateway never left spool mode, nor stopped."""
     acks = _Acks()
     async with _SlowSpool(tmp_path / "s.sqlite", 1000, 10**6) as spool:
-        source = SpoolSource(spool, _NoPipeline(), _NoFlow(), Stats(), 100, 100)
+        source = SpoolSource(spool, _NoPipeline(), _NoFlow(), Stats(), 100)
         task = asyncio.create_task(source.append())
         source.accept(Delivery("t/0", b"0", None, 1000, acks.of("t/0")))
         await asyncio.sleep(0.1)  # its commit is under way
@@ -106,7 +106,7 @@ async def test_a_retained_copy_stays_one_through_the_spool(tmp_path: Path) -> No
     was acknowledged before it): the spool keeps both flags apart."""
     acks = _Acks()
     async with Spool(tmp_path / "s.sqlite", 1000, 10**6) as spool:
-        source = SpoolSource(spool, _NoPipeline(), _NoFlow(), Stats(), 100, 100)
+        source = SpoolSource(spool, _NoPipeline(), _NoFlow(), Stats(), 100)
         task = asyncio.create_task(source.append())
         source.accept(Delivery("t/0", b"0", None, 1000, acks.of("t/0")))
         source.accept(Delivery("t/1", b"1", None, 1001, acks.of("t/1"), redelivered=True))

@@ -325,9 +325,8 @@ class Pipeline:
             or event.state is None
             or item.quota_pending
             or not item.verdict.update_latest
+            or not item.delivery.ack.comes_back
         ):
-            return
-        if not item.delivery.ack.comes_back:
             return
         key = (event.tenant, event.device_id)
         known = self._queued_newest.get(key)

@@ -613,14 +613,12 @@ class SpoolSource:
         pipeline: Queue,
         flow: Flow,
         stats: Stats,
-        batch: int,
         queue_size: int,
     ) -> None:
         self.spool = spool
         self._pipeline = pipeline
         self._flow = flow
         self._stats = stats
-        self._batch = batch
         self._inbox: list[Delivery] = []
         self._inbox_limit = queue_size
         self._inbox_ready = asyncio.Event()
@@ -798,7 +796,11 @@ class SpoolSource:
         while not self._closing:
             # Cleared before reading, so an append during the read is not missed.
             self._spooled.clear()
-            records = await self.spool.read(last, self._batch)
+            # A queue's worth at a time, so that a spooled backlog keeps the
+            # queue full whatever the chunk size (a chunk leaves a device's
+            # latest rows to its newer event queued behind it:
+            # Pipeline._note_queued).
+            records = await self.spool.read(last, self._inbox_limit)
             if not records:
                 await self._spooled.wait()
                 continue

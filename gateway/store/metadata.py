@@ -203,7 +203,7 @@ class Metadata:
     def _at_cap(self, tenant: str) -> bool:
         """Whether the tenant is known to have reached metadata.max_per_tenant."""
         seen = self._counts.known(tenant)
-        return seen is not None and seen[0] >= self._cap
+        return seen is not None and seen >= self._cap
 
     async def hold(self, held: Held) -> None:
         """Hand events that :meth:`writes_now` held to the worker, which gives

@@ -202,7 +202,7 @@ class DeviceQuota:
         if found_full is not None and time.monotonic() - found_full < self._recheck:
             return NONE_TAKEN
         seen = self._counts.known(tenant)
-        if seen is not None and seen[0] >= cap and await self._counts.refresh(tenant) >= cap:
+        if seen is not None and seen >= cap and await self._counts.refresh(tenant) >= cap:
             self._full.put(tenant, time.monotonic())
             return NONE_TAKEN
         reserved = await self._counts.reserve(tenant, count, cap)

@@ -14,8 +14,8 @@ counters lets racing instances deny each other for good.
 The count errs on the side of fewer, never more: a transaction retried after
 a timeout it had in fact applied counts twice, and two instances that both
 find an item absent both count it. Each tenant's count as last seen is
-remembered (an LRU of MAX_TENANTS, with when it was seen): the expected
-value of the next compare-and-set, and whether the tenant is at its cap.
+remembered (an LRU of MAX_TENANTS): the expected value of the next
+compare-and-set, and whether the tenant is at its cap.
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ class Reservations:
         self._column = column
         self._on_attempt = on_attempt  # each compare-and-set sent
         self._on_evict = on_evict  # a tenant's count forgotten at the LRU's bound
-        # Tenant -> (count, time.monotonic() when seen).
-        self._counts: LRU[str, tuple[int, float]] = LRU(MAX_TENANTS)
+        # Tenant -> its count as last seen.
+        self._counts: LRU[str, int] = LRU(MAX_TENANTS)
 
     async def prepare(self, session: WriteSession) -> None:
         table, column = self._table, self._column
@@ -79,12 +79,12 @@ class Reservations:
             session.prepare(f"SELECT {column} FROM {{keyspace}}.{table} WHERE tenant = ?"),
         )
 
-    def _remember(self, tenant: str, seen: tuple[int, float]) -> None:
-        if self._counts.put(tenant, seen) is not None:
+    def _remember(self, tenant: str, count: int) -> None:
+        if self._counts.put(tenant, count) is not None:
             self._on_evict()
 
-    def known(self, tenant: str) -> tuple[int, float] | None:
-        """The tenant's count as last seen, and when (monotonic s); None if not seen."""
+    def known(self, tenant: str) -> int | None:
+        """The tenant's count as last seen; None if not seen."""
         return self._counts.peek(tenant)
 
     async def refresh(self, tenant: str) -> int:
@@ -92,14 +92,13 @@ class Reservations:
         lowered it (``gateway quota --release``)."""
         rows = await self._requests.execute(self._read, (tenant,))
         count = int(rows[0][self._column]) if rows and rows[0][self._column] is not None else 0
-        self._remember(tenant, (count, time.monotonic()))
+        self._remember(tenant, count)
         return count
 
     async def reserve(self, tenant: str, count: int, cap: int) -> Reserved:
         """Take up to ``count`` more under ``cap``: how many were granted, and
         whether another instance moved the count meanwhile."""
-        seen = self._counts.get(tenant)
-        known = None if seen is None else seen[0]  # None: no row seen yet
+        known = self._counts.get(tenant)  # None: no row seen yet
         granted = 0
         raced = False
         started = time.monotonic()
@@ -128,7 +127,7 @@ class Reservations:
             value = row.get(self._column)
             known = None if value is None else int(value)
         if known is not None:
-            self._remember(tenant, (known, time.monotonic()))
+            self._remember(tenant, known)
         return Reserved(granted, raced, time.monotonic() - started)
 
     async def give_back(self, tenant: str, count: int) -> None:
@@ -142,6 +141,6 @@ class Reservations:
             self._on_attempt()
             rows = await self._requests.execute(self._move, (after, tenant, before))
             if rows[0]["[applied]"]:
-                self._remember(tenant, (after, time.monotonic()))
+                self._remember(tenant, after)
                 return
         # Others kept moving it: the count stays high, fewer items, never more.

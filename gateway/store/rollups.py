@@ -557,11 +557,8 @@ class RollupWorker:
             return self._session.read(self._read_raw, values)
 
         out: dict[Window, RawRows] = {}
-        since_yield = 0
-        for r in await self._read_in(by_partition, read_raw):
-            since_yield += 1
-            if since_yield == SLICE_ROWS:
-                since_yield = 0
+        for n, r in enumerate(await self._read_in(by_partition, read_raw), 1):
+            if n % SLICE_ROWS == 0:
                 await asyncio.sleep(0)
             ts = r["ts_ms"]
             # A redelivered copy can sit in two partitions (queries.history): once.
@@ -588,11 +585,8 @@ class RollupWorker:
             return self._session.read(self._read_minutes, values)
 
         parts: dict[tuple[str, str, int], dict[str, list[Aggregate]]] = {}
-        since_yield = 0
-        for r in await self._read_in(by_hour, read_minutes):
-            since_yield += 1
-            if since_yield == SLICE_ROWS:
-                since_yield = 0
+        for n, r in enumerate(await self._read_in(by_hour, read_minutes), 1):
+            if n % SLICE_ROWS == 0:
                 await asyncio.sleep(0)
             start = r["start_ms"]
             key = (r["tenant"], r["device_id"], start - start % HOUR_MS)
