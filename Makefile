@@ -193,6 +193,8 @@ lint: venv
 	$(VENV)/bin/ruff check gateway tests bench setup.py
 	$(VENV)/bin/ruff format --check gateway tests bench setup.py
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy --strict tests
+	$(VENV)/bin/mypy --strict bench
 
 clean: down
 	rm -rf $(STATE_DIR)

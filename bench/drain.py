@@ -22,7 +22,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -145,7 +144,7 @@ def measure(args: argparse.Namespace, proc: subprocess.Popen[bytes], log: str) -
     start = time.monotonic()
     cpu0 = None
     written = 0
-    threads0: Counter[str] = Counter()
+    threads0 = dict.fromkeys(THREAD_GROUPS, 0.0)
     services0 = services_cpu()
     profiler: subprocess.Popen[bytes] | None = None
     for line in follow(proc, log):
@@ -163,8 +162,7 @@ def measure(args: argparse.Namespace, proc: subprocess.Popen[bytes], log: str) -
     elapsed = time.monotonic() - start
     cpu = _cpu(proc.pid) - (cpu0 or 0.0)
     services = services_cpu_since(services0, written)
-    threads = thread_cpu(proc.pid)
-    threads.subtract(threads0)
+    threads = thread_cpu_since(proc.pid, threads0)
     rss = _rss_mb(proc.pid)
     if profiler is not None:
         profiler.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
@@ -177,7 +175,7 @@ def measure(args: argparse.Namespace, proc: subprocess.Popen[bytes], log: str) -
     )
     split = ", ".join(
         f"{name} {seconds / written * 1e6:.0f}"
-        for name, seconds in threads.most_common()
+        for name, seconds in sorted(threads.items(), key=lambda item: item[1], reverse=True)
         if seconds > 0
     )
     print(f"  by thread, us/event: {split}")
@@ -202,12 +200,15 @@ def _cpu(pid: int) -> float:
     return _cpu_of(Path(f"/proc/{pid}/stat"))
 
 
-def thread_cpu(pid: int) -> Counter[str]:
+THREAD_GROUPS = ("event loop", "other threads")
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds of the event loop's thread ("event loop") and of all the
     others together ("other threads": the C++ driver's IO threads, or the
     Python driver's; they share the process's name, so they are told apart
-    by thread id)."""
-    by_thread: Counter[str] = Counter()
+    by thread id). Both keys are always there (0.0 for none)."""
+    by_thread = dict.fromkeys(THREAD_GROUPS, 0.0)
     for task in Path(f"/proc/{pid}/task").iterdir():
         name = "event loop" if task.name == str(pid) else "other threads"
         try:
@@ -215,6 +216,11 @@ def thread_cpu(pid: int) -> Counter[str]:
         except OSError:
             continue  # the thread ended meanwhile
     return by_thread
+
+
+def thread_cpu_since(pid: int, before: dict[str, float]) -> dict[str, float]:
+    """:func:`thread_cpu` less ``before`` (an earlier :func:`thread_cpu`)."""
+    return {name: seconds - before[name] for name, seconds in thread_cpu(pid).items()}
 
 
 def _cpu_of(stat: Path) -> float:

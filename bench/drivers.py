@@ -9,7 +9,7 @@ USING TIMESTAMP) for the same pre-decoded events, at the same concurrency, into
 the bench keyspace. Reported: rows/s and this process's CPU per row (both
 drivers' IO threads included).
 
-Usage: .venv/bin/python bench/drivers.py [--events 20000] [--concurrency 64 256]
+Usage: .venv/bin/python bench/drivers.py [--events 20000] [--concurrency 64 256] [--pack 1]
 (This measurement is why the gateway writes through acsylla where it is
 installed: gateway/store/write_session.py.)
 """
@@ -20,7 +20,7 @@ import argparse
 import resource
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 import uvloop
 from ceiling import write_all
@@ -32,6 +32,7 @@ from gateway.store.write_session import open_write_session
 from gateway.tools.simulate import Fleet, FleetSpec
 
 KEYSPACE = "gateway_bench"
+DRIVERS: tuple[Literal["python", "acsylla"], ...] = ("python", "acsylla")
 TELEMETRY = (
     "INSERT INTO {keyspace}.telemetry (tenant, device_id, bucket_start, shard, ts, event_id, "
     "state, value_num, metrics, tags, received_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
@@ -59,8 +60,11 @@ def events(count: int, tenant: str) -> list[Event]:
     return out
 
 
-async def measure(driver: str, evs: list[Event], concurrency: int) -> tuple[str, float, float]:
-    """Both rows of every event through the gateway's write session with ``driver``."""
+async def measure(
+    driver: Literal["python", "acsylla"], evs: list[Event], concurrency: int, pack: int
+) -> tuple[str, float, float]:
+    """Both rows of every event through the gateway's write session with ``driver``,
+    ``pack`` rows to a request."""
     async with open_write_session(CassandraConfig(keyspace=KEYSPACE, driver=driver)) as session:
         tele = await session.prepare(TELEMETRY, timestamps=(2, 4, 10))
         dev = await session.prepare(DEVICE, timestamps=(3,))
@@ -72,7 +76,7 @@ async def measure(driver: str, evs: list[Event], concurrency: int) -> tuple[str,
             device = (e.tenant, e.device_id, e.state, e.ts_ms, e.value_num, e.metrics, e.tags)
             rows.append((dev, (*device, e.write_ts)))
         c0, t0 = cpu(), time.monotonic()
-        sent, failures = await write_all(session, iter(rows), concurrency)
+        sent, failures = await write_all(session, iter(rows), concurrency, pack)
         elapsed = time.monotonic() - t0
         if failures:
             raise SystemExit(f"{session.name}: {len(failures)} writes failed: {failures[:3]}")
@@ -83,12 +87,19 @@ async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--events", type=int, default=20_000)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
+    parser.add_argument(
+        "--pack",
+        type=int,
+        default=1,
+        help="rows per request (default 1: one statement per request; "
+        "10 packs them as bench/ceiling.py does)",
+    )
     args = parser.parse_args()
     print(f"{'driver':<32}{'in flight':>10}{'rows/s':>10}{'CPU us/row':>12}")
     for concurrency in args.concurrency:
-        for driver in ("python", "acsylla"):
+        for driver in DRIVERS:
             evs = events(args.events, f"drv{uuid.uuid4().hex[:6]}")
-            name, rate, cpu_per_row = await measure(driver, evs, concurrency)
+            name, rate, cpu_per_row = await measure(driver, evs, concurrency, args.pack)
             print(f"{name:<32}{concurrency:>10}{rate:>10.0f}{cpu_per_row:>12.0f}", flush=True)
 
 

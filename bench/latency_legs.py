@@ -100,8 +100,8 @@ def main() -> None:
     for b in sorted(bins):
         worst = max(bins[b])
         if worst > args.slow:
-            at = datetime.fromtimestamp(t0 / 1000 + b * BIN_S, UTC).strftime("%H:%M:%S.%f")[:-4]
-            print(f"  {b * BIN_S:6.2f} s ({at}): slowest {worst:.0f} ms of {len(bins[b])}")
+            clock = datetime.fromtimestamp(t0 / 1000 + b * BIN_S, UTC).strftime("%H:%M:%S.%f")
+            print(f"  {b * BIN_S:6.2f} s ({clock[:-4]}): slowest {worst:.0f} ms of {len(bins[b])}")
 
 
 def ack_shares(port: int) -> str:

@@ -25,7 +25,6 @@ import signal
 import subprocess
 import time
 import uuid
-from collections import Counter
 from pathlib import Path
 
 from benchlib import (
@@ -42,7 +41,7 @@ from benchlib import (
     services_cpu,
     services_cpu_since,
 )
-from drain import follow, gateway, thread_cpu, wait_line
+from drain import follow, gateway, thread_cpu, thread_cpu_since, wait_line
 
 from gateway.tools.simulate import publish
 
@@ -82,8 +81,7 @@ def run(rate: float, duration: float, devices: int, extra: dict[str, str]) -> No
         spec = fleet_spec(f"live{uuid.uuid4().hex[:6]}", devices, rate, root=ROOT)
         stats = asyncio.run(publish(spec, duration=duration, status_every=3600))
         wait_written(proc, log, stats.sent)
-        cpu = thread_cpu(proc.pid)
-        cpu.subtract(before)
+        cpu = thread_cpu_since(proc.pid, before)
         used = services_cpu_since(services_before, stats.sent)
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
@@ -117,7 +115,7 @@ def report(
     rate: float,
     achieved: float,
     sent: int,
-    cpu: Counter[str],
+    cpu: dict[str, float],
     counters: dict[str, int],
     services: dict[str, float | None],
 ) -> None:

@@ -24,13 +24,14 @@ import random
 
 from gateway.config import SamplingConfig
 from gateway.ingest.sampling import Sampler
+from gateway.units import parse_duration
 
 DEVICES = 300
 RATES = (2.5, 3.0, 3.5, 4.0, 4.4, 5.2)
 START = 1_700_000_000.0
 
 
-def run(rate: float, seconds: float, rng: random.Random, noisy_for: str) -> tuple[float, float]:
+def run(rate: float, seconds: float, rng: random.Random, noisy_for: float) -> tuple[float, float]:
     """(share of devices noisy at the end, share of events thinned)."""
     sampler = Sampler(SamplingConfig(noisy_for=noisy_for))
     kept = total = noisy = 0
@@ -52,6 +53,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--noisy-for", default="10s", help="sampling.noisy_for (default 10s)")
     args = parser.parse_args()
+    noisy_for = parse_duration(args.noisy_for)  # seconds, as the config reads it
     rng = random.Random(1)
     print(
         f"{DEVICES} devices per rate, Poisson arrivals, sampler defaults "
@@ -60,7 +62,7 @@ def main() -> None:
     for rate in RATES:
         cells = []
         for seconds in (60.0, 600.0):
-            noisy, thinned = run(rate, seconds, rng, args.noisy_for)
+            noisy, thinned = run(rate, seconds, rng, noisy_for)
             cells.append(f"{seconds:3.0f} s: {noisy:6.1%} noisy, {thinned:5.1%} thinned")
         print(f"{rate:3.1f} msg/s   " + ";  ".join(cells))
 

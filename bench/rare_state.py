@@ -863,7 +863,8 @@ class Bench:
 
         def count(state: str) -> str:
             if f"{state}_error" in out:
-                return "unreadable (" + out[f"{state}_error"].split(":")[0] + ", see below)"
+                error: str = out[f"{state}_error"]
+                return "unreadable (" + error.split(":", maxsplit=1)[0] + ", see below)"
             return f"{out.get(f'{state}_count'):,} devices"
 
         text = [
@@ -1068,7 +1069,8 @@ def replay(
 
 def statements(run: dict[str, Any]) -> float | None:
     """Statements the gateway sent to Cassandra in a run (``gateway_cassandra_rows_total``)."""
-    return run.get("metrics_after_ingest", {}).get("gateway_cassandra_rows_total")
+    rows: float | None = run.get("metrics_after_ingest", {}).get("gateway_cassandra_rows_total")
+    return rows
 
 
 def on_paper(results: dict[str, Any], rotate_after: int) -> dict[str, Any]:
@@ -1122,8 +1124,8 @@ def on_paper(results: dict[str, Any], rotate_after: int) -> dict[str, Any]:
         name: {
             "departures_per_s": r["phases"][1]["handled_per_s"] if r.get("phases") else None,
             "extra_statements_per_departure": (
-                round((statements(r) - off_rows) / r["devices"], 3)
-                if statements(r) is not None and off_rows is not None
+                round((rows - off_rows) / r["devices"], 3)
+                if (rows := statements(r)) is not None and off_rows is not None
                 else None
             ),
             "rotations": r["rotations"]["switched"],
@@ -1154,7 +1156,8 @@ def _f(value: Any, digits: int = 0) -> str:
 def _trace_text(entry: dict[str, Any]) -> str:
     t = entry.get("trace", {})
     if "error" in t:
-        return "read failed (" + t["error"].split(":")[0] + ")"
+        error: str = t["error"]
+        return "read failed (" + error.split(":", maxsplit=1)[0] + ")"
     return _f(t.get("tombstones"))
 
 
@@ -1296,13 +1299,13 @@ def markdown(results: dict[str, Any]) -> str:
         if "reads" not in r:
             continue
         a, o = r["reads"].get(RARE, {}), r["reads"].get(COMMON, {})
-        rows = statements(r)
+        sent = statements(r)
         events = sum(p["messages"] for p in r.get("phases", []))
         lines.append(
             f"| {name} | {_lat(a.get('one_client', {}))} | "
             f"{_f(a.get('trace', {}).get('server_ms'), 1)} | {_lat(o.get('one_client', {}))} | "
             f"{_f(o.get('trace', {}).get('server_ms'), 1)} | "
-            f"{_f(rows / events if rows and events else None, 2)} |"
+            f"{_f(sent / events if sent and events else None, 2)} |"
         )
     lines += [
         "",

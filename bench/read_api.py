@@ -176,7 +176,8 @@ def load(fleets: list[Fleet], concurrency: int) -> dict[str, Any]:
         now_ms = int(time.time() * 1000)
         for fleet in fleets:
             rng = random.Random(SEED + fleet.size)
-            state_rows, device_rows = [], []
+            state_rows: list[tuple[Any, ...]] = []
+            device_rows: list[tuple[Any, ...]] = []
             for state, devices in (("on", fleet.on), ("off", fleet.off), ("alarm", fleet.alarm)):
                 for d in devices:
                     ts = now_ms - rng.randrange(86_400_000)
@@ -711,7 +712,7 @@ class Bench:
         pages = max(1, fleet.size // 2 // PAGE)
         self.quiet()
         say(f"{fleet.tenant}: following cursors through {pages} pages to the middle ...")
-        cursor = None
+        cursor = ""  # none yet: the first page
         t0 = time.perf_counter()
         times = []
         http = self.session(fleet)
@@ -1109,8 +1110,8 @@ def main() -> int:
     )
     args = parser.parse_args()
     if args.render:
-        report = orjson.loads(args.out.with_suffix(".json").read_bytes())
-        args.out.with_suffix(".md").write_text(markdown(report))
+        saved = orjson.loads(args.out.with_suffix(".json").read_bytes())
+        args.out.with_suffix(".md").write_text(markdown(saved))
         return 0
     # A TERM stops the run like Ctrl-C: the finally below stops `gateway serve`.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

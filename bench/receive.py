@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -158,7 +159,8 @@ def aiomqtt3_python() -> str:
     return str(python)
 
 
-RECEIVERS = {
+# name -> (a function returning the python that runs the child, the child's code)
+RECEIVERS: dict[str, tuple[Callable[[], str], str]] = {
     "connection": (lambda: sys.executable, CONNECTION_CHILD),
     "paho": (lambda: sys.executable, PAHO_CHILD),
     "aiomqtt3": (aiomqtt3_python, AIOMQTT3_CHILD),

@@ -194,7 +194,8 @@ def main() -> None:
 
 def report(runs: list[Run], args: argparse.Namespace) -> None:
     def med(mode: str, value: str) -> float:
-        return statistics.median(getattr(r, value) / r.events for r in runs if r.mode == mode)
+        per_event: list[float] = [getattr(r, value) / r.events for r in runs if r.mode == mode]
+        return statistics.median(per_event)
 
     def idle(mode: str) -> float:
         return statistics.median(r.settle_cpu / r.settle_s for r in runs if r.mode == mode)

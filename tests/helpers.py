@@ -28,7 +28,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import aiomqtt
 import orjson
@@ -70,7 +70,9 @@ def _acsylla_platform() -> bool:
 # tests parametrized over DRIVERS fail (never skip) if it is not; elsewhere
 # (e.g. Linux aarch64) the gateway writes through cassandra-driver only.
 ACSYLLA_PLATFORM = _acsylla_platform()
-DRIVERS = ("acsylla", "python") if ACSYLLA_PLATFORM else ("python",)
+# The values of cassandra.driver (gateway.config.CassandraConfig.driver).
+Driver = Literal["auto", "acsylla", "python"]
+DRIVERS: tuple[Driver, ...] = ("acsylla", "python") if ACSYLLA_PLATFORM else ("python",)
 
 
 # ---------------------------------------------------------------- waits
@@ -210,7 +212,7 @@ async def running_gateway(config: Config | None = None) -> AsyncIterator[Running
 
 
 def _session_client(client_id: str, *, expiry: int, clean_start: bool) -> aiomqtt.Client:
-    props = Properties(PacketTypes.CONNECT)
+    props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]  # paho: untyped
     props.SessionExpiryInterval = expiry
     return aiomqtt.Client(
         MQTT_HOST,
@@ -253,7 +255,7 @@ async def publish(
         client.pending_calls_threshold = 10_000
         props = None
         if content_type is not None:
-            props = Properties(PacketTypes.PUBLISH)
+            props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]  # paho: untyped
             props.ContentType = content_type
         batch: list[Any] = []
         for topic_, payload in messages:
@@ -551,8 +553,15 @@ def stored_at_least(
     return predicate
 
 
+class Published(Protocol):
+    """What :func:`assert_all_stored` reads of a :class:`Publisher`: the events
+    the broker acknowledged, by device."""
+
+    published: dict[str, list[dict[str, object]]]
+
+
 async def assert_all_stored(
-    db: Database, tenant: str, publisher: Publisher, deadline: float = 120
+    db: Database, tenant: str, publisher: Published, deadline: float = 120
 ) -> None:
     """Every published event reaches the raw table, and the latest tables hold
     exactly the newest event of each device."""

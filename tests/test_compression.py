@@ -5,8 +5,10 @@ and a driver or install that cannot compress is a config error naming the key.""
 
 from __future__ import annotations
 
+import importlib.util
 import time
 import uuid
+from typing import Literal
 
 import pytest
 
@@ -27,7 +29,7 @@ PAYLOAD = b"temperature=21.5;" * 6000  # 102 kB, very compressible
 WRITES = 20
 
 
-async def bytes_sent(keyspace: str, compression: str) -> int:
+async def bytes_sent(keyspace: str, compression: Literal["none", "lz4"]) -> int:
     """Bytes towards Cassandra for WRITES inserts of PAYLOAD (connection set-up excluded)."""
     async with DelayProxy("127.0.0.1", CQL_PORT) as proxy:
         config = CassandraConfig(
@@ -61,6 +63,7 @@ def test_compression_needs_the_python_driver() -> None:
 def test_lz4_without_the_package_names_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
     # Uninstalling a package is not something a test can do to the shared venv:
     # the one fault injected here is "the lz4 package is not found".
-    monkeypatch.setattr(database.importlib.util, "find_spec", lambda name: None)
+    # importlib.util is the module gateway/store/database.py looks find_spec up on.
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match=r"cassandra\.compression.*pip install lz4"):
         database.build_cluster(CassandraConfig(driver="python", compression="lz4"))

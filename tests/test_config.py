@@ -19,9 +19,9 @@ from gateway.config import (
     TenantConfig,
     TopicTemplate,
     load_config,
-    parse_duration,
 )
 from gateway.errors import ConfigError
+from gateway.units import parse_duration
 
 from .helpers import self_signed
 

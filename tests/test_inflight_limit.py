@@ -31,7 +31,7 @@ from gateway.store.write_session import PACK_BYTES, Prepared, open_write_session
 from gateway.tools.delay_proxy import DelayProxy
 from gateway.web.metrics import gateway_registry
 
-from .helpers import CQL_PORT, wait_until
+from .helpers import CQL_PORT, Driver, wait_until
 
 HOUR_MS = 3_600_000
 INSERT = (
@@ -81,7 +81,7 @@ class Link:
 
 @asynccontextmanager
 async def slow_link(
-    keyspace: str, one_way: float, driver: str = "auto", request_timeout: float = 10.0
+    keyspace: str, one_way: float, driver: Driver = "auto", request_timeout: float = 10.0
 ) -> AsyncIterator[Link]:
     async with DelayProxy("127.0.0.1", CQL_PORT, delay=one_way) as proxy:
         config = CassandraConfig(
@@ -98,7 +98,7 @@ async def slow_link(
 
 
 @pytest.mark.parametrize("driver", ["acsylla", "python"])
-async def test_the_limit_grows_on_a_50ms_link(keyspace: str, driver: str) -> None:
+async def test_the_limit_grows_on_a_50ms_link(keyspace: str, driver: Driver) -> None:
     async with slow_link(keyspace, one_way=0.025, driver=driver) as link:
         await link.write(3000)
         # 16 in flight over 50 ms is 320 requests/s: the limit must have left it

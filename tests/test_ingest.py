@@ -34,6 +34,7 @@ from paho.mqtt.properties import Properties
 from gateway.config import LimitsConfig
 from gateway.identity import event_identity, state_bucket
 from gateway.ingest.decode import Decoder
+from gateway.stats import Stats
 from gateway.store import telemetry as telemetry_module
 from gateway.store.database import Database
 from gateway.store.sink import Pending
@@ -446,13 +447,15 @@ async def test_a_sparse_stream_goes_out_at_once_and_a_dense_one_in_fuller_chunks
         for i in range(sparse):
             event = {"ts": now + i, "state": "on", "value": i}
             await publish([(topic(tenant, f"s{i}"), orjson.dumps(event))])
+
             # Alone: the one before it written, and none of its requests still
             # in flight. On a loaded box a first write (a new tenant, state and
             # device) can take longer than any fixed gap, and with writes in
             # flight the writer rightly waits (once in a CI run: lingers 1).
-            await gw.wait_for(
-                lambda s, n=i + 1: s.written >= n and s.acked >= n and s.in_flight == 0
-            )
+            def alone(s: Stats, n: int = i + 1) -> bool:
+                return s.written >= n and s.acked >= n and s.in_flight == 0
+
+            await gw.wait_for(alone)
             await asyncio.sleep(0.25)
         await gw.wait_handled(sparse)
         assert gw.stats.lingers == 0
@@ -492,7 +495,7 @@ async def test_flood_of_bad_messages_does_not_hold_up_good_ones(db: Database, te
 
 async def test_forget_session_ends_a_persistent_session(tenant: str) -> None:
     client_id = f"retire-{tenant}"
-    props = Properties(PacketTypes.CONNECT)
+    props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]  # paho: untyped
     props.SessionExpiryInterval = 300
 
     def client() -> aiomqtt.Client:

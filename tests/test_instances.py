@@ -19,6 +19,7 @@ import pytest
 
 from gateway.config import Config, TopicTemplate
 from gateway.identity import device_hash
+from gateway.stats import Stats
 from gateway.store import queries
 from gateway.store.database import Database
 
@@ -185,11 +186,11 @@ async def test_share_group_members_leave_exact_state_counts(db: Database, tenant
                 for d in devices
             )
             total = (r + 1) * len(devices)
-            await one.wait_for(
-                lambda s, t=total: (
-                    s.written + two.stats.written >= t and s.acked + two.stats.acked >= t
-                )
-            )
+
+            def both_done(s: Stats, t: int = total) -> bool:
+                return s.written + two.stats.written >= t and s.acked + two.stats.acked >= t
+
+            await one.wait_for(both_done)
         split = (one.stats.received, two.stats.received)
     assert min(split) > 0, split  # both members took part
     counts = dict(await queries.state_counts(db, make_config(), tenant))

@@ -77,7 +77,7 @@ async def test_giving_up_stops_the_gateway_and_the_broker_keeps_the_rest(
             GATEWAY_MQTT__CLIENT_ID=client_id,
             GATEWAY_SAMPLING__ENABLED="false",
         )
-        gave_up: BaseException | None = None
+        gave_up: BaseExceptionGroup[BaseException] | None = None
         try:
             async with running_gateway(config) as gw:
                 await p.cut()

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 from gateway.config import Config
 from gateway.store import queries
 from gateway.store.database import Database
+from gateway.units import epoch_ms
 from gateway.web import api as api_module
 from gateway.web.api import read_api
 from gateway.web.server import build_app, serve
@@ -320,7 +321,7 @@ async def test_history_reads_newest_partitions_first_and_only_as_many_as_a_page_
     first, queries.HISTORY_READS at a time, until no older one can change
     it, and is the same page as merging them all."""
     hour_ms, quarter_ms = 3_600_000, 900_000
-    newest = queries.epoch_ms(datetime.now(UTC)) // hour_ms * hour_ms - hour_ms
+    newest = epoch_ms(datetime.now(UTC)) // hour_ms * hour_ms - hour_ms
     ks = db.keyspace
     index = (
         f"INSERT INTO {ks}.telemetry_partitions (tenant, device_id, bucket_start, shard, "
@@ -330,7 +331,7 @@ async def test_history_reads_newest_partitions_first_and_only_as_many_as_a_page_
         f"INSERT INTO {ks}.telemetry (tenant, device_id, bucket_start, shard, ts, event_id, "
         "value_num) VALUES (%s, 'd', %s, %s, %s, %s, %s)"
     )
-    writes = []
+    writes: list[tuple[str, tuple[object, ...]]] = []
     # 300 quarter-hour partitions, an event in every third, two shards in some;
     # a 6-hour partition overlapping the newest ones, holding a copy of one
     # of their events (a device that changed bucket size) and one of its own.
@@ -390,7 +391,7 @@ async def test_a_history_cursor_counting_too_many_events_is_a_400(
     into each partition read's LIMIT: past a 32-bit int, Cassandra refused
     the read and the API answered 503 "Cassandra did not answer"; under it, a
     forged count made every partition read up to that many rows."""
-    now_ms = queries.epoch_ms(datetime.now(UTC))
+    now_ms = epoch_ms(datetime.now(UTC))
     start = now_ms - now_ms % 900_000
     await db.execute(
         f"INSERT INTO {db.keyspace}.telemetry_partitions (tenant, device_id, bucket_start, "

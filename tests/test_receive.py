@@ -671,10 +671,19 @@ async def test_a_retained_message_is_not_sent_again_to_our_session(tenant: str) 
     got: list[Delivery] = []
     stop = asyncio.Event()
     receiver = Receiver(config, [f"tenants/{tenant}/devices/+/events"], stats)
-    task = asyncio.create_task(receiver.run(lambda d: (got.append(d), d.ack.done()), stop))
+
+    def take(delivery: Delivery) -> None:
+        got.append(delivery)
+        delivery.ack.done()
+
+    task = asyncio.create_task(receiver.run(take, stop))
     try:
         for connects in (1, 2, 3):
-            await wait_until(lambda c=connects: stats.connects == c and len(got) >= 1, 10, "up")
+
+            def up(c: int = connects) -> bool:
+                return stats.connects == c and len(got) >= 1
+
+            await wait_until(up, 10, "up")
             await asyncio.sleep(0.3)
             # The takeover ends our connection; the session stays.
             other = Connection(lambda p: None, None)

@@ -197,6 +197,7 @@ async def assert_rollups_match_raw(db: Database, tenant: str, device: str) -> No
                 g = got[start]
                 assert (g[0], g[1], g[2], g[4]) == (count, low, high, last), (metric, step, start)
                 # Sums agree to rounding: the worker adds exactly (fsum), in its own order.
+                assert g[3] is not None, (metric, step, start)  # None: beyond a double's range
                 assert math.isclose(g[3], total, rel_tol=1e-9, abs_tol=1e-6), (metric, step)
 
 

@@ -69,7 +69,7 @@ async def _receive(client: aiomqtt.Client, count: int) -> list[aiomqtt.Message]:
 
 
 def _connect_properties(expiry: int) -> Properties:
-    props = Properties(PacketTypes.CONNECT)
+    props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]  # paho: untyped
     props.SessionExpiryInterval = expiry
     return props
 

@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import orjson
@@ -75,7 +76,7 @@ class _NoFlow:
 class _SlowSpool(Spool):
     """A disk whose fsync takes 0.3 s (an SD card)."""
 
-    async def append(self, records: list[Appended]) -> list[int]:
+    async def append(self, records: Sequence[Appended]) -> list[int]:
         await asyncio.sleep(0.3)
         return await super().append(records)
 

@@ -220,7 +220,11 @@ async def test_sigkill_while_the_spool_commits_loses_nothing_acknowledged(
         base = int(time.time() * 1000)
         messages = []
         for i in range(6000):
-            event = {"ts": base + i, "state": ("on", "off", "alarm")[(i // 7) % 3], "value": i}
+            event: dict[str, object] = {
+                "ts": base + i,
+                "state": ("on", "off", "alarm")[(i // 7) % 3],
+                "value": i,
+            }
             sent.published.setdefault(f"d{i % 20}", []).append(event)
             messages.append((topic(tenant, f"d{i % 20}"), orjson.dumps(event)))
         done: list[int] = []
@@ -377,7 +381,9 @@ async def test_disk_full_is_not_acknowledged_and_flows_once_there_is_room(
                 await gw.wait_for(lambda s: s.acked == 200, deadline=30)  # spooled
                 _fill(disk / "filler")
                 await publish(messages[200:])  # the broker has them all
-                await wait_until(lambda: said("spool disk full at"), 30, "the disk full, said")
+                await wait_until(
+                    lambda: bool(said("spool disk full at")), 30, "the disk full, said"
+                )
                 await asyncio.sleep(1)  # retrying meanwhile
                 assert not gw.task.done()
                 assert gw.stats.acked == 200  # none of those since

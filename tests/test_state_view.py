@@ -355,18 +355,17 @@ def _colliding_pair(tenant: str, device: str, t: int) -> tuple[dict[str, Any], d
     the larger event id second."""
     seen: dict[tuple[int, str], tuple[int, dict[str, Any]]] = {}
     for i in range(100_000):  # the birthday bound: a collision within a few dozen tries
-        event = {"ts": t, "state": ("on", "off")[i % 2], "value": f"v{i}"}
-        event_id, write_ts = event_identity(
-            tenant, device, t, event["state"], event["value"], {}, {}
-        )
-        other_state = "off" if event["state"] == "on" else "on"
+        state, value = ("on", "off")[i % 2], f"v{i}"
+        event: dict[str, Any] = {"ts": t, "state": state, "value": value}
+        event_id, write_ts = event_identity(tenant, device, t, state, value, {}, {})
+        other_state = "off" if state == "on" else "on"
         other = seen.get((write_ts, other_state))
         if other is not None:
             first = (other[0], other[1])
             second = (event_id, event)
             low, high = sorted((first, second), key=lambda pair: pair[0])
             return low[1], high[1]
-        seen[(write_ts, event["state"])] = (event_id, event)
+        seen[(write_ts, state)] = (event_id, event)
     raise AssertionError("no colliding pair found")
 
 

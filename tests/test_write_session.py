@@ -19,7 +19,7 @@ import pytest
 import pytest_asyncio
 
 from gateway import repeats
-from gateway.config import CassandraConfig, PipelineConfig
+from gateway.config import CassandraConfig, PipelineConfig, TlsConfig
 from gateway.errors import ConfigError
 from gateway.stats import Stats
 from gateway.store import write_session
@@ -238,12 +238,12 @@ async def test_a_bad_statement_is_not_transient(session: WriteSession) -> None:
 def test_auto_prefers_acsylla_and_falls_back_for_tls(tmp_path: Path) -> None:
     assert choose_driver(CassandraConfig()) == "acsylla"
     assert choose_driver(CassandraConfig(driver="python")) == "python"
-    tls = {"enabled": True}
+    tls = TlsConfig(enabled=True)
     assert choose_driver(CassandraConfig(tls=tls)) == "python"
     with pytest.raises(ConfigError, match=r"cassandra\.tls\.ca_file"):
         make_config(GATEWAY_CASSANDRA__DRIVER="acsylla", GATEWAY_CASSANDRA__TLS__ENABLED="true")
     ca, _ = self_signed(tmp_path)
-    with_ca = {"enabled": True, "ca_file": ca}
+    with_ca = TlsConfig(enabled=True, ca_file=ca)
     assert choose_driver(CassandraConfig(driver="acsylla", tls=with_ca)) == "acsylla"
 
 

@@ -19,7 +19,8 @@ try:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 except ImportError:  # pip install matplotlib (the bench extra)
-    plt = None  # type: ignore[assignment]
+    # The ignore is used only where matplotlib is installed (plt is then a module).
+    plt = None  # type: ignore[assignment, unused-ignore]
 
 LABELS = {
     "broker": "Broker ceiling (paho QoS 1 subscriber, no database)",
