@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -168,6 +169,94 @@ async def test_a_read_of_more_than_a_page_returns_every_row(
         timestamps=(1,),
     )
     rows = await session.read(select, (tenant, 0))
+    assert sorted(r["event_id"] for r in rows) == list(range(count))
+
+
+@pytest.mark.skipif(not ACSYLLA_PLATFORM, reason="pyproject.toml installs no acsylla here")
+@on_session_loop
+async def test_a_read_lets_other_tasks_run_while_it_decodes_a_page(
+    keyspace: str, tenant: str
+) -> None:
+    """The C++ driver hands the event loop a whole page (up to 5,000 rows),
+    and decoding it in one go held the loop for up to 50 ms: the roll-up
+    worker's reads, on the loop that also reads MQTT and acknowledges
+    (bench/rollup_stalls.py). read() yields every YIELD_ROWS rows: for a page
+    of 3,000 rows, a task that does nothing but yield runs at least twice
+    between the page's arrival and read()'s return (it ran 0 times before).
+    Every row is still returned."""
+    config = make_config(GATEWAY_CASSANDRA__DRIVER="acsylla").cassandra
+    count = 3 * write_session.YIELD_ROWS
+    async with open_write_session(config) as session:
+        assert isinstance(session, write_session.AcsyllaSession)
+        insert = await session.prepare(INSERT, timestamps=TIMESTAMPS)
+        await asyncio.gather(
+            *(
+                session.execute(
+                    session.batch(
+                        [
+                            session.bind(
+                                insert,
+                                (
+                                    tenant,
+                                    "d",
+                                    0,
+                                    0,
+                                    1_000 + i,
+                                    i,
+                                    UNSET,
+                                    UNSET,
+                                    1.0,
+                                    UNSET,
+                                    UNSET,
+                                    1_000,
+                                    600,
+                                ),
+                            )
+                            for i in range(start, min(start + 50, count))
+                        ]
+                    )
+                )
+                for start in range(0, count, 50)
+            )
+        )
+        select = await session.prepare(
+            "SELECT event_id FROM {keyspace}.telemetry WHERE tenant = ? AND device_id = 'd' "
+            "AND bucket_start = ? AND shard = 0",
+            timestamps=(1,),
+        )
+        ticks = 0
+        arrived: list[int] = []  # the other task's ticks when each page came
+        driver = session._session
+
+        class Recording:
+            """The driver's session, noting when each answer comes (the
+            compiled AcsyllaSession calls its own methods natively, so only
+            the object it calls out to can be wrapped)."""
+
+            def execute(self, statement: Any) -> Any:
+                async def answered() -> Any:
+                    result = await driver.execute(statement)
+                    arrived.append(ticks)
+                    return result
+
+                return answered()
+
+        async def other_task() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0)
+                ticks += 1
+
+        session._session = Recording()
+        other = asyncio.create_task(other_task())
+        try:
+            rows = await session.read(select, (tenant, 0))
+            returned = ticks
+        finally:
+            other.cancel()
+            session._session = driver
+    assert len(arrived) == 1, arrived  # one page
+    assert returned - arrived[0] >= 2, (arrived, returned)
     assert sorted(r["event_id"] for r in rows) == list(range(count))
 
 

@@ -103,6 +103,8 @@ Rows = list[dict[str, Any]]
 PACK_BYTES = 2 * 1024
 # Rows per page of WriteSession.read: the Python driver's default fetch size.
 READ_PAGE = 5_000
+# Rows a read decodes before it lets the event loop run others (AcsyllaSession.read).
+YIELD_ROWS = 1_000
 
 
 class Prepared:
@@ -353,7 +355,13 @@ class AcsyllaSession(WriteSession):
         rows: Rows = []
         while True:
             result = await self._answer(self._session.execute(statement))
-            rows += [row.as_dict() for row in result]
+            for n, row in enumerate(result, 1):
+                rows.append(row.as_dict())
+                if n % YIELD_ROWS == 0:
+                    # Decoding a page of READ_PAGE rows held the event loop
+                    # for up to 50 ms (the roll-up worker's reads: README,
+                    # "Roll-ups and the event loop").
+                    await asyncio.sleep(0)
             if not result.has_more_pages():
                 return rows
             statement.set_page_state(result.page_state())
