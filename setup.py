@@ -4,7 +4,7 @@ everything else about the package is in pyproject.toml.
 The modules every message passes through (:data:`COMPILED`) are compiled to
 C extensions by mypyc, mypy's compiler: the code is already typed for
 ``mypy --strict``. That cut the gateway's CPU per message by about a sixth
-(README, "Performance"). The sources stay plain Python and run as such
+(bench/PERFORMANCE.md). The sources stay plain Python and run as such
 without ``GATEWAY_COMPILE=1``.
 
 mypyc type-checks the modules against the installed dependencies, so the

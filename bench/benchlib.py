@@ -292,7 +292,7 @@ def run_tool(main: Callable[[], None]) -> None:
     outright, a tool left its session behind, subscribed to the bench tree;
     the broker queued every later bench publish for it until it expired,
     and its store grew to hundreds of MB, whose autosaves stall every client
-    (README, Performance)."""
+    (bench/PERFORMANCE.md)."""
 
     def stop(_signum: int, _frame: object) -> None:
         raise KeyboardInterrupt
@@ -342,7 +342,7 @@ def ceiling_command(prefix: str, devices: int, count: int, levels: str, out: Pat
 
 # Events whose rows warm_up_cassandra writes: right after a restart, 40,000
 # left the ceiling at 10,767 msg/s, 120,000 brought it to 16,485, the warm
-# level (README, Performance).
+# level (bench/PERFORMANCE.md).
 WARM_UP_EVENTS = 120_000
 # A local Cassandra younger than this is taken to be cold (--warm-up auto).
 COLD_FOR_S = 600.0

@@ -54,7 +54,7 @@ def gateway_session(env: dict[str, str], log: str) -> Iterator[subprocess.Popen[
     """`gateway run` (:func:`gateway`) for the block; then stopped with
     SIGTERM (so its log ends with its "stopped:" counts; killed if still there
     30 s later), and its MQTT session cleared (a session left behind queues
-    every later bench publish: README, Performance)."""
+    every later bench publish: bench/PERFORMANCE.md)."""
     proc = gateway(env, log)
     try:
         yield proc
@@ -184,7 +184,7 @@ def measure(args: argparse.Namespace, proc: subprocess.Popen[bytes], log: str) -
         + ", ".join(f"{name} {'-' if us is None else f'{us:.0f}'}" for name, us in services.items())
     )
     # Roll-ups earlier runs left due in this keyspace are done during the
-    # drain, and cost it (README, "Two runs from fresh clones"): say from when.
+    # drain, and cost it (bench/PERFORMANCE.md, "Two runs from fresh clones"): say from when.
     for line in Path(log).read_text().splitlines():
         if "still to do" in line:
             print("  " + line.split(": ", 1)[-1])

@@ -3,7 +3,7 @@
 A uvloop loop sleeps ``1/rate`` seconds at a time for --seconds and reports
 the CPU it spent per wake-up (``time.process_time``). On a VM this is the
 floor under every message a live, sparse stream makes the gateway handle
-(README, Performance, "Live streams"). Rates above 1,000 are not meaningful:
+(bench/PERFORMANCE.md, "Live streams"). Rates above 1,000 are not meaningful:
 uvloop rounds sleeps below a millisecond down to none, and the loop spins.
 
 Usage: .venv/bin/python bench/wakeup_cost.py [--rates 100,500,1000] [--seconds 10]

@@ -168,7 +168,7 @@ start_node() {
     local -a jvm17; mapfile -t jvm17 < <(grep -v '^\s*#' "$here/jvm17-server.options" | sed '/^\s*$/d' | tr ' ' '\n')
     # Heap fixed at about 1 GB: the box is small and shared with the gateway and tests.
     # Every GC pause goes to $logdir/gc.log (3 files of 5 MB at most): a latency
-    # tail is checked against it first (README, "The load generator").
+    # tail is checked against it first (bench/PERFORMANCE.md, "The load generator").
     setsid java \
         -Xms"$CASSANDRA_HEAP" -Xmx"$CASSANDRA_HEAP" -Xss256k \
         "${gc_opts[@]}" \

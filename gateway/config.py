@@ -391,7 +391,7 @@ class PipelineConfig(_Model):
     # full) costs fewer writes in larger chunks: draining 60,000 events from
     # 1,000 devices, 2,000 (the queue's size) sent a quarter fewer requests
     # than 500 did, at about 0.8x the gateway's CPU and 0.6x Cassandra's per
-    # event (README, Performance). A live stream's chunks stay small.
+    # event (bench/PERFORMANCE.md). A live stream's chunks stay small.
     batch_max_events: int = Field(default=2000, ge=1, le=100_000)
     # Wait this long for a fuller chunk while writes are in flight, or while
     # the last second's messages came at least one per this long; 0 disables.
@@ -525,7 +525,7 @@ class RollupsConfig(_Model):
     # A minute that comes due is recomputed over this long, its groups of 100
     # windows evenly spaced, not in one burst: the burst's reads slowed the
     # writes beside it (p99 receipt to write sent 134 ms against 27 ms with
-    # roll-ups off at 3,000 msg/s; README, "The load generator"). A minute
+    # roll-ups off at 3,000 msg/s; bench/PERFORMANCE.md, "The load generator"). A minute
     # found late (a restart) gets what is left before the next one comes due,
     # if that is less; once the next is due too (an outage), full speed. 50 s
     # measured no better than 20. "0s" turns the spreading off.

@@ -2,7 +2,7 @@
 
 Why our own small asyncio Protocol rather than a client library: the gateway
 needs four things no released asyncio client offers through public APIs
-together (see README, "The receive path"): PUBACKs sent by the application,
+together (see bench/PERFORMANCE.md, "The receive path"): PUBACKs sent by the application,
 in receive order, only once a message is durable; socket reads that can be
 paused when the pipeline is full (Mosquitto 2.0.11 over-sends past Receive
 Maximum on session resume); no queue of its own that could grow or drop; and

@@ -386,7 +386,7 @@ class Pipeline:
         more message within ``linger``: a chunk of several costs far fewer
         wake-ups of this process, the driver's threads and Cassandra than
         one chunk each (live at 500 msg/s, about 40% of the gateway's CPU;
-        README, Performance). A sparse stream goes out at once."""
+        bench/PERFORMANCE.md). A sparse stream goes out at once."""
         if self._queue.qsize() >= self._batch:
             return False
         return bool(self._stats.in_flight) or self._arrival_rate * self._linger >= 1.0
