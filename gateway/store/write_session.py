@@ -359,8 +359,8 @@ class AcsyllaSession(WriteSession):
                 rows.append(row.as_dict())
                 if n % YIELD_ROWS == 0:
                     # Decoding a page of READ_PAGE rows held the event loop
-                    # for up to 50 ms (the roll-up worker's reads: README,
-                    # "Roll-ups and the event loop").
+                    # for up to 50 ms (the roll-up worker's reads:
+                    # bench/PERFORMANCE.md, "Roll-ups and the event loop").
                     await asyncio.sleep(0)
             if not result.has_more_pages():
                 return rows
