@@ -74,7 +74,6 @@ import math
 import random
 import re
 import shlex
-import subprocess
 import sys
 import time
 import zlib
@@ -84,7 +83,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
-from benchlib import ROOT, percentiles
+from benchlib import ROOT, nodetool_flush, percentiles
 from cassandra.cluster import Session
 from cassandra.concurrent import execute_concurrent
 from cassandra.query import BoundStatement, PreparedStatement
@@ -608,18 +607,8 @@ class Bench:
         """nodetool flush of the keyspace; without nodetool, say so once and go on."""
         if self.flush_error is not None or self.args.no_flush:
             return
-        script = ROOT / "cassandra" / "cassandra.sh"
-        try:
-            subprocess.run(
-                ["bash", str(script), "nodetool", "flush", KEYSPACE],
-                check=True,
-                capture_output=True,
-                text=True,
-                timeout=180,
-            )
-        except (OSError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", "") or ""
-            self.flush_error = f"nodetool flush unavailable, flushes skipped: {exc} {detail}"[:500]
+        if (error := nodetool_flush(KEYSPACE)) is not None:
+            self.flush_error = f"{error}; flushes skipped"
             self.say(self.flush_error)
 
     # -- writes --

@@ -328,9 +328,10 @@ def cores_used(results: dict[str, Any], cores: int | None) -> Iterator[str]:
     if waits:
         yield ""
         yield (
-            "Before each drain the bench waited for Cassandra to settle (under "
+            "Before each drain (and each of the ceiling's levels) the bench flushed "
+            "Cassandra's memtables and waited for it to settle (under "
             f"{QUIET_CORES} of a core over {QUIET_WINDOW_S:.0f} s, at most 120 s: the "
-            "compactions of what earlier phases wrote): " + ", ".join(waits) + "."
+            "flush and the compactions of what earlier phases wrote): " + ", ".join(waits) + "."
         )
 
 
