@@ -635,7 +635,7 @@ async def test_the_event_loop_runs_other_tasks_while_a_group_is_decoded_and_aggr
     db: Database, gateway: RunningGateway, session: WriteSession
 ) -> None:
     """The worker decodes and aggregates a group's raw rows on the event loop,
-    where the gateway also reads MQTT and writes. It yields every SLICE_ROWS
+    where the gateway also reads MQTT and writes. It yields every YIELD_ROWS
     rows: for 30 windows of 200 rows each (devices sending 3.3 msg/s, one
     group), 6,000 rows, a task that does nothing but yield runs at least 4
     times between the raw rows' arrival and the end of their decoding, and

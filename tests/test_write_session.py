@@ -32,6 +32,7 @@ from gateway.store.sink import Pending, Sink, Write
 from gateway.store.write_session import (
     PACK_BYTES,
     UNSET,
+    Prepared,
     WriteSession,
     acsylla_installed,
     choose_driver,
@@ -141,15 +142,10 @@ async def test_reads_and_lightweight_transactions_give_dicts(
     assert await session.execute(session.bind(select, ("nobody-" + uuid.uuid4().hex,))) == []
 
 
-@on_session_loop
-async def test_a_read_of_more_than_a_page_returns_every_row(
-    session: WriteSession, tenant: str
-) -> None:
-    """read() fetches 5,000 rows a page with either driver and returns them
-    all: the roll-up worker's reads of a busy minute can run past a page,
-    and a row left out would be an aggregate wrong."""
+async def _one_partition_of(session: WriteSession, tenant: str, count: int) -> Prepared:
+    """``count`` telemetry rows of device "d" in one partition (event ids 0 to
+    count - 1), written 50 to a batch; and the SELECT of their event ids."""
     insert = await session.prepare(INSERT, timestamps=TIMESTAMPS)
-    count = 5_050
     statements = [
         session.bind(
             insert,
@@ -163,11 +159,22 @@ async def test_a_read_of_more_than_a_page_returns_every_row(
             for start in range(0, count, 50)
         )
     )
-    select = await session.prepare(
+    return await session.prepare(
         "SELECT event_id FROM {keyspace}.telemetry WHERE tenant = ? AND device_id = 'd' "
         "AND bucket_start = ? AND shard = 0",
         timestamps=(1,),
     )
+
+
+@on_session_loop
+async def test_a_read_of_more_than_a_page_returns_every_row(
+    session: WriteSession, tenant: str
+) -> None:
+    """read() fetches 5,000 rows a page with either driver and returns them
+    all: the roll-up worker's reads of a busy minute can run past a page,
+    and a row left out would be an aggregate wrong."""
+    count = 5_050
+    select = await _one_partition_of(session, tenant, count)
     rows = await session.read(select, (tenant, 0))
     assert sorted(r["event_id"] for r in rows) == list(range(count))
 
@@ -188,42 +195,7 @@ async def test_a_read_lets_other_tasks_run_while_it_decodes_a_page(
     count = 3 * write_session.YIELD_ROWS
     async with open_write_session(config) as session:
         assert isinstance(session, write_session.AcsyllaSession)
-        insert = await session.prepare(INSERT, timestamps=TIMESTAMPS)
-        await asyncio.gather(
-            *(
-                session.execute(
-                    session.batch(
-                        [
-                            session.bind(
-                                insert,
-                                (
-                                    tenant,
-                                    "d",
-                                    0,
-                                    0,
-                                    1_000 + i,
-                                    i,
-                                    UNSET,
-                                    UNSET,
-                                    1.0,
-                                    UNSET,
-                                    UNSET,
-                                    1_000,
-                                    600,
-                                ),
-                            )
-                            for i in range(start, min(start + 50, count))
-                        ]
-                    )
-                )
-                for start in range(0, count, 50)
-            )
-        )
-        select = await session.prepare(
-            "SELECT event_id FROM {keyspace}.telemetry WHERE tenant = ? AND device_id = 'd' "
-            "AND bucket_start = ? AND shard = 0",
-            timestamps=(1,),
-        )
+        select = await _one_partition_of(session, tenant, count)
         ticks = 0
         arrived: list[int] = []  # the other task's ticks when each page came
         driver = session._session

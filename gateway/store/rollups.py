@@ -56,7 +56,7 @@ the bound a forgotten mark is simply written again (idempotent, counted as
 ``rollup_mark_evictions``); nothing is held in memory that a crash would lose.
 The worker holds one minute's marks at a time and recomputes their windows
 GROUP (100) at a time (their raw rows in memory together, where 16 windows'
-rows were before; the event loop yields every SLICE_ROWS rows it decodes or
+rows were before; the event loop yields every YIELD_ROWS rows it decodes or
 aggregates): the reads go READ_IN devices to a request (``device_id IN
 (...)``), and the rows written go PACK_WINDOWS windows to an UNLOGGED batch,
 at most ``rollups.concurrency`` batches at once. Per window that is a few
@@ -93,7 +93,7 @@ from ..lru import LRU
 from ..stats import Stats
 from . import queries
 from .sink import Pending, Write
-from .write_session import PACK_BYTES, Prepared, Rows, WriteSession
+from .write_session import PACK_BYTES, YIELD_ROWS, Prepared, Rows, WriteSession
 
 log = logging.getLogger(__name__)
 
@@ -111,12 +111,6 @@ INIT_CURSOR = "INSERT INTO {keyspace}.rollup_progress (name, minute) VALUES (?, 
 # reads, not 3,000.
 GROUP = 100
 READ_IN = 100
-# Rows the event loop decodes or aggregates between two yields to whatever
-# else is ready (MQTT reads, write answers, acknowledgements): a group's rows
-# are many (100 windows of devices that send 4 msg/s: 26,000), and handled in
-# one go they held the loop up to 120 ms, a dozen times a minute (README,
-# "Roll-ups and the event loop").
-SLICE_ROWS = 1000
 # Windows (partitions) per written batch: Cassandra warns above 10 partitions
 # or 5 KiB of mutations per batch. The mutations count about twice the bound
 # values (expiring cells carry their TTL and deletion time): 30 rows of
@@ -485,7 +479,7 @@ class RollupWorker:
                 rows = raw.get(w, {})
                 computed[w] = self._minute(rows)
                 since_yield += len(rows)
-                if since_yield >= SLICE_ROWS:
+                if since_yield >= YIELD_ROWS:
                     since_yield = 0
                     await asyncio.sleep(0)
             await self._keep_larger(computed, 60, lambda tenant: self._config.tenant(tenant).ttl)
@@ -558,7 +552,7 @@ class RollupWorker:
 
         out: dict[Window, RawRows] = {}
         for n, r in enumerate(await self._read_in(by_partition, read_raw), 1):
-            if n % SLICE_ROWS == 0:
+            if n % YIELD_ROWS == 0:
                 await asyncio.sleep(0)
             ts = r["ts_ms"]
             # A redelivered copy can sit in two partitions (queries.history): once.
@@ -586,7 +580,7 @@ class RollupWorker:
 
         parts: dict[tuple[str, str, int], dict[str, list[Aggregate]]] = {}
         for n, r in enumerate(await self._read_in(by_hour, read_minutes), 1):
-            if n % SLICE_ROWS == 0:
+            if n % YIELD_ROWS == 0:
                 await asyncio.sleep(0)
             start = r["start_ms"]
             key = (r["tenant"], r["device_id"], start - start % HOUR_MS)

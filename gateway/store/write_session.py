@@ -103,7 +103,12 @@ Rows = list[dict[str, Any]]
 PACK_BYTES = 2 * 1024
 # Rows per page of WriteSession.read: the Python driver's default fetch size.
 READ_PAGE = 5_000
-# Rows a read decodes before it lets the event loop run others (AcsyllaSession.read).
+# Rows the event loop decodes or aggregates between two yields to whatever
+# else is ready (MQTT reads, write answers, acknowledgements): a read's page
+# (AcsyllaSession.read), and the roll-up worker's rows (rollups.py). Handled
+# in one go, a page of READ_PAGE rows held the loop for up to 50 ms, and a
+# roll-up group's 26,000 rows up to 120 ms, a dozen times a minute
+# (bench/PERFORMANCE.md, "Roll-ups and the event loop").
 YIELD_ROWS = 1_000
 
 
@@ -358,9 +363,6 @@ class AcsyllaSession(WriteSession):
             for n, row in enumerate(result, 1):
                 rows.append(row.as_dict())
                 if n % YIELD_ROWS == 0:
-                    # Decoding a page of READ_PAGE rows held the event loop
-                    # for up to 50 ms (the roll-up worker's reads:
-                    # bench/PERFORMANCE.md, "Roll-ups and the event loop").
                     await asyncio.sleep(0)
             if not result.has_more_pages():
                 return rows
