@@ -224,18 +224,25 @@ class Proc:
             time.sleep(0.02)
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM, then SIGKILL after ``timeout``; returns the exit code."""
+        """:func:`stop_process`; returns the exit code."""
         if self.popen is None:
             return None
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGCONT)  # one frozen (instances.py) can't act
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(10)
-        return self.popen.returncode
+        return stop_process(self.popen, timeout)
+
+
+def stop_process(popen: subprocess.Popen[bytes], timeout: float) -> int | None:
+    """SIGTERM (so a gateway's log ends with its "stopped:" counts), then
+    SIGKILL if it is still there ``timeout`` seconds later; the exit code."""
+    if popen.poll() is None:
+        popen.send_signal(signal.SIGTERM)
+        try:
+            popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait(10)
+    return popen.returncode
 
 
 # -- MQTT -----------------------------------------------------------------------

@@ -33,6 +33,7 @@ from benchlib import (
     run_tool,
     services_cpu,
     services_cpu_since,
+    stop_process,
 )
 
 from gateway.tools.simulate import FleetSpec, publish
@@ -59,12 +60,7 @@ def gateway_session(env: dict[str, str], log: str) -> Iterator[subprocess.Popen[
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_process(proc, 30)
         clear_session(env["GATEWAY_MQTT__CLIENT_ID"])
 
 

@@ -70,7 +70,6 @@ import os
 import random
 import re
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -723,14 +722,11 @@ class Bench:
         }
 
     def _stop(self, proc: subprocess.Popen[bytes]) -> int | None:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        return proc.returncode
+        # Imported here, as run_tool at the bottom: the spawned publishers
+        # import this module's top level, and not benchlib's.
+        from benchlib import stop_process  # noqa: PLC0415
+
+        return stop_process(proc, 60)
 
     def _forget(self, env: dict[str, str]) -> None:
         subprocess.run(
