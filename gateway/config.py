@@ -3,7 +3,8 @@
 Where a value comes from, the first that sets it winning:
 ``GATEWAY_<SECTION>__<KEY>`` environment variables (``GATEWAY_MQTT__HOST``,
 ``GATEWAY_TENANTS__ACME__STATE_BUCKETS``), then the TOML file (``--config`` or
-``GATEWAY_CONFIG``), then the defaults below. Nothing else
+``GATEWAY_CONFIG``), then the defaults below. ``GATEWAY_CONFIG``,
+``GATEWAY_LOG_LEVEL`` and the build's ``GATEWAY_COMPILE`` are not keys. Nothing else
 in the package reads the environment. Unknown keys are errors, and every error
 names the key and where it came from, e.g.
 ``mqtt.port (from GATEWAY_MQTT__PORT): Input should be less than or equal to 65535``.
@@ -45,6 +46,9 @@ ENV_PREFIX = "GATEWAY_"
 ENV_CONFIG_PATH = "GATEWAY_CONFIG"
 # The CLI's --log-level from the environment (not a config key).
 ENV_LOG_LEVEL = "GATEWAY_LOG_LEVEL"
+# The build's switch for compiled modules (setup.py, Makefile), not a config key:
+# make passes it on to every command a target runs.
+ENV_BUILD = "GATEWAY_COMPILE"
 DEFAULT_TEMPLATE = "tenants/{tenant}/devices/{device_id}/events"
 
 _IDENTIFIER = r"^[a-z][a-z0-9_]{0,47}$"
@@ -563,7 +567,9 @@ class SpoolConfig(_Model):
 
 
 class ApiConfig(_Model):
-    # /metrics (Prometheus) and /healthz, on a local port.
+    # The HTTP port of `gateway run`: /metrics (Prometheus), /healthz, /noisy,
+    # the read API and the page; enabled = false turns them all off.
+    # `gateway serve` ignores it: serving is all it does.
     enabled: bool = True
     host: str = "127.0.0.1"
     port: int = Field(default=9108, ge=0, le=65535)  # 0: any free port
@@ -792,7 +798,7 @@ def _env_overlay(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[tuple[str
     tree: dict[str, Any] = {}
     origin: dict[tuple[str, ...], str] = {}
     for name, raw in env.items():
-        if not name.startswith(ENV_PREFIX) or name in (ENV_CONFIG_PATH, ENV_LOG_LEVEL):
+        if not name.startswith(ENV_PREFIX) or name in (ENV_CONFIG_PATH, ENV_LOG_LEVEL, ENV_BUILD):
             continue
         path = tuple(part.lower() for part in name[len(ENV_PREFIX) :].split("__"))
         if not all(path):

@@ -104,6 +104,12 @@ def test_gateway_config_env_names_the_file(tmp_path: Path) -> None:
     assert load_config(None, {"GATEWAY_CONFIG": str(path)}).mqtt.port == 1999
 
 
+def test_the_build_switch_is_not_a_config_key() -> None:
+    # `GATEWAY_COMPILE=0 make run` (README, "Compiled modules") passes the
+    # variable on to every command make runs, `gateway schema apply` among them.
+    assert load_config(None, {"GATEWAY_COMPILE": "0"}) == load_config(None, {})
+
+
 def test_example_file_loads_and_shows_the_defaults() -> None:
     example = load_config(ROOT / "gateway.example.toml", {})
     defaults = load_config(None, {})

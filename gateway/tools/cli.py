@@ -211,7 +211,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "check",
         parents=[common],
-        help="exit non-zero if the broker or Cassandra is unreachable or the schema is missing",
+        help="exit non-zero if the broker or Cassandra is unreachable, the schema is missing, "
+        "or the spool cannot take messages (unwritable, disk or spool full, or left "
+        "holding messages with the spool off)",
     )
 
     dev = sub.add_parser("devices", parents=[common], help="devices currently in a state")
