@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -21,7 +22,7 @@ import pytest_asyncio
 
 from gateway import repeats
 from gateway.config import CassandraConfig, PipelineConfig, TlsConfig
-from gateway.errors import ConfigError
+from gateway.errors import ConfigError, SinkError
 from gateway.stats import Stats
 from gateway.store import write_session
 from gateway.store.database import Database
@@ -279,6 +280,102 @@ async def test_both_drivers_pack_partitions_into_shared_batches_on_one_node(
         (tenant,),
     )
     assert {r.device_id: r.value for r in rows} == values
+
+
+class OneRangeDown:
+    """Makes one request fail as a write to a token range with too few
+    replicas up does (a cluster at RF 2 with one node down): the fault
+    injected, at the driver (the compiled session's own methods cannot be
+    patched). Every other request goes to the real Cassandra."""
+
+    def __init__(self, session: WriteSession) -> None:
+        self.down: Any = None
+        self.attempts = 0
+        if isinstance(session, write_session.AcsyllaSession):
+            driver = session._session
+            fault = self
+
+            class Driver:
+                def execute(self, statement: Any, *args: Any, **kwargs: Any) -> Any:
+                    if statement is fault.down:
+                        return fault.fail()
+                    return driver.execute(statement, *args, **kwargs)
+
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(driver, name)
+
+            session._session = Driver()
+        else:
+            assert isinstance(session, write_session.PythonSession)
+            db = session._db
+            execute_timed = db.execute_timed
+
+            async def faulty(request: Any, **kwargs: Any) -> Any:
+                if request is self.down:
+                    return await self.fail()
+                return await execute_timed(request, **kwargs)
+
+            db.execute_timed = faulty  # type: ignore[method-assign,assignment]
+
+    async def fail(self) -> Any:
+        self.attempts += 1
+        await asyncio.sleep(0.002)  # a coordinator's round trip
+        raise ConnectionError("Unavailable: 2 replicas needed, 1 alive")
+
+
+@on_session_loop
+async def test_one_failing_request_backs_off_and_gives_up_while_others_succeed(
+    session: WriteSession, tenant: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Other requests' answers neither cut a failing request's backoff short
+    nor reset its give_up_after; /healthz's failing_for stays on meanwhile, and
+    the failure is logged once, not once per retry."""
+    insert = await session.prepare(
+        "INSERT INTO {keyspace}.latest_events_by_device (tenant, device_id, state, ts, value) "
+        "VALUES (?, ?, ?, ?, ?) USING TIMESTAMP ?",
+        timestamps=(3,),
+    )
+    faulty = OneRangeDown(session)
+    stats = Stats()
+    limit = InFlightLimit(stats, initial=64, minimum=64, maximum=64)
+    give_up = 2.0
+    config = session.config.model_copy(update={"give_up_after": give_up})
+    requests = Requests(session, config, stats, limit)
+    faulty.down = requests.bind(insert, (tenant, "down", "on", 1_000, "x", 10))
+    stop = asyncio.Event()
+    answered = 0
+    failing_for: list[float] = []
+
+    async def others() -> None:
+        nonlocal answered
+        while not stop.is_set():
+            row = (tenant, f"up{answered % 10}", "on", 1_000 + answered, "x", 10)
+            await requests.send(requests.bind(insert, row), 1)
+            answered += 1
+            failing_for.append(requests.failing_for or 0.0)
+            await asyncio.sleep(0.01)
+
+    caplog.set_level(logging.WARNING, logger="gateway.store.requests")
+    beside = asyncio.create_task(others())
+    started = time.monotonic()
+    try:
+        with pytest.raises(SinkError, match="give_up_after"):
+            async with asyncio.timeout(give_up + 8):
+                await requests.send(faulty.down, 1)
+    finally:
+        stop.set()
+        await beside
+    took = time.monotonic() - started
+    assert answered >= 40, answered  # the others went on all along
+    assert give_up <= took < give_up + 3, took
+    # Backoff from 50 ms, doubling, each sleep 0.5 to 1 of it: 7 attempts
+    # fit 2 s at the shortest draws. Woken by every other answer, it made one
+    # per answer.
+    assert faulty.attempts <= 8, faulty.attempts
+    assert max(failing_for) >= give_up / 2, failing_for
+    logged = [r.getMessage() for r in caplog.records]
+    assert sum("failed, retrying" in m for m in logged) == 1, logged
+    assert not any("succeed again" in m for m in logged), logged
 
 
 @on_session_loop

@@ -10,12 +10,21 @@ existence reads and entry counts. Promises:
   event-time write timestamps) and every read is a read. The one exception,
   metadata's compare-and-set of a tenant's entry count, errs on the safe
   side when a retry counts twice (``metadata.py``).
-* After ``cassandra.give_up_after`` seconds of failing, or on an error retrying
-  cannot fix, :class:`SinkError` is raised and the gateway stops: the messages
-  concerned were never acknowledged, so the broker still has them.
-* When a request succeeds again after failures, or a new driver session
-  replaced one that gave its host up (``cassandra.renew_after``), every
-  request sleeping in backoff retries at once instead of finishing its sleep.
+* After ``cassandra.give_up_after`` seconds of failing, counted for each
+  request from its own first failure, or on an error retrying cannot fix,
+  :class:`SinkError` is raised and the gateway stops: the messages concerned
+  were never acknowledged, so the broker still has them. Other requests'
+  answers do not reset that clock: with one token range short of replicas
+  (two of three down at RF 3), its writes fail while the rest succeed.
+* When a request that had failed succeeds on a retry (Cassandra is back), or
+  a new driver session replaced one that gave its host up
+  (``cassandra.renew_after``), every request sleeping in backoff retries at
+  once instead of finishing its sleep. An answer to a request that never
+  failed wakes nobody: it says nothing of the failing ones' partitions, and
+  woken by each one, a failing request retried once per other answer.
+* :attr:`Requests.failing_for` is the time since the oldest request still
+  failing first failed; the first failure of a run is logged, and the run's
+  end when no request is failing any more, once each.
 * Every attempt's outcome is reported to the in-flight limit (``limit.py``):
   its latency when answered, an overload when it failed transiently.
 """
@@ -58,6 +67,11 @@ class Requests:
         self._transient = session.transient
         self._give_up_after = config.give_up_after
         self._stats = stats
+        # When each request still failing first failed (at most one entry per
+        # request under way, which the in-flight limit and the readers bound),
+        # and when the current run of failures began.
+        self._failing: dict[int, float] = {}
+        self._next_id = 0
         self._failing_since: float | None = None
         # Since when the idle link's probe (:meth:`probe`) fails, if it does.
         self._probe_failing_since: float | None = None
@@ -69,9 +83,10 @@ class Requests:
 
     @property
     def failing_for(self) -> float | None:
-        """Seconds requests (or, while none are sent, the link's probe) have
-        been failing, or None when they succeed."""
-        since = self._failing_since or self._probe_failing_since
+        """Seconds the oldest request still failing (or, while none are sent,
+        the link's probe) has been failing, or None when none is."""
+        failing = self._failing
+        since = min(failing.values()) if failing else self._probe_failing_since
         return None if since is None else time.monotonic() - since
 
     async def prepare_probe(self) -> None:
@@ -163,50 +178,68 @@ class Requests:
         stats = self._stats
         limit = self.limit
         attempt = 0
-        while True:
-            stats.requests += 1
-            stats.rows += rows
-            sent = time.monotonic()
-            try:
-                result, answered = await self.session.execute_timed(request)
-            except self._transient as exc:
-                limit.overloaded()
-                now = time.monotonic()
-                if self._failing_since is None:
-                    self._failing_since = now
-                    log.warning("Cassandra request failed, retrying: %s", short(exc))
-                if now - self._failing_since > self._give_up_after:
-                    raise SinkError(
-                        f"Cassandra writes failing for over {self._give_up_after:.0f} s "
-                        f"(cassandra.give_up_after); last error: {short(exc)}"
-                    ) from None
-                attempt += 1
-                stats.retries += 1
-            except Exception as exc:
-                raise SinkError(f"Cassandra refused a write: {short(exc)}") from None
-            else:
-                limit.answered(answered - sent)
-                self.answered_at = answered
-                self._probe_failing_since = None
-                if self._failing_since is not None:
-                    log.warning(
-                        "Cassandra writes succeed again after %.1f s",
-                        time.monotonic() - self._failing_since,
-                    )
-                    self._failing_since = None
-                    self._wake()
-                return result
-            # A transient failure. Waited here, not in the except clause:
-            # compiled (mypyc) code suspended in one leaves the error as the
-            # thread's current exception, and every exception raised meanwhile,
-            # in any task, was chained to it (tests/test_outage.py).
-            delay = backoff(attempt, BACKOFF_MIN, BACKOFF_MAX)
-            recovered = self._recovered
-            try:
-                async with asyncio.timeout(delay * (0.5 + random.random() / 2)):
-                    await recovered.wait()
-            except TimeoutError:
-                pass
+        first_failed: float | None = None
+        me = self._next_id
+        self._next_id += 1
+        try:
+            while True:
+                stats.requests += 1
+                stats.rows += rows
+                sent = time.monotonic()
+                try:
+                    result, answered = await self.session.execute_timed(request)
+                except self._transient as exc:
+                    limit.overloaded()
+                    now = time.monotonic()
+                    if first_failed is None:
+                        first_failed = now
+                        self._failed(me, now, exc)
+                    if now - first_failed > self._give_up_after:
+                        raise SinkError(
+                            f"Cassandra writes failing for over {self._give_up_after:.0f} s "
+                            f"(cassandra.give_up_after); last error: {short(exc)}"
+                        ) from None
+                    attempt += 1
+                    stats.retries += 1
+                except Exception as exc:
+                    raise SinkError(f"Cassandra refused a write: {short(exc)}") from None
+                else:
+                    limit.answered(answered - sent)
+                    self.answered_at = answered
+                    self._probe_failing_since = None
+                    if first_failed is not None:
+                        self._recovered_one(me)
+                    return result
+                # A transient failure. Waited here, not in the except clause:
+                # compiled (mypyc) code suspended in one leaves the error as the
+                # thread's current exception, and every exception raised meanwhile,
+                # in any task, was chained to it (tests/test_outage.py).
+                delay = backoff(attempt, BACKOFF_MIN, BACKOFF_MAX)
+                recovered = self._recovered
+                try:
+                    async with asyncio.timeout(delay * (0.5 + random.random() / 2)):
+                        await recovered.wait()
+                except TimeoutError:
+                    pass
+        finally:
+            self._failing.pop(me, None)
+
+    def _failed(self, me: int, now: float, exc: BaseException) -> None:
+        """Request ``me`` failed for the first time."""
+        if not self._failing:
+            self._failing_since = now
+            log.warning("Cassandra request failed, retrying: %s", short(exc))
+        self._failing[me] = now
+
+    def _recovered_one(self, me: int) -> None:
+        """Request ``me``, which had failed, was answered: Cassandra answers
+        again, so the others retry now; the run ends with the last one."""
+        self._failing.pop(me, None)
+        since = self._failing_since
+        if not self._failing and since is not None:
+            log.warning("Cassandra writes succeed again after %.1f s", time.monotonic() - since)
+            self._failing_since = None
+        self._wake()
 
 
 def short(exc: BaseException) -> str:
