@@ -33,7 +33,12 @@ partition's tombstones in the hundreds, whatever the tenant's history:
 Bounds and failures: one rotation runs at a time; what waits is at most one
 entry per known partition. A step that fails (Cassandra away, a timeout) is
 logged, counted (``rotation_failures``) and retried after a backoff of up to a
-minute; the gateway's writes go on meanwhile, in both generations. A rotation
+minute; the gateway's writes go on meanwhile, in both generations. The
+announcement runs in the write loop, between chunks, so it has
+``cassandra.request_timeout`` in all (not the ``give_up_after`` of a write):
+a lightweight transaction can fail while plain writes succeed (a serial
+quorum short across data centres), and a failed one waits out its backoff
+before the partition is due again, instead of being tried at every chunk. A rotation
 that a restart interrupted is found when the tenant's generations are next
 read, and finished.
 """
@@ -92,6 +97,9 @@ class StateRotation:
         # key -> monotonic time of its next step (copy, or drop); one entry per partition.
         self._copy_at: dict[PartKey, float] = {}
         self._drop_at: dict[PartKey, float] = {}
+        # key -> when its failed announcement is due again (then back in latest.due).
+        self._announce_at: dict[PartKey, float] = {}
+        self._announce_timeout = config.cassandra.request_timeout
         self._failures: dict[PartKey, int] = {}
         self._wake = asyncio.Event()
 
@@ -152,7 +160,7 @@ class StateRotation:
                 continue  # its tenant left the cache; its counts went with it
             if part.retired_gen is not None and key not in self._drop_at:
                 self._drop_at[key] = now  # left by an earlier run: drop it now
-            if key in self._copy_at:
+            if key in self._copy_at or key in self._announce_at:
                 continue
             if part.next_gen is not None:
                 # Found mid-rotation (another instance, or before a restart):
@@ -164,11 +172,21 @@ class StateRotation:
             if part.deletes < 1:
                 continue  # only a retired generation to drop
             try:
-                applied = await self._announce(key, part)
-            except GatewayError as exc:
-                self._failed(key, "announce", exc)
-                self._latest.due[key] = None  # try again after the next chunk
+                async with asyncio.timeout(self._announce_timeout):
+                    applied = await self._announce(key, part)
+            except (GatewayError, TimeoutError) as exc:
+                # Applied or not, the next read of the tenant's generations
+                # says: a rotation found under way is finished like any other.
+                tries = self._failures.get(key, 0) + 1
+                self._failures[key] = tries
+                self._announce_at[key] = now + backoff(tries - 1, 1.0, MAX_BACKOFF)
+                why = (
+                    str(exc)
+                    or f"no answer in {self._announce_timeout:g} s (cassandra.request_timeout)"
+                )
+                self._failed(key, "announce", why)
                 continue
+            self._failures.pop(key, None)
             if applied:
                 log.info(
                     "state partition %s: %d deletes in generation %d, rotating into %d",
@@ -201,7 +219,15 @@ class StateRotation:
         """Copy, switch and drop as each comes due, until cancelled."""
         while True:
             now = time.monotonic()
-            deadlines = [*self._copy_at.values(), *self._drop_at.values()]
+            for key, at in list(self._announce_at.items()):
+                if at <= now:
+                    del self._announce_at[key]
+                    self._latest.due[key] = None  # announced at the next chunk (or tick)
+            deadlines = [
+                *self._copy_at.values(),
+                *self._drop_at.values(),
+                *self._announce_at.values(),
+            ]
             timeout = None if not deadlines else max(0.0, min(deadlines) - now)
             self._wake.clear()
             if timeout is None or timeout > 0:
@@ -235,7 +261,7 @@ class StateRotation:
         queue.pop(key, None)
         self._failures.pop(key, None)
 
-    def _failed(self, key: PartKey, what: str, exc: BaseException) -> None:
+    def _failed(self, key: PartKey, what: str, exc: BaseException | str) -> None:
         self._stats.rotation_failures += 1
         log.warning("state partition %s: rotation %s failed, will retry: %s", _name(key), what, exc)
 
