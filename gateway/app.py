@@ -417,6 +417,9 @@ async def open_gateway(
             )
         )
         sampler = Sampler(config.sampling)
+        for cached in (sampler, telemetry, latest, marks, metadata, quota):
+            if cached is not None:
+                stats.track_caches(cached.caches())
         classifier = Classifier(config, sampler, stats)
         receiver = Receiver(
             config.mqtt,

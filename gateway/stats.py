@@ -13,8 +13,9 @@ import bisect
 import math
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 # Distinct label values kept per labelled count (tenants, say); later ones are
 # added under OTHER, and how many were folded is counted.
@@ -59,6 +60,19 @@ class Histogram:
         self.sum += value
 
 
+class Cache(Protocol):
+    """What the metrics read of a bounded cache: ``lru.LRU``, or a view of
+    several bounded collections counted as one."""
+
+    @property
+    def evictions(self) -> int: ...  # entries forgotten at the bound, ever
+
+    @property
+    def capacity(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+
 class LabelledCounts:
     """Counts by one label value, with at most ``cap`` distinct values."""
 
@@ -80,6 +94,10 @@ class LabelledCounts:
 @dataclass
 class Stats:
     started: float = field(default_factory=time.monotonic)
+    # The caches of the stages, by name (gateway_cache_* metrics), registered
+    # as the gateway opens (app.py). Opened again (after spooling through an
+    # outage at start), its new caches replace the old: a counter reset.
+    caches: dict[str, Cache] = field(default_factory=dict)
     received: int = 0  # messages the broker handed us
     written: int = 0  # events stored (raw row and latest tables), every write acknowledged
     rejected: int = 0  # messages recorded in rejected_messages
@@ -161,6 +179,10 @@ class Stats:
     sampled_out_by_tenant: LabelledCounts = field(default_factory=LabelledCounts)
     metadata_capped_by_tenant: LabelledCounts = field(default_factory=LabelledCounts)
     _last: tuple[float, int, int] | None = None  # (time, received, written) at the last line
+
+    def track_caches(self, caches: Mapping[str, Cache]) -> None:
+        """Register a stage's caches (its ``caches()``) for the metrics."""
+        self.caches.update(caches)
 
     def status_line(self) -> str:
         now = time.monotonic()

@@ -30,6 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import LimitsConfig
 from gateway.identity import event_identity, state_bucket
@@ -48,6 +49,8 @@ from .helpers import (
     as_ms,
     base_env,
     device_row,
+    free_port,
+    http_get,
     make_config,
     publish,
     run_cli,
@@ -552,3 +555,53 @@ def test_a_partition_index_entry_is_written_again_before_it_expires(
     assert index_writes(base + 1) == 0  # remembered
     clock[0] += 2
     assert index_writes(base + 2) == 1  # half the TTL on: written again, with a fresh TTL
+
+
+# Every cache app.py registers (their caches()), as named on /metrics.
+CACHES = {
+    "sampler_devices",
+    "sampler_tenants",
+    "sampler_quota_refused",
+    "sampler_quota_admitted",
+    "telemetry_shards",
+    "telemetry_gaps",
+    "telemetry_partitions_indexed",
+    "latest_tenants",
+    "latest_newest",
+    "rollup_marks_written",
+    "metadata_entries",
+    "metadata_shapes",
+    "metadata_counts",
+}
+
+
+async def test_every_cache_shows_its_entries_bound_and_evictions_on_metrics(tenant: str) -> None:
+    """150 devices through a sampler that tracks 20 (sampling.max_devices):
+    the 130 it forgot are counted where an operator looks, beside every other
+    cache's entries and bound."""
+    port = free_port()
+    config = make_config(GATEWAY_API__PORT=str(port), GATEWAY_SAMPLING__MAX_DEVICES="20")
+    now = int(time.time() * 1000)
+    messages = [
+        (topic(tenant, f"d{i:03}"), orjson.dumps({"ts": now + i, "state": "on", "value": i}))
+        for i in range(150)
+    ]
+    async with running_gateway(config) as gw:
+        sent = await publish(messages)
+        await gw.wait_handled(sent)
+        status, body = await asyncio.to_thread(http_get, port, "/metrics")
+    assert status == 200
+    values: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            if sample.name.startswith("gateway_cache_"):
+                values.setdefault(sample.name, {})[sample.labels["cache"]] = sample.value
+    evictions = values["gateway_cache_evictions_total"]
+    entries = values["gateway_cache_entries"]
+    capacity = values["gateway_cache_capacity"]
+    assert set(evictions) == set(entries) == CACHES, sorted(evictions)
+    assert evictions["sampler_devices"] == 130
+    assert entries["sampler_devices"] == capacity["sampler_devices"] == 20
+    assert entries["latest_newest"] >= 150  # not forgotten: the default bound is 100,000
+    for name in CACHES - {"sampler_quota_admitted"}:  # no tenant has a device quota
+        assert 0 <= entries[name] <= capacity[name], name

@@ -73,6 +73,7 @@ from dataclasses import dataclass
 
 from ..config import SamplingConfig, TenantSampling
 from ..lru import LRU
+from ..stats import Cache
 from ..topic_filters import filter_levels, topic_matches
 
 REASONS = (
@@ -229,6 +230,24 @@ class _Device:
         self.beyond = 0  # bit i: rule i's metric was beyond its threshold last time
 
 
+class _AdmittedSets:
+    """Every tenant's admitted-device set (``_Tenant.known``), as one cache
+    for the metrics: its entries, its bound (twice each quota) and the
+    devices forgotten at that bound (each asked of Cassandra again when it
+    next sends)."""
+
+    def __init__(self, tenants: Callable[[], list[_Tenant]]) -> None:
+        self._tenants = tenants
+        self.evictions = 0
+
+    @property
+    def capacity(self) -> int:
+        return sum(2 * t.max_devices for t in self._tenants() if t.max_devices is not None)
+
+    def __len__(self) -> int:
+        return sum(len(t.known) for t in self._tenants() if t.known is not None)
+
+
 class Sampler:
     """Decides, per event, what is written. Not thread-safe; one per pipeline."""
 
@@ -269,6 +288,19 @@ class Sampler:
         # Devices the quota refused, and when (settled): rejected from memory
         # for QUOTA_RECHECK, not asked of Cassandra again meanwhile.
         self._refused: LRU[tuple[str, str], float] = LRU(MAX_REFUSED)
+        self._admitted = _AdmittedSets(self._all_tenants)
+
+    def _all_tenants(self) -> list[_Tenant]:
+        return [*self._pinned.values(), *(ten for _, ten in self._tenants.items())]
+
+    def caches(self) -> dict[str, Cache]:
+        """Its bounded caches, by name, for the metrics (gateway_cache_*)."""
+        return {
+            "sampler_devices": self._devices,
+            "sampler_tenants": self._tenants,
+            "sampler_quota_refused": self._refused,
+            "sampler_quota_admitted": self._admitted,
+        }
 
     def _params(self, section: TenantSampling) -> _TenantParams:
         c = self._config
@@ -532,6 +564,7 @@ class Sampler:
         known[device_id] = now
         if len(known) > 2 * cap:
             del known[next(iter(known))]
+            self._admitted.evictions += 1
 
     def observe(self, tenant: str, device_id: str, state: str | None, ts: int) -> None:
         """Note an event that is kept without :meth:`decide` (back-fill).

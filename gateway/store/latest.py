@@ -99,7 +99,7 @@ from ..config import Config
 from ..event import Event
 from ..identity import device_hash, state_bucket
 from ..lru import LRU
-from ..stats import Stats
+from ..stats import Cache, Stats
 from ..units import epoch_ms
 from .requests import Requests
 from .sink import Pending, Write
@@ -204,6 +204,10 @@ class LatestState:
         self._to_read: dict[tuple[str, str], None] = {}
         self._reading: dict[tuple[str, str], asyncio.Future[None]] = {}
         self._wake = asyncio.Event()
+
+    def caches(self) -> dict[str, Cache]:
+        """Its bounded caches, by name, for the metrics (gateway_cache_*)."""
+        return {"latest_tenants": self._tenants, "latest_newest": self._newest}
 
     async def prepare(self, session: WriteSession) -> None:
         # Together: each is a round trip, a second or more over a slow link.

@@ -65,7 +65,7 @@ from ..aio import gather_all
 from ..config import Config
 from ..event import Event
 from ..lru import LRU, K, V
-from ..stats import Stats
+from ..stats import Cache, Stats
 from .requests import Requests
 from .reservations import Reservations
 from .rollups import VALUE_METRIC
@@ -123,6 +123,14 @@ class Metadata:
             requests, "meta_entry_counts", "reserved", self._count_attempt, self._count_evicted
         )
         self._cap = config.metadata.max_per_tenant
+
+    def caches(self) -> dict[str, Cache]:
+        """Its bounded caches, by name, for the metrics (gateway_cache_*)."""
+        return {
+            "metadata_entries": self._seen,
+            "metadata_shapes": self._shapes,
+            "metadata_counts": self._counts.cache,
+        }
 
     async def prepare(self, session: WriteSession) -> None:
         tables = {

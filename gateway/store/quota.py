@@ -54,7 +54,7 @@ from typing import Any
 from ..errors import GatewayError
 from ..identity import state_bucket
 from ..lru import LRU
-from ..stats import Stats
+from ..stats import Cache, Stats
 from . import queries
 from .database import DICT_ROWS, Database
 from .requests import Requests
@@ -96,6 +96,10 @@ class DeviceQuota:
 
     def _count_attempt(self) -> None:
         self._stats.quota_reservations += 1
+
+    def caches(self) -> dict[str, Cache]:
+        """Its bounded caches, by name, for the metrics (gateway_cache_*)."""
+        return {"quota_counts": self._counts.cache, "quota_full_tenants": self._full}
 
     async def prepare(self, session: WriteSession) -> None:
         self._insert, self._exists, _ = await asyncio.gather(

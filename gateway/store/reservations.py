@@ -66,6 +66,11 @@ class Reservations:
         # Tenant -> its count as last seen.
         self._counts: LRU[str, int] = LRU(MAX_TENANTS)
 
+    @property
+    def cache(self) -> LRU[str, int]:
+        """The tenants' counts as last seen (for the metrics)."""
+        return self._counts
+
     async def prepare(self, session: WriteSession) -> None:
         table, column = self._table, self._column
         # Together: each is a round trip, a second or more over a slow link.

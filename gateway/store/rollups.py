@@ -90,7 +90,7 @@ from ..aio import gather_all
 from ..config import MAX_BUCKET_SECONDS, Config
 from ..event import Event
 from ..lru import LRU
-from ..stats import Stats
+from ..stats import Cache, Stats
 from . import queries
 from .sink import Pending, Write
 from .write_session import PACK_BYTES, YIELD_ROWS, Prepared, Rows, WriteSession
@@ -158,6 +158,10 @@ class RollupMarks:
         self._clock = clock
         self._name = name
         self._written: LRU[tuple[str, str, int, int], bool] = LRU(config.rollups.mark_cache_size)
+
+    def caches(self) -> dict[str, Cache]:
+        """Its bounded cache, for the metrics (gateway_cache_*)."""
+        return {"rollup_marks_written": self._written}
 
     async def prepare(self, session: WriteSession) -> None:
         """Prepare, and start the worker's cursor at this minute unless it has

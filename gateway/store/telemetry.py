@@ -35,6 +35,7 @@ from collections.abc import Hashable
 from ..config import Config
 from ..event import Event
 from ..lru import LRU
+from ..stats import Cache
 from .sink import Pending, Write
 from .write_session import UNSET, Prepared, WriteSession
 
@@ -63,6 +64,14 @@ class Telemetry:
         self._max_shards = config.hot_partitions.max_shards
         # When each partition's index entry was last written (monotonic s).
         self._indexed: LRU[tuple[str, str, int, int, int], float] = LRU(size)
+
+    def caches(self) -> dict[str, Cache]:
+        """Its bounded caches, by name, for the metrics (gateway_cache_*)."""
+        return {
+            "telemetry_shards": self._shards,
+            "telemetry_gaps": self._gaps,
+            "telemetry_partitions_indexed": self._indexed,
+        }
 
     async def prepare(self, session: WriteSession) -> None:
         self._insert_row = await session.prepare(

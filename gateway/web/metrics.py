@@ -39,8 +39,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from ..stats import Cache, Stats
 from ..stats import Histogram as StatsHistogram
-from ..stats import Stats
 
 # What ``generate_latest`` writes. Not prometheus_client's CONTENT_TYPE_LATEST:
 # in recent releases (0.26 here; 0.20-0.22 still said 0.0.4) that names text
@@ -448,6 +448,7 @@ class GatewayCollector(Collector):
             "How far the roll-up worker is behind the minutes that are due.",
             value=stats.rollup_lag_s,
         )
+        yield from _cache_families(stats.caches)
         yield GaugeMetricFamily(
             "gateway_uptime_seconds",
             "Seconds since the gateway started.",
@@ -503,6 +504,28 @@ class GatewayCollector(Collector):
         if dropped:
             self._dropped[metric] = self._dropped.get(metric, 0) + dropped
         return [*sorted(kept.items()), *folded.items()]
+
+
+def _cache_families(caches: Mapping[str, Cache]) -> Iterator[Metric]:
+    """Each cache's entries, bound, and entries forgotten at the bound (what
+    forgetting one costs is in its module: usually a read, or an idempotent
+    write, again)."""
+    evictions = CounterMetricFamily(
+        "gateway_cache_evictions_total",
+        "Entries a bounded cache forgot at its bound, by cache.",
+        labels=("cache",),
+    )
+    entries = GaugeMetricFamily(
+        "gateway_cache_entries", "Entries in a bounded cache, by cache.", labels=("cache",)
+    )
+    capacity = GaugeMetricFamily(
+        "gateway_cache_capacity", "The bound of a cache, in entries, by cache.", labels=("cache",)
+    )
+    for name, cache in sorted(caches.items()):
+        evictions.add_metric((name,), cache.evictions)
+        entries.add_metric((name,), len(cache))
+        capacity.add_metric((name,), cache.capacity)
+    yield from (evictions, entries, capacity)
 
 
 def _exposed_name(family: Metric) -> str:
