@@ -546,6 +546,16 @@ def test_detail_names_a_metric_whatever_its_name(name: str) -> None:
 # --- identity -------------------------------------------------------------------------
 
 
+def test_event_identity_is_the_same_in_every_process_and_version() -> None:
+    """Pinned: a redelivered copy must map to the row its first delivery made,
+    whichever process (or release) wrote that. An id built on hash(), or any
+    change to the canonical form, would give an event a second raw row when
+    it is redelivered after a restart or an upgrade."""
+    args: tuple[Any, ...] = ("acme", "d1", 1_700_000_000_123, "on", 1.5, {"a": 1.0}, {"k": "v"})
+    assert event_identity(*args) == (7854067878555332281, 1700000000123281)
+    assert event_identity(*args, micros=456) == (3426008325960982782, 1700000000123456)
+
+
 def test_event_identity_is_deterministic() -> None:
     args: tuple[Any, ...] = ("acme", "d1", NOW_MS, "on", 1.5, {"a": 1.0}, {"k": "v"})
     assert event_identity(*args) == event_identity(*args)

@@ -309,6 +309,8 @@ def test_sigterm_while_only_spooling_ends_cleanly_and_the_log_stays_quiet(
     after_first = out.split("taking messages into the spool until it answers", 1)[1]
     assert "Traceback" not in out
     assert "stopped: " in after_first
+    # The driver's own loggers (cassandra.cluster, cassandra.pool) say nothing.
+    assert not re.search(r"^\S+ +[A-Z]+ +cassandra\.", after_first, re.M), after_first
 
 
 def test_without_the_spool_an_unreachable_cassandra_ends_the_start(tmp_path: Path) -> None:

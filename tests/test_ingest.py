@@ -56,6 +56,7 @@ from .helpers import (
     run_cli,
     running_gateway,
     state_rows,
+    state_rows_by_bucket,
     telemetry_keys,
     topic,
 )
@@ -290,9 +291,10 @@ async def test_convergence_to_newest_event(
         assert len(await telemetry_keys(db, tenant, device)) == len(
             [x for x in streams if x.device == device]
         )
-        # Buckets are the stable hash the readers use.
-        assert device in await state_rows(db, tenant, e.state, buckets)
-        assert 0 <= state_bucket(device, buckets) < buckets
+        # In the bucket of the stable hash the readers use, and in no other.
+        by_bucket = await state_rows_by_bucket(db, tenant, e.state, buckets)
+        holding = [b for b, found in by_bucket.items() if device in found]
+        assert holding == [state_bucket(device, buckets)], (device, holding)
 
 
 @pytest.mark.parametrize("driver", DRIVERS)

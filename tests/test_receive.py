@@ -40,6 +40,7 @@ from .helpers import (
     device_row,
     free_port,
     make_config,
+    mosquitto_on,
     running_gateway,
     self_signed,
     wait_until,
@@ -369,6 +370,18 @@ async def test_a_subscription_granted_only_qos_0_is_logged_and_counted(
         await wait_until(receiver.connected.is_set, 10, "connected")
     assert (stats.subscriptions_qos0, stats.subscriptions_refused) == (1, 0)
     assert "granted qos0/# at QoS 0 only" in caplog.text
+
+
+async def test_a_real_broker_granting_qos_0_only_is_logged_and_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same, from a real Mosquitto with ``max_qos 0``."""
+    port = free_port()
+    with mosquitto_on(port, tmp_path, "max_qos 0\n"):
+        config = make_config(GATEWAY_MQTT__PORT=str(port))
+        async with running_gateway(config) as gw:
+            assert (gw.stats.subscriptions_qos0, gw.stats.subscriptions_refused) == (1, 0)
+    assert "at QoS 0 only" in caplog.text, caplog.text
 
 
 async def test_a_qos_2_publish_is_a_protocol_error_not_a_puback() -> None:

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import pwd
 import signal
 import subprocess
 import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +28,8 @@ from .helpers import (
     MQTT_PORT,
     base_env,
     free_port,
-    reachable,
+    mosquitto_on,
     run_cli,
-    wait_until_blocking,
 )
 from .scripted_broker import ScriptedBroker
 
@@ -351,25 +346,6 @@ async def test_publishes_the_broker_refuses_are_counted_not_sent(tmp_path: Path)
         async with asyncio.timeout(30):
             stats = await publish(allowed, cfg, count=10, on_sent=lambda t, _e: sent.append(t))
         assert (stats.sent, stats.refused, len(sent)) == (10, 0, 10)
-
-
-@contextmanager
-def mosquitto_on(port: int, tmp_path: Path, extra: str = "") -> Iterator[None]:
-    """A Mosquitto of the test's own on ``port``, with ``extra`` configuration lines.
-    It runs as this user (as mosquitto/mosquitto.sh starts ours): as root it would
-    otherwise drop to ``mosquitto``, which can't read files under ``tmp_path``."""
-    conf = tmp_path / "mosquitto.conf"
-    user = pwd.getpwuid(os.getuid()).pw_name
-    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\nuser {user}\n{extra}")
-    broker = subprocess.Popen(["mosquitto", "-c", str(conf)], stderr=subprocess.DEVNULL)
-    try:
-        wait_until_blocking(
-            lambda: reachable(port), 10, f"a test Mosquitto listening on {port}", interval=0.05
-        )
-        yield
-    finally:
-        broker.terminate()
-        broker.wait(10)
 
 
 def test_an_interrupted_simulate_says_how_much_it_sent() -> None:

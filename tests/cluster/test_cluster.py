@@ -33,11 +33,18 @@ from ..helpers import (
 from .conftest import CLUSTER_ENV, NODES, node_script
 
 WRITTEN = re.compile(r"written=(\d+)")
+ACKED = re.compile(r"\backed=(\d+)")
 
 
 def written(gw: GatewayProcess) -> int:
     """The gateway's count of durable writes, from its latest status line."""
     found = WRITTEN.findall(gw.output())
+    return int(found[-1]) if found else 0
+
+
+def acked(gw: GatewayProcess) -> int:
+    """The gateway's count of PUBACKs sent, from its latest status line."""
+    found = ACKED.findall(gw.output())
     return int(found[-1]) if found else 0
 
 
@@ -166,10 +173,11 @@ async def test_one_node_then_two_down_then_back_loses_nothing_and_catches_up(
         # No quorum: writes fail and are retried, nothing more is written or
         # acknowledged; the broker keeps the backlog in our session.
         await asyncio.sleep(3)  # writes in flight at the kill end one way or the other
-        stuck = written(gw)
+        stuck, stuck_acked = written(gw), acked(gw)
         await asyncio.sleep(6)
         assert publisher.is_alive(), "the publish ended before the quorum was lost"
         assert written(gw) == stuck
+        assert acked(gw) == stuck_acked  # nothing acknowledged without its write
         assert gw.proc is not None
         assert gw.proc.poll() is None
     finally:
