@@ -347,6 +347,34 @@ async def test_a_lost_session_is_logged_and_counted(caplog: pytest.LogCaptureFix
     assert "no longer had our session" in caplog.text
 
 
+async def test_a_session_the_real_broker_dropped_is_logged_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The same, from the real Mosquitto: a client that takes our id over
+    with clean_start (and no expiry) ends our connection and our session, so
+    the reconnect finds none: what was queued for us meanwhile is gone."""
+    config = mosquitto_config("lost").model_copy(update={"reconnect_min": 0.5})
+    stats = Stats()
+    stop = asyncio.Event()
+    receiver = Receiver(config, ["tenants/+/devices/+/events"], stats)
+    task = asyncio.create_task(receiver.run(lambda d: d.ack.done(), stop))
+    try:
+        await wait_until(lambda: stats.connects == 1, 10, "connected")
+        other = Connection(lambda p: None, None)
+        options = ConnectOptions(
+            client_id=config.client_id, clean_start=True, session_expiry=0, keepalive=30
+        )
+        await connect(other, MQTT_HOST, MQTT_PORT, options)
+        other.close()  # before our reconnect (0.5 s on): the session ends with it
+        await wait_until(lambda: stats.connects == 2, 10, "the reconnect")
+    finally:
+        stop.set()
+        async with asyncio.timeout(10):
+            await task
+    assert stats.sessions_lost == 1
+    assert "no longer had our session" in caplog.text
+
+
 async def test_a_refused_subscription_is_logged_and_counted(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
