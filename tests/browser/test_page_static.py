@@ -578,6 +578,29 @@ async def test_slow_answers_turn_live_into_stale_with_the_age(
     await expect(live).not_to_contain_text("stale")
 
 
+async def test_a_request_that_never_answers_is_given_up_and_polling_goes_on(
+    page: Page, url: str, api: FakeApi
+) -> None:
+    """A connection that died without a word (a phone changing cells): the
+    poll waited on its request until the browser gave up, minutes later,
+    and no other poll started meanwhile. Now it is given up after 20 s,
+    counted as a failure ("reconnecting…"), and polling goes on."""
+    await page.clock.install()  # time flows, and can be moved on
+    await log_in(page, url, TENANT_TOKEN)
+    await expect(page.locator('[data-state="on"] .count')).to_have_text("3")
+    live = page.locator("#live")
+    await expect(live).to_contain_text("live")
+    api.delay_s = 3600
+    await page.wait_for_timeout(1_500)  # a poll is under way, waiting
+    await page.clock.fast_forward(21_000)
+    await expect(live).to_contain_text("reconnecting")
+    await expect(page.locator("#error")).to_contain_text("No answer in 20 s; retrying.")
+    api.delay_s = 0
+    await page.clock.fast_forward(5_000)  # past the backoff
+    await expect(live).to_contain_text("live", timeout=10_000)
+    await expect(page.locator("#error")).to_be_hidden()
+
+
 async def test_a_4xx_shows_its_message_stops_and_offers_a_way_back(
     page: Page, url: str, api: FakeApi, screenshot: Shot
 ) -> None:
@@ -985,6 +1008,30 @@ async def test_live_updates_keep_a_scrolled_list_steady(
     await expect(page.locator('[data-device="dev-0001"]')).to_have_count(1, timeout=LIVE_MS)
     await expect(bar).to_be_hidden()
     await expect(meta).to_have_text("100 shown · 251 devices in on")
+
+
+async def test_next_goes_on_after_the_last_row_shown_not_the_newest_answer(
+    new_page: Callable[..., Awaitable[Page]], url: str, api: FakeApi
+) -> None:
+    """Scrolled into page 1, the rows hold still while a device above leaves
+    the state; the newest answer's page then ends one device later (dev-100),
+    a device the rows never showed. Next took that answer's cursor, so page
+    2 began at dev-101 and dev-100 was on neither page."""
+    page = await new_page(phone=True, size=(390, 844))
+    await log_in(page, url, ADMIN_TOKEN)
+    await page.goto(f"{url}#/t/big/s/on")
+    rows = page.locator("#device-rows tr")
+    await expect(rows).to_have_count(100)
+    await expect(rows.last).to_have_attribute("data-device", "dev-099")
+    await page.evaluate("() => window.scrollTo(0, 6000)")
+    api.put("big", "dev-001", "off", 0.0)
+    await expect(page.locator('[data-device="dev-001"]')).to_have_class(
+        re.compile(r"\bleft\b"), timeout=LIVE_MS
+    )
+    await expect(rows.last).to_have_attribute("data-device", "dev-099")
+    await page.locator("#next-page").click()
+    await expect(page.locator("#page-no")).to_have_text("page 2")
+    await expect(rows.first).to_have_attribute("data-device", "dev-100")
 
 
 async def test_a_misspelt_tenant_is_not_shown_as_an_empty_one(

@@ -20,6 +20,11 @@
   // it the status line says "stale" and how old the data is (a slow link
   // to Cassandra can keep polls succeeding, each many seconds late).
   const STALE_MS = 5000;
+  // A request unanswered this long is given up and counted as a failure: a
+  // connection that died without a word (a phone changing cells) otherwise
+  // held the next poll back until the browser gave up, minutes later. Above
+  // the server's own Cassandra timeout (10 s), which answers 503 itself.
+  const REQUEST_MS = 20000;
   const PAGE_SIZE = 100;
   const HISTORY_LIMIT = 500; // the API's cap: the chart shows up to this many events
   const HISTORY_ROWS = 50; // rows of the history table
@@ -214,14 +219,31 @@
     const headers = { Accept: "application/json" };
     if (token) headers.Authorization = `Bearer ${token}`;
     if (cached) headers["If-None-Match"] = cached.etag;
+    // Aborted by the caller (a new view) or by REQUEST_MS, whichever first.
+    const timed = new AbortController();
+    const giveUp = setTimeout(() => timed.abort(), REQUEST_MS);
+    const follow = () => timed.abort();
+    if (signal) {
+      if (signal.aborted) timed.abort();
+      else signal.addEventListener("abort", follow, { once: true });
+    }
     let response;
+    let text;
     try {
       // no-store: our own If-None-Match decides; the browser cache must not
       // answer for us (nor keep data that needs a token).
-      response = await fetch(url, { headers, signal, cache: "no-store", credentials: "omit" });
+      response = await fetch(url, {
+        headers, signal: timed.signal, cache: "no-store", credentials: "omit" });
+      text = response.status === 304 ? "" : await response.text();
     } catch (err) {
-      if (err.name === "AbortError") throw err;
+      if (signal && signal.aborted) throw err;
+      if (err.name === "AbortError") {
+        throw new ApiError(0, "timeout", `No answer in ${REQUEST_MS / 1000} s; retrying.`);
+      }
       throw new ApiError(0, "network", "Cannot reach the gateway; retrying.");
+    } finally {
+      clearTimeout(giveUp);
+      if (signal) signal.removeEventListener("abort", follow);
     }
     if (response.status === 304 && cached) {
       etagCache.delete(url);
@@ -229,7 +251,6 @@
       return { data: cached.data, changed: false };
     }
     let body = null;
-    const text = await response.text();
     try {
       body = text ? JSON.parse(text) : null;
     } catch {
@@ -363,6 +384,9 @@
       if (!(err instanceof ApiError)) console.error(err);
     } finally {
       if (inflight === controller) inflight = null;
+      // A request of the tick still under way (the other of a pair, when one
+      // failed) is dropped, not left to hold one of the browser's connections.
+      controller.abort();
     }
     renderLive();
     if (gen === generation && !document.hidden && !halted) {
@@ -799,7 +823,12 @@
     disableKeepingFocus(prev, !r.cursor, "devices-title");
     if (document.activeElement !== next) next.disabled = true;
     show($("pager"), Boolean(r.cursor));
-    let nextCursor = null;
+    let nextCursor = null; // the newest answer's
+    // The cursor of the page the rows show: Next goes on after the last row
+    // shown. While the reader is scrolled into the list the rows hold still
+    // and the newest answer's page may end later (a device above left), at
+    // a device never shown: its cursor skipped that one.
+    let shownNext = null;
     // Next pressed while this page is still loading (it stays enabled, to
     // keep the keyboard focus): followed as soon as the answer says where.
     let nextWanted = false;
@@ -811,12 +840,12 @@
         : filters));
     };
     next.onclick = () => {
-      if (!nextCursor) {
+      if (!shownNext) {
         nextWanted = !drawn;
         return;
       }
-      rememberPrev(r, nextCursor);
-      go(href(base, { ...filters, cursor: nextCursor, p: r.page + 1 }));
+      rememberPrev(r, shownNext);
+      go(href(base, { ...filters, cursor: shownNext, p: r.page + 1 }));
     };
     let drawn = false;
     let total = null;
@@ -837,6 +866,9 @@
         onPage = renderDeviceRows(r, devices, pickTag, Boolean(nextCursor), steady);
         renderDevicesMeta(r, onPage, total);
       });
+      if (!steady) shownNext = nextCursor; // the rows are this answer's page
+      disableKeepingFocus($("next-page"), !shownNext, "devices-title");
+      show($("pager"), Boolean(r.cursor || shownNext));
       const bar = $("new-devices");
       const pending = onPage.fresh || onPage.left;
       if (pending) {
@@ -880,13 +912,11 @@
         if (changed || !drawn) {
           drawn = true;
           nextCursor = data.next_cursor || null;
-          disableKeepingFocus(next, !nextCursor, "devices-title");
-          show($("pager"), Boolean(r.cursor || nextCursor));
           devices = data.devices || [];
           draw(false);
           if (nextWanted) {
             nextWanted = false;
-            if (nextCursor) next.onclick();
+            if (shownNext) next.onclick();
           }
         } else {
           keepingTopRow(scrolledIntoList(), null, () => renderDevicesMeta(r, onPage, total));
