@@ -26,6 +26,8 @@ from gateway.errors import CassandraUnreachable
 from gateway.stats import Stats
 from gateway.tools.cli import _run, main
 
+from .helpers import base_env, run_cli
+
 NOWHERE = {"GATEWAY_CASSANDRA__PORT": "1", "GATEWAY_MQTT__PORT": "1"}
 
 
@@ -80,7 +82,8 @@ def test_rejected_hours_says_what_it_takes(gateway: Run, hours: str) -> None:
 
 def test_rejected_since_says_what_it_takes_and_is_not_given_with_hours(gateway: Run) -> None:
     err = _fails(gateway, "rejected", "--tenant", "t", "--since", "yesterday")
-    assert "--since: 'yesterday' is neither an RFC 3339 time nor a duration like 2h" in err
+    assert "--since: 'yesterday' is neither an RFC 3339 time (2026-01-31T09:00:00Z" in err, err
+    assert "nor a duration like 2h (one number and a unit: ms, s, m, h or d)" in err, err
     err = _fails(gateway, "rejected", "--tenant", "t", "--since", "1h", "--hours", "2")
     assert "argument --hours: not allowed with argument --since" in err
 
@@ -193,6 +196,41 @@ def test_a_tenant_no_topic_can_name_is_refused(gateway: Run, args: tuple[str, ..
     reads answered "0 devices", as if the tenant were empty."""
     err = _fails(gateway, *args)
     assert "argument --tenant: a tenant is one topic level" in err, err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("devices", "--tenant", "", "--state", "on"),
+        ("quota", "--tenant", ""),
+        ("meta", "tags", "--tenant", ""),
+        ("rollup", "--tenant", "", "d1"),
+    ],
+)
+def test_an_empty_tenant_is_refused_where_only_rejected_takes_one(
+    gateway: Run, args: tuple[str, ...]
+) -> None:
+    """`--tenant ''` is how `gateway rejected` lists messages whose topic
+    named no tenant. The other commands passed it to Cassandra, which
+    refused the empty key, and printed the driver's traceback."""
+    err = _fails(gateway, *args)
+    assert "argument --tenant: must not be empty" in err, err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("devices", "--tenant", "acme", "--state", "on"), ("history", "--tenant", "acme", "d1")],
+)
+def test_a_read_that_cannot_reach_cassandra_says_so_in_one_line(args: tuple[str, ...]) -> None:
+    """The driver's own reports of the failed connect (a warning and an
+    error, from cassandra.cluster) came before the command's line. (A
+    process of its own: in this one, pytest's log capture holds the root
+    logger, and the command's stderr handler is never installed.)"""
+    done = run_cli(*args, env=base_env(GATEWAY_CASSANDRA__PORT="1"))
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines() == [
+        "gateway: cannot connect to Cassandra at 127.0.0.1:1: connection refused"
+    ], done.stderr
 
 
 @pytest.mark.parametrize("since", ["20261126", "1764161000", "1764161000000", "90"])

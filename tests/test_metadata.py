@@ -61,6 +61,30 @@ async def test_metadata_is_kept_on_ingest_and_served(
     result = run_cli("meta", "devices", "floor", "--tenant", tenant)
     assert result.returncode == 2
     assert "KEY=VALUE" in result.stderr
+    # Empty answers say why: a tag the tenant does not have, a tenant with
+    # nothing recorded, a device it does not have, or nothing in the range.
+    result = run_cli("meta", "values", "flor", "--tenant", tenant)
+    assert result.returncode == 0, result.stderr
+    assert "the tenant has no tag 'flor'; its tags: floor, room" in result.stderr
+    result = run_cli("meta", "tags", "--tenant", f"{tenant}x", "--json")
+    assert (result.returncode, orjson.loads(result.stdout)) == (0, [])
+    assert "nothing recorded for the tenant; a misspelt --tenant?" in result.stderr
+    result = run_cli("history", "--tenant", tenant, "d9")
+    assert f"tenant {tenant!r} has no device 'd9'; a misspelt id or --tenant?" in result.stderr
+    result = run_cli("rollup", "--tenant", tenant, "d9", "--metric", "temp")
+    assert f"tenant {tenant!r} has no device 'd9'" in result.stderr
+    result = run_cli(
+        "history",
+        "--tenant",
+        tenant,
+        "d1",
+        "--until",
+        "2020-01-01T00:00:00Z",
+        "--since",
+        "2019-12-31T00:00:00Z",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "(0 events: none in the range; its newest event is at 20" in result.stderr
 
     tokens = TokenStore(tmp_path / "tokens.jsonl")
     async with client(db, make_config(), tokens, tenant) as api:

@@ -662,12 +662,15 @@ def parse_time(parameter: str, text: str, now: datetime | None = None) -> dateti
     except ValueError:
         # "...T23:00:00 05:30": a "+" in a URL's query arrives as a space.
         plus = (
-            " (a + in a URL query is a space: send it as %2B)"
+            " (its offset lost the +, as a + in a URL query does: send it as %2B)"
             if _SPACED_OFFSET.search(text)
             else ""
         )
         raise bad_parameter(
-            parameter, f"{text!r} is neither an RFC 3339 time nor a duration like 2h{plus}"
+            parameter,
+            f"{text!r} is neither an RFC 3339 time (2026-01-31T09:00:00Z, or with an "
+            f"offset such as +01:00) nor a duration like 2h (one number and a unit: ms, "
+            f"s, m, h or d){plus}",
         ) from None
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
@@ -788,7 +791,8 @@ def check_rollup_range(step: int, since: datetime, until: datetime) -> tuple[int
         raise bad_parameter(
             "since",
             f"the range holds more than {MAX_ROLLUP_WINDOWS} windows of {step} s "
-            f"(from {iso(since)} to {iso(until)}): move since later or until earlier",
+            f"(from {iso(since)} to {iso(until)}): move since later or until earlier, "
+            "or take a longer step",
         )
     return first, until_ms
 

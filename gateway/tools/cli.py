@@ -26,7 +26,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ from ..errors import BrokerError, ConfigError, GatewayError, QueryError
 from ..repeats import Repeats
 from ..sd_notify import Notifier
 from ..store import queries, quota, schema
-from ..store.database import connect
+from ..store.database import Database, connect
 from ..web import tokens
 
 # `gateway run` and `serve` (the app: aiohttp, both drivers, the pipeline),
@@ -311,7 +311,7 @@ def _parser() -> argparse.ArgumentParser:
 
     rej = sub.add_parser("rejected", parents=[common], help="recently rejected messages and why")
     rej.add_argument(
-        "--tenant", type=_tenant, default="", help="tenant ('' for topics that named none)"
+        "--tenant", type=_any_tenant, default="", help="tenant ('' for topics that named none)"
     )
     back = rej.add_mutually_exclusive_group()
     back.add_argument(
@@ -496,6 +496,20 @@ async def _serve(config: Config) -> int:
 _DRIVER_LOGGERS = ("cassandra", "gateway.store.write_session")
 
 
+@contextlib.contextmanager
+def _drivers_quiet(quiet: bool) -> Iterator[None]:
+    """The drivers' loggers above CRITICAL meanwhile, if ``quiet``."""
+    loggers = [logging.getLogger(name) for name in _DRIVER_LOGGERS] if quiet else []
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
 def _not_from_a_driver(record: logging.LogRecord) -> bool:
     return not any(record.name == n or record.name.startswith(n + ".") for n in _DRIVER_LOGGERS)
 
@@ -617,9 +631,20 @@ def _seconds_arg(text: str) -> float:
 
 def _tenant(text: str) -> str:
     """A tenant (``--tenant``): a name (:func:`_name`) that is one topic level
-    (the check a token's tenant passes), or empty (topics that named none). No
-    topic can carry another, so another found nothing, or, for ``quota``,
-    counted slots of a tenant that cannot send."""
+    (the check a token's tenant passes). No topic can carry another, so
+    another found nothing, or, for ``quota``, counted slots of a tenant that
+    cannot send. Not empty: Cassandra refuses an empty key (a traceback)."""
+    if not text:
+        raise argparse.ArgumentTypeError(
+            "must not be empty (only `gateway rejected --tenant ''` takes it: "
+            "messages whose topic named no tenant)"
+        )
+    return _any_tenant(text)
+
+
+def _any_tenant(text: str) -> str:
+    """:func:`_tenant`, or empty: ``rejected`` lists the messages whose topic
+    named no tenant under ''."""
     text = _name(text)
     return _checked(tokens.check_tenant)(text) if text else text
 
@@ -759,6 +784,7 @@ async def _history(config: Config, args: argparse.Namespace) -> int:
     async with connect(config.cassandra) as db:
         # One more than asked: whether the limit left any out.
         rows = await queries.history(db, args.tenant, args.device_id, since, until, args.limit + 1)
+        hint = "" if rows else await _empty_device_hint(db, args.tenant, args.device_id)
     more, rows = len(rows) > args.limit, rows[: args.limit]
     if args.json:
         _print_json([r.as_json() for r in rows])
@@ -768,9 +794,18 @@ async def _history(config: Config, args: argparse.Namespace) -> int:
                 f"{queries.iso(r.ts)}\t{r.state or ''}\t{'' if r.value is None else r.value}"
                 f"\t{orjson.dumps(r.metrics).decode()}"
             )
-    if more or not args.json:  # with --json, said only when the list is cut
-        print(f"({len(rows)} events{_more(more)})", file=sys.stderr)
+    if more or hint or not args.json:  # with --json, said only when cut or explained
+        print(f"({len(rows)} events{_more(more)}{hint})", file=sys.stderr)
     return 0
+
+
+async def _empty_device_hint(db: Database, tenant: str, device_id: str) -> str:
+    """Why a device's range is empty: no such device (a misspelt id or
+    --tenant), or none in the range, and when its newest event was."""
+    newest = await queries.latest_event(db, tenant, device_id)
+    if newest is None:
+        return f": tenant {tenant!r} has no device {device_id!r}; a misspelt id or --tenant?"
+    return f": none in the range; its newest event is at {queries.iso(newest.ts)}"
 
 
 async def _rollup(config: Config, args: argparse.Namespace) -> int:
@@ -789,6 +824,7 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
             db, args.tenant, args.device_id, args.metric, step, since, until
         )
         known = await queries.meta_metrics(db, args.tenant) if not rows else []
+        device_hint = "" if rows else await _empty_device_hint(db, args.tenant, args.device_id)
     hint = ""
     if known and args.metric not in known:
         # Likely a misspelt --metric: say which ones the tenant's devices send.
@@ -796,6 +832,8 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
     elif not rows and not known and args.metric != "value" and config.metadata.enabled:
         # No metric at all (metadata records every name): likely a misspelt --tenant.
         hint = f": tenant {args.tenant!r} has no metrics recorded; a misspelt --tenant?"
+    elif device_hint.startswith(": tenant"):  # no such device
+        hint = device_hint
     summary = f"({_count(len(rows), 'window')} of {args.step} for {args.metric!r}{hint})"
     if args.json:
         if hint:
@@ -838,16 +876,31 @@ async def _meta(config: Config, args: argparse.Namespace) -> int:
             found = await queries.meta_tag_values(db, args.tenant, args.key)
         else:
             found = await queries.meta_tag_devices(db, args.tenant, key, value)
+        asked_key = args.key if what == "values" else key if what == "devices" else None
+        hint = "" if found else await _empty_meta_hint(db, args.tenant, asked_key, config)
     found, cut = queries.meta_cut(found)
     if args.json:
         _print_json(found)
     else:
         for entry in found:
             print(entry)
-    if cut or not args.json:  # with --json, said only when the list is cut
+    if cut or hint or not args.json:  # with --json, said only when cut or explained
         more = f"; the list is longer, cut at {queries.MAX_META:,}" if cut else ""
-        print(f"({len(found)} for tenant {args.tenant!r}{more})", file=sys.stderr)
+        print(f"({len(found)} for tenant {args.tenant!r}{more}{hint})", file=sys.stderr)
     return 0
+
+
+async def _empty_meta_hint(db: Database, tenant: str, key: str | None, config: Config) -> str:
+    """Why a metadata list is empty: metadata off, a tenant with nothing
+    recorded (a misspelt --tenant?), or a tag ``key`` it does not have."""
+    if not config.metadata.enabled:
+        return ": metadata.enabled is false, so nothing is recorded"
+    keys = await queries.meta_tag_keys(db, tenant)
+    if not keys and not await queries.meta_metrics(db, tenant):
+        return ": nothing recorded for the tenant; a misspelt --tenant?"
+    if key is not None and key not in keys:
+        return f": the tenant has no tag {key!r}; its tags: {_first_names(keys) or 'none'}"
+    return ""
 
 
 async def _quota(config: Config, args: argparse.Namespace) -> int:
@@ -1132,11 +1185,6 @@ def _main(argv: Sequence[str] | None) -> int:
             print(f"gateway: {ENV_LOG_LEVEL}: {exc}", file=sys.stderr)
             return 2
     _setup_logging(level)
-    if args.command == "check":
-        # check reports every failure itself, first thing, in one line; the
-        # drivers' own reports (tracebacks included) would come before it.
-        for name in ("cassandra", "gateway.store.write_session"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         config = load_config(getattr(args, "config", None))
     except ConfigError as exc:
@@ -1177,7 +1225,12 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.command not in ("run", "serve", "simulate"):  # those stop gracefully
         signal.signal(signal.SIGINT, _exit_interrupted)
     try:
-        return uvloop.run(coro)
+        # A command that asks once reports every failure itself, in one line
+        # ("cannot connect to Cassandra at ..."); the drivers' own reports
+        # (tracebacks included) would come before it. The long-running ones
+        # keep the drivers' warnings (run hides only its first connect's).
+        with _drivers_quiet(args.command not in ("run", "serve")):
+            return uvloop.run(coro)
     except KeyboardInterrupt:
         return 130
     except (GatewayError, BaseExceptionGroup) as exc:
