@@ -247,9 +247,12 @@ class FakeApi:
         if name == "history":
             return self._history(tenant, info["device_id"], request.query)
         if name == "rejected":
+            # As the real API: newest first, at most limit (default 100, up to MAX_LIMIT).
             since = rfc3339(_time(request.query.get("since") or "1h", "since"))
+            limit = min(int(request.query.get("limit") or 100), MAX_LIMIT)
             rows = [r for r in self.rejected.get(tenant, []) if r["received_at"] >= since]
-            return {"tenant": tenant, "rejected": rows}
+            rows.sort(key=lambda r: str(r["received_at"]), reverse=True)
+            return {"tenant": tenant, "rejected": rows[:limit]}
         raise AssertionError(name)
 
     def _log(self, request: web.Request, response: _R) -> _R:

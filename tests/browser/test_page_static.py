@@ -15,7 +15,7 @@ import asyncio
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 import pytest_asyncio
@@ -438,6 +438,38 @@ async def test_history_range_and_rejected_messages(page: Page, url: str, api: Fa
     await expect(row.locator(".detail")).to_have_text("<script>alert(1)</script> is not JSON")
 
 
+async def test_rejected_says_when_it_shows_only_the_newest_and_never_another_tenants_nothing(
+    page: Page, url: str, api: FakeApi
+) -> None:
+    """The page asked for the API's default 100 and showed them as "the last
+    24 hours"; and opening a tenant's list after another's showed the other's
+    "Nothing rejected" until the answer came."""
+
+    def rejected(i: int) -> dict[str, Any]:
+        return {
+            "received_at": rfc3339(ago(10 + i)),
+            "topic": f"tenants/acme/devices/d{i}/events",
+            "device_id": f"d{i}",
+            "reason": "invalid_json",
+            "detail": "not valid JSON",
+            "payload_size": 3,
+        }
+
+    api.rejected["acme"] = [rejected(i) for i in range(600)]
+    await log_in(page, url, ADMIN_TOKEN)
+    await page.goto(f"{url}#/t/empty/rejected")
+    await expect(page.locator("#rejected-empty")).to_be_visible()
+    api.delay_s = 1.0
+    await page.goto(f"{url}#/t/acme/rejected")
+    await expect(page.locator("#rejected-meta")).to_have_text("Loading…")
+    await expect(page.locator("#rejected-empty")).to_be_hidden()
+    api.delay_s = 0
+    await expect(page.locator("#rejected-rows tr")).to_have_count(500)
+    await expect(page.locator("#rejected-meta")).to_contain_text("The newest 500 are shown")
+    await expect(page.locator("#rejected-meta")).to_contain_text("older ones of the last 24 hours")
+    await expect(page.locator("#rejected-rows tr").first).to_contain_text("d0")
+
+
 # ---------------------------------------------------------------- trouble
 # What the probe of the page at 390x844, 320x568 and 1280x860 found: each
 # test below failed before its fix.
@@ -467,8 +499,12 @@ async def test_an_outage_shows_wherever_a_phone_is_scrolled(
     await expect(page.locator("#live")).to_contain_text("live")
     assert await in_viewport(page, "#live"), "the live indicator scrolled away"
 
+    announce = page.locator('[role="status"]#status-announce')
+    await expect(announce).to_have_text("")  # not "live" at every start
     api.fault = ApiError(503, "unavailable", "Cassandra did not answer")
     await expect(page.locator("#live")).to_contain_text("reconnecting", timeout=LIVE_MS + 1_000)
+    # Told to a screen reader once, not with every second's new line.
+    await expect(announce).to_have_text("Updates stopped: reconnecting to the gateway.")
     assert await in_viewport(page, "#live"), "an outage is not on screen when scrolled"
     await expect(page.locator("#status")).to_contain_text("Cassandra did not answer")
     await no_horizontal_overflow(page)
@@ -484,6 +520,7 @@ async def test_an_outage_shows_wherever_a_phone_is_scrolled(
     # After the backoff (up to 8 s) the next poll succeeds.
     await expect(page.locator("#live")).to_contain_text("live", timeout=15_000)
     await expect(page.locator("#error")).to_be_hidden()
+    await expect(announce).to_have_text("Live again: the page updates by itself.")
 
 
 # Where the status line draws "last update … ago": [that text, the boxes that
@@ -983,6 +1020,19 @@ async def test_live_updates_keep_a_scrolled_list_steady(
     await expect(meta).to_have_text("97 shown · 3 left this page · 3 new · 251 devices in on")
     await no_horizontal_overflow(page)
     await screenshot(page, "steady-scrolled")
+    # Scrolled to the end, the bar leaves the pager uncovered (it hid the
+    # page number and the inner edges of Previous and Next).
+    overlap = await page.evaluate(
+        """() => { const back = window.scrollY;
+        window.scrollTo(0, document.body.scrollHeight);
+        const bar = document.getElementById('new-devices').getBoundingClientRect();
+        const pager = document.getElementById('pager').getBoundingClientRect();
+        window.scrollTo(0, back);  // before any poll: the rows stay as they were
+        const y = Math.min(bar.bottom, pager.bottom) - Math.max(bar.top, pager.top);
+        const x = Math.min(bar.right, pager.right) - Math.max(bar.left, pager.left);
+        return y > 0 && x > 0; }"""
+    )
+    assert not overlap, "the new-devices bar covers the pager"
     # Another poll changes nothing on screen.
     await asyncio.sleep(1.5)
     assert await page.evaluate(ON_SCREEN) == before

@@ -33,6 +33,9 @@
   const RANGES = ["1h", "24h", "7d"];
   const DEFAULT_RANGE = "24h";
   const REJECTED_SINCE = "24h";
+  // The API's cap on a list: the newest this many rejected messages are shown,
+  // and the page says so when there were more.
+  const REJECTED_LIMIT = 500;
   const ETAG_CACHE_SIZE = 64;
 
   // ------------------------------------------------------------------ DOM helpers
@@ -447,7 +450,24 @@
     live.className = `live ${kind}`;
     bar.className = `status ${kind}`;
     if ($("status-detail").textContent !== detail) $("status-detail").textContent = detail;
+    // For screen readers, once per change of kind (the line itself changes
+    // every second): "Updates stopped: reconnecting", "Live again".
+    const said = ANNOUNCE[kind];
+    const announce = $("status-announce");
+    if (said && announce.dataset.kind !== kind) {
+      const first = !announce.dataset.kind;
+      announce.dataset.kind = kind;
+      if (!first || kind !== "up") announce.textContent = said;
+    }
   }
+
+  const ANNOUNCE = {
+    up: "Live again: the page updates by itself.",
+    stale: "The data is getting old: the gateway answers slowly.",
+    down: "Updates stopped: reconnecting to the gateway.",
+    paused: "",
+    stopped: "Updates stopped: this page cannot be shown.",
+  };
 
   document.addEventListener("visibilitychange", () => {
     if (document.hidden) {
@@ -689,11 +709,17 @@
     document.title = `${r.tenant} · Device states`;
     $("rejected-link").setAttribute("href", href(["t", r.tenant, "rejected"]));
     $("tiles").replaceChildren();
-    $("states-meta").textContent = "";
+    $("states-meta").textContent = "Loading…";
     show($("states-empty"), false);
     let drawn = false;
     return {
       crumbs: () => tenantCrumbs(r),
+      failed() {
+        if (!drawn) {
+          $("states-meta").textContent =
+            "The states could not be loaded; the page will try again by itself.";
+        }
+      },
       async refresh(signal) {
         const { data, changed } = await api(pathOf("tenants", r.tenant, "states"), null, signal);
         // No states: an empty tenant, or a name nobody has used (a typo)?
@@ -1366,15 +1392,31 @@
     $("rejected-title").textContent = `Rejected messages of ${r.tenant}`;
     document.title = `Rejected · ${r.tenant} · Device states`;
     $("rejected-rows").replaceChildren();
+    // Not the last tenant's "Nothing rejected" while this one's load.
+    show($("rejected-empty"), false);
+    const meta = $("rejected-meta");
+    meta.textContent = "Loading…";
     let drawn = false;
     return {
       crumbs: () => tenantCrumbs(r, ["Rejected", ""]),
+      failed() {
+        if (!drawn) {
+          meta.textContent =
+            "The rejected messages could not be loaded; the page will try again by itself.";
+        }
+      },
       async refresh(signal) {
         const { data, changed } = await api(pathOf("tenants", r.tenant, "rejected"),
-          { since: REJECTED_SINCE }, signal);
+          { since: REJECTED_SINCE, limit: REJECTED_LIMIT }, signal);
         if (!changed && drawn) return;
         drawn = true;
         const items = data.rejected || [];
+        // The newest come first: at the cap, older ones of the 24 hours are left out.
+        meta.textContent = items.length >= REJECTED_LIMIT
+          ? `The newest ${items.length} are shown, back to `
+            + `${formatTime(tsMillis(items[items.length - 1].received_at))}; older ones of `
+            + "the last 24 hours are not listed."
+          : "";
         $("rejected-rows").replaceChildren(...items.map((m) => h("tr", null,
           h("td", { "data-label": "Received" }, timeEl(m.received_at)),
           h("td", { "data-label": "Device", class: "wrap-anywhere",
