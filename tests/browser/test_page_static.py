@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -468,6 +469,25 @@ async def test_rejected_says_when_it_shows_only_the_newest_and_never_another_ten
     await expect(page.locator("#rejected-meta")).to_contain_text("The newest 500 are shown")
     await expect(page.locator("#rejected-meta")).to_contain_text("older ones of the last 24 hours")
     await expect(page.locator("#rejected-rows tr").first).to_contain_text("d0")
+
+
+async def test_times_drawn_before_midnight_get_their_date_after_it(
+    page: Page, url: str, api: FakeApi
+) -> None:
+    """A page left open overnight (a wall tablet) kept "20:44:10" for
+    yesterday's events: times are drawn once, without a date when they are
+    of today, and only the ages were refreshed."""
+    now = datetime.now(UTC)
+    api.put("acme", "meter", "on", 1.0, at=now - timedelta(minutes=5))
+    # The browser's clock: 30 s before the next midnight (UTC, as the tests' browser).
+    midnight = (now + timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0)
+    await page.clock.install(time=midnight - timedelta(seconds=30))
+    await log_in(page, url, TENANT_TOKEN)
+    await page.goto(f"{url}#/t/acme/s/on")
+    seen = page.locator('[data-device="meter"] time')
+    await expect(seen).not_to_contain_text(str(now.year))  # today's: the time alone
+    await page.clock.fast_forward(40_000)
+    await expect(seen).to_contain_text(str(now.year))  # yesterday's now: with its date
 
 
 # ---------------------------------------------------------------- trouble

@@ -130,11 +130,23 @@
     return h("span", { class: "age", "data-ts": ms, text: formatAge(ms, Date.now()) });
   }
 
+  let agesDay = new Date().toDateString();
+
   function updateAges() {
     const now = Date.now();
     for (const el of document.querySelectorAll(".age[data-ts]")) {
       const text = formatAge(Number(el.getAttribute("data-ts")), now);
       if (el.textContent !== text) el.textContent = text;
+    }
+    // Past midnight a time drawn yesterday as "18:02:11" needs its date: a
+    // page left open on a wall tablet showed yesterday's events as today's.
+    const day = new Date(now).toDateString();
+    if (day !== agesDay) {
+      agesDay = day;
+      for (const el of document.querySelectorAll("time[datetime]")) {
+        const text = formatTime(Date.parse(el.getAttribute("datetime")));
+        if (el.textContent !== text) el.textContent = text;
+      }
     }
   }
 
