@@ -68,6 +68,8 @@ class FakeApi:
     history: dict[tuple[str, str], list[dict[str, Any]]] = field(default_factory=dict)
     known_states: dict[str, set[str]] = field(default_factory=dict)
     rejected: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    # tenant -> {state: count}: /states answers these instead of the live counts.
+    held_counts: dict[str, dict[str, int]] = field(default_factory=dict)
     changed_at: dict[str, datetime] = field(default_factory=dict)
     seen: list[Seen] = field(default_factory=list)
     # Rows a filtered devices page reads at most (the real API's SCAN_BUDGET):
@@ -134,6 +136,8 @@ class FakeApi:
         counts = dict.fromkeys(sorted(self.known_states.get(tenant, set())), 0)
         for device in self.latest.get(tenant, {}).values():
             counts[device["state"]] += 1
+        # Counts as the real API's cache can hold them (up to 10 s old).
+        counts |= self.held_counts.get(tenant, {})
         return {
             "tenant": tenant,
             # The time of the data, not of the request: an unchanged answer

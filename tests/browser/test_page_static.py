@@ -490,6 +490,22 @@ async def test_times_drawn_before_midnight_get_their_date_after_it(
     await expect(seen).to_contain_text(str(now.year))  # yesterday's now: with its date
 
 
+async def test_a_whole_list_is_its_own_count_whatever_the_cached_counts_say(
+    page: Page, url: str, api: FakeApi
+) -> None:
+    """The count came from /states, which the server keeps for up to 10 s,
+    while the list is read fresh: "No devices are in state on right now"
+    beside "1 device in on". A list on one page, unfiltered, is the count."""
+    await log_in(page, url, TENANT_TOKEN)
+    await page.goto(f"{url}#/t/acme/s/on")
+    rows = page.locator("#device-rows tr")
+    await expect(rows).to_have_count(3)
+    api.held_counts["acme"] = {"on": 5}
+    api.put("acme", "dev-2", "off", 0.0)
+    await expect(rows).to_have_count(2, timeout=LIVE_MS)
+    await expect(page.locator("#devices-meta")).to_have_text("2 shown · 2 devices in on")
+
+
 # ---------------------------------------------------------------- trouble
 # What the probe of the page at 390x844, 320x568 and 1280x860 found: each
 # test below failed before its fix.

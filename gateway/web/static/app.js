@@ -946,7 +946,10 @@
             return null; // the list is still worth showing without its total
           })]);
         const entry = counts && (counts.data.states || []).find((st) => st.state === r.state);
-        total = entry ? Number(entry.devices) : null;
+        // The counts may be up to 10 s old (the server keeps them when
+        // counting was slow); a whole list, unfiltered, is its own count.
+        const whole = !r.cursor && !data.next_cursor && !(r.prefix || r.tag);
+        total = whole ? (data.devices || []).length : entry ? Number(entry.devices) : null;
         if (changed || !drawn) {
           drawn = true;
           nextCursor = data.next_cursor || null;
