@@ -914,15 +914,19 @@ def _nearest_key(loc: tuple[str, ...], source: str) -> str:
     if model is None or named:
         return ""
     name = loc[-1]
+    if len(loc) == 1 and source.startswith(ENV_PREFIX):
+        # GATEWAY_CASSANDRA_PORT: a section, one underscore, a key of it (the
+        # longest section that fits: hot_partitions before hot).
+        for section in sorted(Config.model_fields, key=len, reverse=True):
+            key = name.removeprefix(f"{section}_")
+            if key != name and key:
+                return (
+                    f"; {ENV_PREFIX}<SECTION>__<KEY> takes two underscores: "
+                    f"{ENV_PREFIX}{section.upper()}__{key.upper()}?"
+                )
     near = difflib.get_close_matches(name, list(model.model_fields), n=1, cutoff=0.75)
     if near:
         return f"; did you mean {'.'.join((*loc[:-1], near[0]))}?"
-    section, _, key = name.partition("_")
-    if len(loc) == 1 and key and section in Config.model_fields and source.startswith(ENV_PREFIX):
-        return (
-            f"; {ENV_PREFIX}<SECTION>__<KEY> takes two underscores: "
-            f"{ENV_PREFIX}{section.upper()}__{key.upper()}?"
-        )
     return ""
 
 

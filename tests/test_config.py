@@ -244,6 +244,20 @@ def test_an_env_variable_with_one_underscore_is_told_the_two() -> None:
     ) in message
 
 
+@pytest.mark.parametrize(
+    ("variable", "meant"),
+    [
+        # "did you mean cassandra?" came first: the top-level name nearest.
+        ("GATEWAY_CASSANDRA_PORT", "GATEWAY_CASSANDRA__PORT"),
+        # A section whose name holds an underscore.
+        ("GATEWAY_HOT_PARTITIONS_THRESHOLD", "GATEWAY_HOT_PARTITIONS__THRESHOLD"),
+    ],
+)
+def test_the_two_underscores_come_before_a_near_name(variable: str, meant: str) -> None:
+    message = _error(env={variable: "1"})
+    assert f"takes two underscores: {meant}?" in message, message
+
+
 def test_keepalive_takes_a_duration_in_whole_seconds() -> None:
     assert load_config(None, {"GATEWAY_MQTT__KEEPALIVE": "1m"}).mqtt.keepalive == 60
     assert load_config(None, {"GATEWAY_MQTT__KEEPALIVE": "45"}).mqtt.keepalive == 45
