@@ -368,3 +368,22 @@ def test_run_s_young_collection_holds_a_chunk(
         gc.unfreeze()
         gc.set_threshold(*threshold)
     assert seen == [(young, 10, 10)]
+
+
+@pytest.mark.parametrize("command", ["devices", "history", "rollup", "rejected", "meta"])
+def test_help_says_what_a_command_does_with_examples_and_exit_status(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert f"examples:\n  gateway {command} " in out, out
+    assert "exit status: 0 done, 1 failed" in out, out
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith("gateway 0.")

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import gc
 import http.client
+import importlib.metadata
 import importlib.resources
 import logging
 import math
@@ -140,6 +141,60 @@ def _setup_logging(level: str) -> None:
     logging.getLogger("cassandra").setLevel(logging.WARNING)
 
 
+# `gateway COMMAND --help` ends with these, then the exit status.
+EXAMPLES: dict[str, tuple[str, ...]] = {
+    "init": ("gateway init gateway.toml", "sudo gateway init --edge /etc/gateway/gateway.toml"),
+    "check": ("gateway check --config gateway.toml",),
+    "devices": (
+        "gateway devices --tenant demo --state on",
+        "gateway devices --tenant demo --state off --json",
+    ),
+    "device": ("gateway device --tenant demo dev-000001",),
+    "history": (
+        "gateway history --tenant demo dev-000001 --since 10m",
+        "gateway history --tenant demo dev-000001 --since 2026-11-27T08:00:00Z --until 1h --json",
+    ),
+    "rollup": (
+        "gateway rollup --tenant demo dev-000001 --metric temperature --since 2h",
+        "gateway rollup --tenant demo dev-000001 --step 1h --since 7d --json",
+    ),
+    "meta": (
+        "gateway meta tags --tenant demo",
+        "gateway meta values site --tenant demo",
+        "gateway meta devices site=site-0 --tenant demo",
+    ),
+    "quota": ("gateway quota --tenant acme", "gateway quota --tenant acme --release dev-7 dev-8"),
+    "rejected": (
+        "gateway rejected --tenant demo --since 30m",
+        "gateway rejected --tenant ''        # topics that named no tenant",
+    ),
+    "token": ("gateway token add --tenant acme", "gateway token list", "gateway token revoke ID"),
+}
+EXIT_STATUS = (
+    "exit status: 0 done, 1 failed (unreachable, not found),\n"
+    "             2 usage or configuration error, 130 interrupted"
+)
+
+
+def _command(sub: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """A subcommand whose --help says what it does, shows examples and the
+    exit status."""
+    kwargs.setdefault("description", kwargs.get("help"))
+    examples = "".join(f"  {line}\n" for line in EXAMPLES.get(name, ()))
+    epilog = (f"examples:\n{examples}\n" if examples else "") + EXIT_STATUS
+    parser: argparse.ArgumentParser = sub.add_parser(
+        name, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs
+    )
+    return parser
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("mqtt-cassandra-gateway")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "unknown"
+
+
 def _parser() -> argparse.ArgumentParser:
     # --config and --log-level work before or after the command
     # (`gateway --config f.toml run` and `gateway run --config f.toml`).
@@ -161,9 +216,11 @@ def _parser() -> argparse.ArgumentParser:
         description="MQTT edge-to-cloud gateway: device events from Mosquitto into Cassandra.",
         parents=[common],
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    ini = sub.add_parser(
+    ini = _command(
+        sub,
         "init",
         parents=[common],
         help="write a commented config (every key, its default) to start from",
@@ -182,14 +239,15 @@ def _parser() -> argparse.ArgumentParser:
         help="the edge profile: spool on, state in /var/lib/gateway (the service's directory)",
     )
 
-    sub.add_parser("run", parents=[common], help="run the gateway until SIGTERM/SIGINT")
-    sub.add_parser(
+    _command(sub, "run", parents=[common], help="run the gateway until SIGTERM/SIGINT")
+    _command(
+        sub,
         "serve",
         parents=[common],
         help="serve only the read side (page, /api/v1): no MQTT, reads Cassandra",
     )
 
-    sch = sub.add_parser("schema", parents=[common], help="manage the Cassandra schema")
+    sch = _command(sub, "schema", parents=[common], help="manage the Cassandra schema")
     sch_sub = sch.add_subparsers(dest="schema_command", required=True, metavar="ACTION")
     sch_sub.add_parser(
         "apply",
@@ -208,7 +266,8 @@ def _parser() -> argparse.ArgumentParser:
         help="rebuild even when the keyspace already has the current layout",
     )
 
-    sub.add_parser(
+    _command(
+        sub,
         "check",
         parents=[common],
         help="exit non-zero if the broker or Cassandra is unreachable, the schema is missing, "
@@ -216,26 +275,27 @@ def _parser() -> argparse.ArgumentParser:
         "holding messages with the spool off)",
     )
 
-    dev = sub.add_parser("devices", parents=[common], help="devices currently in a state")
+    dev = _command(sub, "devices", parents=[common], help="devices currently in a state")
     dev.add_argument("--tenant", type=_tenant, required=True, help=TENANT_HELP)
     dev.add_argument(
         "--state", type=_name, required=True, help="a state the devices report, e.g. on"
     )
     dev.add_argument("--json", action="store_true", help="print a JSON array")
 
-    one = sub.add_parser("device", parents=[common], help="a device's latest event")
+    one = _command(sub, "device", parents=[common], help="a device's latest event")
     one.add_argument("--tenant", type=_tenant, required=True, help=TENANT_HELP)
     one.add_argument("device_id", type=_name)
     one.add_argument("--json", action="store_true", help="print JSON")
 
-    his = sub.add_parser(
-        "history", parents=[common], help="a device's raw events in a time range, newest first"
+    his = _command(
+        sub, "history", parents=[common], help="a device's raw events in a time range, newest first"
     )
     his.add_argument("--tenant", type=_tenant, required=True, help=TENANT_HELP)
     his.add_argument("device_id", type=_name)
     his.add_argument(
         "--since",
-        help="RFC 3339 time (UTC without an offset) or a duration ago like 2h (default 24h)",
+        help="RFC 3339 time (UTC without an offset) or a duration ago like 2h "
+        "(ms, s, m, h, d; default 24h)",
     )
     his.add_argument(
         "--until", help="RFC 3339 time (UTC without an offset) or a duration ago (default now)"
@@ -243,8 +303,11 @@ def _parser() -> argparse.ArgumentParser:
     _add_limit(his, "events")
     his.add_argument("--json", action="store_true", help="print a JSON array")
 
-    rol = sub.add_parser(
-        "rollup", parents=[common], help="a device's 1-minute or 1-hour aggregates, oldest first"
+    rol = _command(
+        sub,
+        "rollup",
+        parents=[common],
+        help="a device's 1-minute or 1-hour aggregates, oldest first",
     )
     rol.add_argument("--tenant", type=_tenant, required=True, help=TENANT_HELP)
     rol.add_argument("device_id", type=_name)
@@ -254,15 +317,16 @@ def _parser() -> argparse.ArgumentParser:
     rol.add_argument("--step", default="1m", help="1m or 1h (default 1m, as the API)")
     rol.add_argument(
         "--since",
-        help="RFC 3339 time (UTC without an offset) or a duration ago like 2h (default 24h)",
+        help="RFC 3339 time (UTC without an offset) or a duration ago like 2h "
+        "(ms, s, m, h, d; default 24h)",
     )
     rol.add_argument(
         "--until", help="RFC 3339 time (UTC without an offset) or a duration ago (default now)"
     )
     rol.add_argument("--json", action="store_true", help="print a JSON array")
 
-    meta = sub.add_parser(
-        "meta", parents=[common], help="metric names, tag keys and values, devices by tag"
+    meta = _command(
+        sub, "meta", parents=[common], help="metric names, tag keys and values, devices by tag"
     )
     meta_sub = meta.add_subparsers(dest="meta_command", required=True, metavar="WHAT")
     for name, what in (("metrics", "metric names"), ("tags", "tag keys")):
@@ -287,7 +351,8 @@ def _parser() -> argparse.ArgumentParser:
     counted.add_argument("--tenant", type=_tenant, required=True, help=TENANT_HELP)
     counted.add_argument("--json", action="store_true", help="print JSON")
 
-    quo = sub.add_parser(
+    quo = _command(
+        sub,
         "quota",
         parents=[common],
         help="devices a tenant's device quota admitted (max_devices_per_tenant); --release",
@@ -309,7 +374,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     quo.add_argument("--json", action="store_true", help="print JSON")
 
-    rej = sub.add_parser("rejected", parents=[common], help="recently rejected messages and why")
+    rej = _command(sub, "rejected", parents=[common], help="recently rejected messages and why")
     rej.add_argument(
         "--tenant", type=_any_tenant, default="", help="tenant ('' for topics that named none)"
     )
@@ -324,20 +389,21 @@ def _parser() -> argparse.ArgumentParser:
     _add_limit(rej, "messages")
     rej.add_argument("--json", action="store_true", help="print JSON")
 
-    sub.add_parser(
+    _command(
+        sub,
         "forget-session",
         parents=[common],
         help="end the broker's persistent session of mqtt.client_id (retiring a gateway)",
     )
 
-    noi = sub.add_parser(
-        "noisy", parents=[common], help="noisy devices of a tenant, from the running gateway"
+    noi = _command(
+        sub, "noisy", parents=[common], help="noisy devices of a tenant, from the running gateway"
     )
     noi.add_argument("--tenant", type=_tenant, required=True, help=TENANT_HELP)
     noi.add_argument("--json", action="store_true", help="print JSON")
 
-    tok = sub.add_parser(
-        "token", parents=[common], help="read tokens of the HTTP API (api.tokens_file)"
+    tok = _command(
+        sub, "token", parents=[common], help="read tokens of the HTTP API (api.tokens_file)"
     )
     tok_sub = tok.add_subparsers(dest="token_command", required=True, metavar="ACTION")
     add = tok_sub.add_parser(
@@ -356,8 +422,8 @@ def _parser() -> argparse.ArgumentParser:
     rev = tok_sub.add_parser("revoke", parents=[common], help="revoke a token by its id")
     rev.add_argument("token_id", metavar="ID", help="the id `gateway token list` shows")
 
-    sim = sub.add_parser(
-        "simulate", parents=[common], help="publish events from a simulated device fleet"
+    sim = _command(
+        sub, "simulate", parents=[common], help="publish events from a simulated device fleet"
     )
     sim.add_argument(
         "--devices",
