@@ -26,7 +26,7 @@ from gateway.errors import CassandraUnreachable
 from gateway.stats import Stats
 from gateway.tools.cli import _run, main
 
-from .helpers import base_env, run_cli
+from .helpers import base_env, free_port, run_cli
 
 NOWHERE = {"GATEWAY_CASSANDRA__PORT": "1", "GATEWAY_MQTT__PORT": "1"}
 
@@ -387,3 +387,11 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out.startswith("gateway 0.")
+
+
+def test_noisy_with_no_gateway_running_says_connection_refused(gateway: Run) -> None:
+    """It printed the raw "(URLError: <urlopen error [Errno 111] Connection refused>)"."""
+    code, err = gateway("noisy", "--tenant", "t", GATEWAY_API__PORT=str(free_port()))
+    assert code == 1, err
+    assert "/noisy?tenant=t: connection refused; is `gateway run` up" in err, err
+    assert "URLError" not in err

@@ -823,13 +823,18 @@ async def _device(config: Config, args: argparse.Namespace) -> int:
     async with connect(config.cassandra) as db:
         row = await queries.latest_event(db, args.tenant, args.device_id)
     if row is None:
-        print(f"no events for device {args.device_id!r} of tenant {args.tenant!r}", file=sys.stderr)
+        print(
+            f"gateway: no events for device {args.device_id!r} of tenant {args.tenant!r}",
+            file=sys.stderr,
+        )
         return 1
     if args.json:
         _print_json(row.as_json())
     else:
         print(f"{row.device_id}  state={row.state}  ts={queries.iso(row.ts)}  value={row.value}")
-        print(f"  metrics={row.metrics}  tags={row.tags}")
+        # As history prints them: JSON, not Python's repr.
+        metrics, tags = orjson.dumps(row.metrics).decode(), orjson.dumps(row.tags).decode()
+        print(f"  metrics={metrics}  tags={tags}")
     return 0
 
 
@@ -1068,8 +1073,15 @@ def _noisy(config: Config, args: argparse.Namespace) -> int:
             "do api.host/api.port name the running gateway?"
         ) from None
     except (OSError, ValueError) as exc:
+        # URLError wraps the socket's error: say that one ("connection refused").
+        reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        said = (
+            reason.strerror.lower()
+            if isinstance(reason, OSError) and reason.strerror
+            else f"{type(reason).__name__}: {reason}"
+        )
         raise GatewayError(
-            f"cannot reach the running gateway at {url} ({type(exc).__name__}: {exc}); "
+            f"cannot reach the running gateway at {url}: {said}; "
             "is `gateway run` up with api.enabled, and do api.host/api.port match?"
         ) from None
     if args.json:
