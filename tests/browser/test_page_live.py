@@ -33,14 +33,28 @@ def _event(tenant: str, device: str, ago_s: int, state: str, value: float) -> tu
     return topic(tenant, device), orjson.dumps(payload)
 
 
+def _reader(tmp_path: Path) -> tuple[str, int, Path, str]:
+    """A fresh tenant, a free port for the gateway's page, and a read token
+    of the tenant in a tokens file of the test's own."""
+    tenant = f"b{uuid.uuid4().hex[:12]}"
+    tokens_file = tmp_path / "tokens.jsonl"
+    return tenant, free_port(), tokens_file, TokenStore(tokens_file).add(tenant=tenant).token
+
+
+async def _log_in(page: Page, port: int, token: str) -> str:
+    """Open the page and log in; its URL."""
+    url = f"http://127.0.0.1:{port}/"
+    await page.goto(url)
+    await page.locator("#token").fill(token)
+    await page.locator("#login").click()
+    return url
+
+
 async def test_a_building_manager_watches_a_device_change_state(
     db: Database, page: Page, screenshot: Shot, tmp_path: Path
 ) -> None:
     # db: the session's test keyspace, created by tests/conftest.py, exists.
-    tenant = f"b{uuid.uuid4().hex[:12]}"
-    port = free_port()
-    tokens_file = tmp_path / "tokens.jsonl"
-    token = TokenStore(tokens_file).add(tenant=tenant).token
+    tenant, port, tokens_file, token = _reader(tmp_path)
     config = make_config(
         GATEWAY_API__PORT=str(port),
         GATEWAY_API__TOKENS_FILE=str(tokens_file),
@@ -55,10 +69,7 @@ async def test_a_building_manager_watches_a_device_change_state(
             ]
         )
         await gw.wait_handled(3)
-        url = f"http://127.0.0.1:{port}/"
-        await page.goto(url)
-        await page.locator("#token").fill(token)
-        await page.locator("#login").click()
+        url = await _log_in(page, port, token)
         await expect(page.locator('[data-state="on"] .count')).to_have_text("2")
         await expect(page.locator('[data-state="off"] .count')).to_have_text("1")
         await screenshot(page, "live-tiles")
@@ -110,10 +121,7 @@ async def test_a_cut_link_to_cassandra_shows_on_the_page_and_heals(
     it will try again, then shows the list once the link is back, without a
     reload. (tests/browser/test_page_static.py checks the wording against a
     stand-in; this is the real 503.)"""
-    tenant = f"b{uuid.uuid4().hex[:12]}"
-    port = free_port()
-    tokens_file = tmp_path / "tokens.jsonl"
-    token = TokenStore(tokens_file).add(tenant=tenant).token
+    tenant, port, tokens_file, token = _reader(tmp_path)
     async with proxy() as link:
         config = make_config(
             GATEWAY_API__PORT=str(port),
@@ -126,10 +134,7 @@ async def test_a_cut_link_to_cassandra_shows_on_the_page_and_heals(
                 [_event(tenant, "lamp-1", 600, "on", 1.0), _event(tenant, "lamp-2", 600, "on", 2.0)]
             )
             await gw.wait_handled(2)
-            url = f"http://127.0.0.1:{port}/"
-            await page.goto(url)
-            await page.locator("#token").fill(token)
-            await page.locator("#login").click()
+            url = await _log_in(page, port, token)
             await expect(page.locator('[data-state="on"] .count')).to_have_text("2")
             await page.evaluate("() => { window.sameDocument = true; }")
 
