@@ -506,6 +506,29 @@ async def test_a_whole_list_is_its_own_count_whatever_the_cached_counts_say(
     await expect(page.locator("#devices-meta")).to_have_text("2 shown · 2 devices in on")
 
 
+async def test_back_from_a_device_returns_to_where_the_reader_was_in_the_list(
+    new_page: Callable[..., Awaitable[Page]], url: str, api: FakeApi
+) -> None:
+    """Every change of view scrolled to the top: checking devices one by one
+    60 rows down, each Back landed on row 1 again."""
+    page = await new_page(phone=True, size=(390, 844))
+    await log_in(page, url, ADMIN_TOKEN)
+    await page.goto(f"{url}#/t/big/s/on")
+    await expect(page.locator("#device-rows tr")).to_have_count(100)
+    await page.evaluate("() => window.scrollTo(0, 6000)")
+    row = page.locator('[data-device="dev-060"]')
+    await row.scroll_into_view_if_needed()
+    await page.wait_for_timeout(300)
+    before = await page.evaluate("() => window.scrollY")
+    await row.locator("a").click()
+    await expect(page.locator('[data-testid="device-state"]')).to_have_text("on")
+    assert await page.evaluate("() => window.scrollY") < before  # the device, from its top
+    await page.go_back()
+    await expect(page.locator("#device-rows tr")).to_have_count(100)
+    await expect(row).to_be_in_viewport()
+    assert abs(await page.evaluate("() => window.scrollY") - before) < 5
+
+
 # ---------------------------------------------------------------- trouble
 # What the probe of the page at 390x844, 320x568 and 1280x860 found: each
 # test below failed before its fix.

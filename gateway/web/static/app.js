@@ -951,10 +951,12 @@
         const whole = !r.cursor && !data.next_cursor && !(r.prefix || r.tag);
         total = whole ? (data.devices || []).length : entry ? Number(entry.devices) : null;
         if (changed || !drawn) {
+          const first = !drawn;
           drawn = true;
           nextCursor = data.next_cursor || null;
           devices = data.devices || [];
           draw(false);
+          if (first) restoreScroll();
           if (nextWanted) {
             nextWanted = false;
             if (shownNext) next.onclick();
@@ -1454,6 +1456,24 @@
     return JSON.stringify([r.name, r.tenant, r.state, r.device]);
   }
 
+  // Where the reader was in each list (by address, the newest SCROLLS_KEPT):
+  // back from a device, the list comes back there once drawn, not at its top.
+  const SCROLLS_KEPT = 50;
+  const scrolls = new Map();
+  let pendingScroll = null;
+  window.addEventListener("scroll", () => {
+    if (!current || !current.route || current.route.name !== "devices") return;
+    scrolls.delete(location.hash);
+    scrolls.set(location.hash, window.scrollY);
+    if (scrolls.size > SCROLLS_KEPT) scrolls.delete(scrolls.keys().next().value);
+  }, { passive: true });
+
+  // Called by a list once its rows are drawn the first time.
+  function restoreScroll() {
+    if (pendingScroll) window.scrollTo(0, pendingScroll);
+    pendingScroll = null;
+  }
+
   function route({ focus = false } = {}) {
     if (!token) {
       showLogin($("login-message").textContent);
@@ -1461,6 +1481,8 @@
     }
     const r = parseHash();
     const moved = !current || !current.route || viewKey(current.route) !== viewKey(r);
+    // Taken now: the scroll to the top below is recorded for this address too.
+    pendingScroll = moved && r.name === "devices" ? scrolls.get(location.hash) || null : null;
     stopPolling();
     showError(null);
     show($("logout"), true);
