@@ -85,6 +85,9 @@ async def test_metadata_is_kept_on_ingest_and_served(
     )
     assert result.returncode == 0, result.stderr
     assert "(0 events: none in the range; its newest event is at 20" in result.stderr
+    result = run_cli("rejected", "--tenant", tenant, "--since", "9d")
+    assert result.returncode == 0, result.stderr
+    assert "as far back as they are kept (7 days)" in result.stderr, result.stderr
 
     tokens = TokenStore(tmp_path / "tokens.jsonl")
     async with client(db, make_config(), tokens, tenant) as api:

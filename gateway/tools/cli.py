@@ -1033,6 +1033,11 @@ async def _rejected(config: Config, args: argparse.Namespace) -> int:
     if args.since is not None:
         since = _time_arg("--since", args.since, now)
         span = f"since {queries.iso(since)}"
+        kept = now - timedelta(hours=queries.MAX_REJECTED_HOURS)
+        if since < kept:
+            # The table keeps 7 days (its TTL): say what was read.
+            span = f"since {queries.iso(kept)}, as far back as they are kept (7 days)"
+            since = kept
     else:
         hours = args.hours or 1
         since = now - timedelta(hours=hours)
