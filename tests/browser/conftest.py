@@ -42,6 +42,9 @@ from typing import TYPE_CHECKING
 import pytest
 import pytest_asyncio
 
+from .fake_api import FakeApi
+from .stand_in import seeded_api
+
 if TYPE_CHECKING:
     from playwright.async_api import Browser, ConsoleMessage, Page
 
@@ -221,3 +224,16 @@ def static_dir() -> Path:
     assert isinstance(folder, Path), f"gateway.web is not installed as files: {folder!r}"
     assert (folder / "index.html").is_file(), f"no index.html in {folder}"
     return folder
+
+
+# The stand-in API (fake_api.py) and the page served beside it, for
+# test_page_static.py and test_page_trouble.py.
+@pytest.fixture
+def api() -> FakeApi:
+    return seeded_api()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def url(api: FakeApi, static_dir: Path) -> AsyncIterator[str]:
+    async with api.serve(static_dir) as base:
+        yield base

@@ -119,7 +119,7 @@ async def test_a_cut_link_to_cassandra_shows_on_the_page_and_heals(
     """The real read API with its link to Cassandra cut (a proxy we can cut,
     tests/helpers.py): the page says the list could not be loaded and that
     it will try again, then shows the list once the link is back, without a
-    reload. (tests/browser/test_page_static.py checks the wording against a
+    reload. (tests/browser/test_page_trouble.py checks the wording against a
     stand-in; this is the real 503.)"""
     tenant, port, tokens_file, token = _reader(tmp_path)
     async with proxy() as link:
