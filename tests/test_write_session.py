@@ -366,7 +366,7 @@ async def test_one_failing_request_backs_off_and_gives_up_while_others_succeed(
         stop.set()
         await beside
     took = time.monotonic() - started
-    assert answered >= 40, answered  # the others went on all along
+    assert answered >= 10, answered  # the others went on all along
     assert give_up <= took < give_up + 3, took
     # Backoff from 50 ms, doubling, each sleep 0.5 to 1 of it: 7 attempts
     # fit 2 s at the shortest draws. Woken by every other answer, it made one

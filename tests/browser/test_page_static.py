@@ -437,9 +437,12 @@ async def test_times_drawn_before_midnight_get_their_date_after_it(
     yesterday's events: times are drawn once, without a date when they are
     of today, and only the ages were refreshed."""
     now = datetime.now(UTC)
-    api.put("acme", "meter", "on", 1.0, at=now - timedelta(minutes=5))
-    # The browser's clock: 30 s before the next midnight (UTC, as the tests' browser).
+    # The browser's clock: 30 s before the next midnight (UTC, as the tests'
+    # browser); the event a minute before that, by the browser's clock (the
+    # stand-in serves it whatever the time), so that it is of "today" there
+    # whenever the test runs.
     midnight = (now + timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0)
+    api.put("acme", "meter", "on", 1.0, at=midnight - timedelta(seconds=90))
     await page.clock.install(time=midnight - timedelta(seconds=30))
     await log_in(page, url, TENANT_TOKEN)
     await page.goto(f"{url}#/t/acme/s/on")
