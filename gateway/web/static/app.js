@@ -393,7 +393,7 @@
         return;
       }
       failures += 1;
-      showError(err instanceof ApiError ? err.describe() : String(err));
+      showError(err instanceof ApiError ? err.describe() : String(err), plainWords(err));
       // A view never drawn says it could not be loaded, not "Loading…".
       if (current.failed) current.failed();
       if (!(err instanceof ApiError)) console.error(err);
@@ -530,12 +530,28 @@
 
   let lastError = null; // the last failure's message, for the status line
 
-  function showError(message) {
+  // The banner: first what a building manager can make of a failure, then
+  // the API's own words for whoever runs the gateway. (The status line keeps
+  // the short technical part.)
+  function showError(message, plain = null) {
     const el = $("error");
     lastError = message || null;
+    const text = message && plain ? `${plain} (${message})` : message || "";
     // Set only when it changes: an alert is announced again on every change.
-    if (el.textContent !== (message || "")) el.textContent = message || "";
+    if (el.textContent !== text) el.textContent = text;
     show(el, Boolean(message));
+  }
+
+  function plainWords(err) {
+    if (!(err instanceof ApiError)) return null;
+    if (err.status === 503) {
+      return "The gateway cannot reach its database right now: what is shown may be "
+        + "out of date. The page will try again by itself.";
+    }
+    if (err.status >= 500) {
+      return "The gateway failed to answer. The page will try again by itself.";
+    }
+    return null;
   }
 
   // ------------------------------------------------------------------ login
