@@ -222,7 +222,8 @@ class Requests:
                 except TimeoutError:
                     pass
         finally:
-            self._failing.pop(me, None)
+            if first_failed is not None:  # given up, or cancelled, while failing
+                self._failing.pop(me, None)
 
     def _failed(self, me: int, now: float, exc: BaseException) -> None:
         """Request ``me`` failed for the first time."""

@@ -177,14 +177,12 @@ class StateRotation:
             except (GatewayError, TimeoutError) as exc:
                 # Applied or not, the next read of the tenant's generations
                 # says: a rotation found under way is finished like any other.
-                tries = self._failures.get(key, 0) + 1
-                self._failures[key] = tries
-                self._announce_at[key] = now + backoff(tries - 1, 1.0, MAX_BACKOFF)
+                # Between chunks: 1 s, 2 s, ... (the other steps start at 2 s).
                 why = (
                     str(exc)
                     or f"no answer in {self._announce_timeout:g} s (cassandra.request_timeout)"
                 )
-                self._failed(key, "announce", why)
+                self._retry_later(key, self._announce_at, "announce", why, first=1.0)
                 continue
             self._failures.pop(key, None)
             if applied:
@@ -253,17 +251,27 @@ class StateRotation:
         try:
             await step(key)
         except GatewayError as exc:
-            tries = self._failures.get(key, 0) + 1
-            self._failures[key] = tries
-            queue[key] = time.monotonic() + backoff(tries, 1.0, MAX_BACKOFF)
-            self._failed(key, getattr(step, "__name__", "step"), exc)
+            self._retry_later(key, queue, getattr(step, "__name__", "step"), exc)
             return
         queue.pop(key, None)
         self._failures.pop(key, None)
 
-    def _failed(self, key: PartKey, what: str, exc: BaseException | str) -> None:
+    def _retry_later(
+        self,
+        key: PartKey,
+        queue: dict[PartKey, float],
+        what: str,
+        why: BaseException | str,
+        first: float = 2.0,
+    ) -> None:
+        """A step of ``key``'s rotation failed: counted, logged, and due again
+        in ``queue`` after a backoff from ``first`` s, doubling per failure of
+        the partition in a row, up to MAX_BACKOFF."""
+        tries = self._failures.get(key, 0) + 1
+        self._failures[key] = tries
+        queue[key] = time.monotonic() + backoff(tries, first / 2, MAX_BACKOFF)
         self._stats.rotation_failures += 1
-        log.warning("state partition %s: rotation %s failed, will retry: %s", _name(key), what, exc)
+        log.warning("state partition %s: rotation %s failed, will retry: %s", _name(key), what, why)
 
     async def _rotate(self, key: PartKey) -> None:
         part = self._latest.part(key)

@@ -562,20 +562,6 @@ async def _serve(config: Config) -> int:
 _DRIVER_LOGGERS = ("cassandra", "gateway.store.write_session")
 
 
-@contextlib.contextmanager
-def _drivers_quiet(quiet: bool) -> Iterator[None]:
-    """The drivers' loggers above CRITICAL meanwhile, if ``quiet``."""
-    loggers = [logging.getLogger(name) for name in _DRIVER_LOGGERS] if quiet else []
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.setLevel(level)
-
-
 def _not_from_a_driver(record: logging.LogRecord) -> bool:
     return not any(record.name == n or record.name.startswith(n + ".") for n in _DRIVER_LOGGERS)
 
@@ -589,6 +575,18 @@ def _hide_drivers() -> None:
 def _hear_drivers() -> None:
     for handler in logging.getLogger().handlers:
         handler.removeFilter(_not_from_a_driver)
+
+
+@contextlib.contextmanager
+def _drivers_hidden(hidden: bool) -> Iterator[None]:
+    """:func:`_hide_drivers` meanwhile, if ``hidden``."""
+    if hidden:
+        _hide_drivers()
+    try:
+        yield
+    finally:
+        if hidden:
+            _hear_drivers()
 
 
 class _HearDriversWhenReady(Notifier):
@@ -875,8 +873,12 @@ async def _empty_device_hint(db: Database, tenant: str, device_id: str) -> str:
     --tenant), or none in the range, and when its newest event was."""
     newest = await queries.latest_event(db, tenant, device_id)
     if newest is None:
-        return f": tenant {tenant!r} has no device {device_id!r}; a misspelt id or --tenant?"
+        return _no_device_hint(tenant, device_id)
     return f": none in the range; its newest event is at {queries.iso(newest.ts)}"
+
+
+def _no_device_hint(tenant: str, device_id: str) -> str:
+    return f": tenant {tenant!r} has no device {device_id!r}; a misspelt id or --tenant?"
 
 
 async def _rollup(config: Config, args: argparse.Namespace) -> int:
@@ -895,16 +897,17 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
             db, args.tenant, args.device_id, args.metric, step, since, until
         )
         known = await queries.meta_metrics(db, args.tenant) if not rows else []
-        device_hint = "" if rows else await _empty_device_hint(db, args.tenant, args.device_id)
-    hint = ""
-    if known and args.metric not in known:
-        # Likely a misspelt --metric: say which ones the tenant's devices send.
-        hint = f": tenant {args.tenant!r} has no such metric; its metrics: {_first_names(known)}"
-    elif not rows and not known and args.metric != "value" and config.metadata.enabled:
-        # No metric at all (metadata records every name): likely a misspelt --tenant.
-        hint = f": tenant {args.tenant!r} has no metrics recorded; a misspelt --tenant?"
-    elif device_hint.startswith(": tenant"):  # no such device
-        hint = device_hint
+        hint = ""
+        if known and args.metric not in known:
+            # Likely a misspelt --metric: say which ones the tenant's devices send.
+            hint = (
+                f": tenant {args.tenant!r} has no such metric; its metrics: {_first_names(known)}"
+            )
+        elif not rows and not known and args.metric != "value" and config.metadata.enabled:
+            # No metric at all (metadata records every name): likely a misspelt --tenant.
+            hint = f": tenant {args.tenant!r} has no metrics recorded; a misspelt --tenant?"
+        elif not rows and await queries.latest_event(db, args.tenant, args.device_id) is None:
+            hint = _no_device_hint(args.tenant, args.device_id)
     summary = f"({_count(len(rows), 'window')} of {args.step} for {args.metric!r}{hint})"
     if args.json:
         if hint:
@@ -1312,7 +1315,7 @@ def _main(argv: Sequence[str] | None) -> int:
         # ("cannot connect to Cassandra at ..."); the drivers' own reports
         # (tracebacks included) would come before it. The long-running ones
         # keep the drivers' warnings (run hides only its first connect's).
-        with _drivers_quiet(args.command not in ("run", "serve")):
+        with _drivers_hidden(args.command not in ("run", "serve")):
             return uvloop.run(coro)
     except KeyboardInterrupt:
         return 130

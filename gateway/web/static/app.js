@@ -213,6 +213,13 @@
   let me = null; // GET /me once the token is known good
   const etagCache = new Map(); // url -> {etag, data}; insertion order = age
 
+  // A Map as a small LRU: ``key`` set as the newest, the oldest dropped past ``most``.
+  function remember(map, key, value, most) {
+    map.delete(key);
+    map.set(key, value);
+    if (map.size > most) map.delete(map.keys().next().value);
+  }
+
   function apiUrl(path, params) {
     const url = new URL(path, API_BASE);
     for (const [k, v] of Object.entries(params || {})) {
@@ -261,8 +268,7 @@
       if (signal) signal.removeEventListener("abort", follow);
     }
     if (response.status === 304 && cached) {
-      etagCache.delete(url);
-      etagCache.set(url, cached);
+      remember(etagCache, url, cached, ETAG_CACHE_SIZE);
       return { data: cached.data, changed: false };
     }
     let body = null;
@@ -279,11 +285,8 @@
     }
     if (body === null) throw new ApiError(response.status, "bad response", "The answer was not JSON.");
     const etag = response.headers.get("ETag");
-    etagCache.delete(url);
-    if (etag) {
-      etagCache.set(url, { etag, data: body });
-      if (etagCache.size > ETAG_CACHE_SIZE) etagCache.delete(etagCache.keys().next().value);
-    }
+    if (etag) remember(etagCache, url, { etag, data: body }, ETAG_CACHE_SIZE);
+    else etagCache.delete(url);
     return { data: body, changed: true };
   }
 
@@ -1479,9 +1482,7 @@
   let pendingScroll = null;
   window.addEventListener("scroll", () => {
     if (!current || !current.route || current.route.name !== "devices") return;
-    scrolls.delete(location.hash);
-    scrolls.set(location.hash, window.scrollY);
-    if (scrolls.size > SCROLLS_KEPT) scrolls.delete(scrolls.keys().next().value);
+    remember(scrolls, location.hash, window.scrollY, SCROLLS_KEPT);
   }, { passive: true });
 
   // Called by a list once its rows are drawn the first time.
