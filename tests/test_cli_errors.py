@@ -242,6 +242,27 @@ def test_a_time_without_a_unit_is_refused(gateway: Run, since: str) -> None:
 
 
 @pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("history", "--tenant", "t", "d", "--since", "90"), "--since: '90' has no unit"),
+        (("rollup", "--tenant", "t", "d", "--step", "2m"), "--step: expected 1m or 1h"),
+        (("meta", "devices", "--tenant", "t", "floor"), "KEY=VALUE: expected KEY:VALUE"),
+    ],
+)
+def test_an_argument_checked_after_parsing_is_reported_as_argparse_reports_its_own(
+    gateway: Run, args: tuple[str, ...], said: str
+) -> None:
+    """Such errors came as ``gateway: --since: ...``, with no usage, where
+    argparse's (a --limit out of range) come as the command's usage line, then
+    ``gateway history: error: ...``: two formats for one kind of mistake."""
+    err = _fails(gateway, *args)
+    command = " ".join(args[: 2 if args[0] == "meta" else 1])
+    assert err.startswith(f"usage: gateway {command} [-h]"), err
+    assert f"\ngateway {command}: error: {said}" in err, err
+    assert "gateway: " not in err, err
+
+
+@pytest.mark.parametrize(
     ("args", "argument"),
     [
         (("--devices", "1000000000"), "--devices"),  # built in memory first: 22 GB, then killed

@@ -129,6 +129,10 @@ async def test_release_gives_a_slot_back(db: Database, tenant: str) -> None:
     assert "released 1 device (d0)" in released.stdout
     assert "not admitted: nope" in released.stdout
     assert "1 of 2 devices admitted" in released.stdout
+    # Under its quota the devices listed are not counted, so not shown as null.
+    shown = run_cli("quota", "--tenant", tenant, "--json", env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert orjson.loads(shown.stdout) == {"tenant": tenant, "admitted": 1, "quota": 2}
     async with running_gateway(cfg) as gw:
         await _send([(topic(tenant, d), "off") for d in ("d2", "d0")], now + 10)
         await gw.wait_handled(2)

@@ -176,15 +176,22 @@ EXIT_STATUS = (
 )
 
 
+class UsageError(ConfigError):
+    """An argument that parsed but does not hold (a --since with no unit,
+    --until before --since): checked after argparse, reported in its format
+    (the command's usage line, then ``gateway history: error: ...``), exit 2."""
+
+
 def _command(sub: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
     """A subcommand whose --help says what it does, shows examples and the
-    exit status."""
+    exit status. It is the one whose usage a :class:`UsageError` shows."""
     kwargs.setdefault("description", kwargs.get("help"))
     examples = "".join(f"  {line}\n" for line in EXAMPLES.get(name, ()))
     epilog = (f"examples:\n{examples}\n" if examples else "") + EXIT_STATUS
     parser: argparse.ArgumentParser = sub.add_parser(
         name, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs
     )
+    parser.set_defaults(usage_parser=parser)
     return parser
 
 
@@ -341,6 +348,7 @@ def _parser() -> argparse.ArgumentParser:
         "devices", parents=[common], help="devices that carry a tag value (KEY=VALUE)"
     )
     tagged.add_argument("tag", type=_name, metavar="KEY=VALUE")
+    tagged.set_defaults(usage_parser=tagged)
     tagged.add_argument("--tenant", type=_tenant, required=True, help=TENANT_HELP)
     tagged.add_argument("--json", action="store_true", help="print JSON")
     counted = meta_sub.add_parser(
@@ -372,7 +380,13 @@ def _parser() -> argparse.ArgumentParser:
         help="set the count to the devices listed (slots a stopped gateway took and never "
         "used); run it while no gateway admits new devices of the tenant",
     )
-    quo.add_argument("--json", action="store_true", help="print JSON")
+    quo.add_argument(
+        "--json",
+        action="store_true",
+        help='print JSON; "listed" (the devices in the quota\'s list) only when they were '
+        "counted, for a tenant at its quota or with none set: null if Cassandra could not "
+        "count them in time",
+    )
 
     rej = _command(sub, "rejected", parents=[common], help="recently rejected messages and why")
     rej.add_argument(
@@ -475,7 +489,7 @@ def _time_arg(name: str, text: str | None, default: datetime) -> datetime:
     try:
         return queries.parse_time(name, text)
     except QueryError as exc:
-        raise ConfigError(str(exc)) from None
+        raise UsageError(str(exc)) from None
 
 
 # What `gateway init --edge` changes in the example config: the spool on
@@ -843,7 +857,7 @@ def _time_range(args: argparse.Namespace, now: datetime) -> tuple[datetime, date
     try:
         queries.check_order(since, until, since_given=bool(args.since), flag="--")
     except QueryError as exc:
-        raise ConfigError(str(exc)) from None
+        raise UsageError(str(exc)) from None
     return since, until
 
 
@@ -887,11 +901,11 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
     try:
         step = queries.parse_step(args.step)
     except QueryError as exc:
-        raise ConfigError(f"--{exc}") from None
+        raise UsageError(f"--{exc}") from None
     try:
         queries.check_rollup_range(step, since, until)
     except QueryError as exc:
-        raise ConfigError(f"--{exc}") from None
+        raise UsageError(f"--{exc}") from None
     async with connect(config.cassandra) as db:
         rows = await queries.rollups(
             db, args.tenant, args.device_id, args.metric, step, since, until
@@ -932,7 +946,8 @@ async def _meta(config: Config, args: argparse.Namespace) -> int:
         try:
             key, value = queries.parse_tag(args.tag)
         except QueryError as exc:
-            raise ConfigError(str(exc)) from None
+            # The CLI's name for it is the positional KEY=VALUE, not "tag".
+            raise UsageError(f"KEY=VALUE{str(exc).removeprefix('tag')}") from None
     async with connect(config.cassandra) as db:
         if what == "count":
             count = await queries.meta_entry_count(db, args.tenant)
@@ -984,6 +999,7 @@ async def _quota(config: Config, args: argparse.Namespace) -> int:
     released: quota.Released | None = None
     recounted: tuple[int, int] | None = None
     listed: int | None = None
+    looked = False  # whether the devices listed were counted (listed: None if not in time)
     async with connect(config.cassandra) as db:
         if args.release is not None:
             released = await quota.release(db, tenant, args.release)
@@ -994,8 +1010,11 @@ async def _quota(config: Config, args: argparse.Namespace) -> int:
             # Whether slots went to devices never written: 16 counting reads,
             # only where the answer matters (a tenant at its quota).
             listed = await queries.quota_listed(db, tenant, quota.QUOTA_BUCKETS)
+            looked = True
     if args.json:
-        out: dict[str, Any] = {"tenant": tenant, "admitted": count, "listed": listed, "quota": cap}
+        out: dict[str, Any] = {"tenant": tenant, "admitted": count, "quota": cap}
+        if looked:
+            out["listed"] = listed
         if released is not None:
             out |= {"released": released.released, "not_admitted": released.not_admitted}
         if recounted is not None:
@@ -1192,7 +1211,7 @@ async def _simulate(config: Config, args: argparse.Namespace) -> int:
             seed=args.seed,
         )
     except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+        raise UsageError(str(exc)) from None
     acked = 0  # for the summary of an interrupted run
 
     def on_sent(topic: str, event: dict[str, Any]) -> None:
@@ -1325,7 +1344,12 @@ def _main(argv: Sequence[str] | None) -> int:
         if not errors:
             raise
         for err in errors:
-            print(f"gateway: {err}", file=sys.stderr)
+            if isinstance(err, UsageError):
+                # argparse's own format: what parser.error() prints, but returned.
+                args.usage_parser.print_usage(sys.stderr)
+                print(f"{args.usage_parser.prog}: error: {err}", file=sys.stderr)
+            else:
+                print(f"gateway: {err}", file=sys.stderr)
         return 2 if any(isinstance(err, ConfigError) for err in errors) else 1
 
 
