@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import Any, TypeVar
 
@@ -40,7 +40,7 @@ from .ingest.sampling import QUOTA_RECHECK, Sampler
 from .ingest.spool import Spool, SpoolSource, stranded
 from .sd_notify import Notifier
 from .spooling import spool_until_reachable, unreachable_since
-from .stats import Stats
+from .stats import Cache, Stats
 from .store.database import Database, cannot_connect, connect
 from .store.hot import HotPartitions
 from .store.latest import LatestState
@@ -56,7 +56,7 @@ from .store.sink import Sink
 from .store.telemetry import Telemetry
 from .store.write_session import WriteSession, open_write_session
 from .web.api import read_api, read_api_unavailable
-from .web.metrics import NoisyRate, gateway_registry
+from .web.metrics import CachesCollector, NoisyRate, gateway_registry
 from .web.page import add_page
 from .web.server import AddRoutes, build_app, serve
 from .web.tokens import TokenStore
@@ -484,7 +484,7 @@ async def open_gateway(
                 metrics=gateway_registry(stats, noisy=gateway.noisy_rates, spool=spool),
                 health=gateway.health,
                 noisy=gateway.noisy,
-                extra=read_side(reader, config),
+                extra=read_side(reader, config, stats.track_caches),
             )
             if before_serving is not None:
                 await before_serving()
@@ -492,11 +492,14 @@ async def open_gateway(
         yield gateway
 
 
-def read_side(db: Database, config: Config) -> list[AddRoutes]:
-    """The read API and the page, for ``gateway run`` and ``gateway serve``."""
+def read_side(
+    db: Database, config: Config, track_caches: Callable[[Mapping[str, Cache]], None]
+) -> list[AddRoutes]:
+    """The read API and the page, for ``gateway run`` and ``gateway serve``;
+    the API's cache goes to ``track_caches`` (for ``gateway_cache_*``)."""
     tokens = TokenStore(config.api.tokens_file)
     log.info("read tokens from %s (%d now)", tokens.path, len(tokens))
-    return [read_api(db, config, tokens), add_page]
+    return [read_api(db, config, tokens, track_caches), add_page]
 
 
 async def serve_read_side(config: Config, stop: asyncio.Event) -> None:
@@ -506,12 +509,14 @@ async def serve_read_side(config: Config, stop: asyncio.Event) -> None:
     async with connect(config.cassandra) as db:
         registry = CollectorRegistry()
         ProcessCollector(registry=registry)
+        caches: dict[str, Cache] = {}
+        registry.register(CachesCollector(caches))
 
         def health() -> tuple[bool, dict[str, object]]:
             up = [h for h in db.cluster.metadata.all_hosts() if h.is_up]
             return bool(up), {"cassandra": f"{len(up)} node(s) up", "mode": "serve (read only)"}
 
-        app = build_app(metrics=registry, health=health, extra=read_side(db, config))
+        app = build_app(metrics=registry, health=health, extra=read_side(db, config, caches.update))
         async with serve(app, config.api.host, config.api.port) as listening:
             log.info("read side on %s/ (page), %s/api/v1 (API)", listening.url, listening.url)
             await stop.wait()

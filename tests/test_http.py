@@ -642,11 +642,52 @@ async def test_requests_beyond_the_cap_get_503() -> None:
             assert isinstance(body, dict)
             assert body["error"] == "busy"
             assert inside == 4  # refused requests never reached a handler
+            # The refusal is counted; it was silent (read-side review).
+            scrape = parse((await request(at, "/metrics")).body.decode())
+            assert scrape.value("gateway_http_busy_refusals_total") == 1
+            assert scrape.value("gateway_http_requests_in_progress") == 5  # 4 held, /metrics
         finally:
             release.set()
             replies = await asyncio.gather(*held)
         assert [r.status for r in replies] == [200] * 4
         assert (await request(at, "/healthz")).status == 200
+        scrape = parse((await request(at, "/metrics")).body.decode())
+        assert scrape.series("gateway_http_requests_total") == {
+            frozenset({("route", "/api/v1/slow"), ("status", "200")}): 4,
+            frozenset({("route", "/api/v1/things/{name}"), ("status", "503")}): 1,
+            frozenset({("route", "/healthz"), ("status", "200")}): 2,
+            frozenset({("route", "/metrics"), ("status", "200")}): 2,
+        }
+        assert scrape.value("gateway_http_requests_in_progress") == 1  # this scrape
+
+
+async def test_requests_are_counted_and_timed_by_route_and_status() -> None:
+    """By the route's template, not the path: a tenant or device in a label
+    would be a series per tenant; an unknown path is "unmatched"."""
+
+    def add_paths(app: web.Application) -> None:
+        async def thing(request: web.Request) -> web.Response:
+            await asyncio.sleep(0.03)
+            return web.Response(text=request.match_info["name"])
+
+        app.router.add_get("/api/v1/things/{name}", thing)
+
+    async with running(extra=[add_paths]) as at:
+        for path in ("/api/v1/things/a", "/api/v1/things/b", "/nowhere", "/healthz"):
+            await request(at, path)
+        assert (await request(at, "/healthz", method="POST")).status == 405
+        scrape = parse((await request(at, "/metrics")).body.decode())
+    assert scrape.series("gateway_http_requests_total") == {
+        frozenset({("route", "/api/v1/things/{name}"), ("status", "200")}): 2,
+        frozenset({("route", "unmatched"), ("status", "404")}): 1,
+        frozenset({("route", "unmatched"), ("status", "405")}): 1,
+        frozenset({("route", "/healthz"), ("status", "200")}): 1,
+    }
+    things = frozenset({("route", "/api/v1/things/{name}")})
+    assert scrape.samples[("gateway_http_request_duration_seconds_count", things)] == 2
+    assert scrape.samples[("gateway_http_request_duration_seconds_sum", things)] >= 0.06
+    fast = things | {("le", "0.025")}
+    assert scrape.samples[("gateway_http_request_duration_seconds_bucket", fast)] == 0
 
 
 async def test_a_failing_handler_is_a_500_and_serving_goes_on(

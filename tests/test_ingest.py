@@ -574,6 +574,7 @@ CACHES = {
     "metadata_entries",
     "metadata_shapes",
     "metadata_counts",
+    "api_answers",
 }
 
 

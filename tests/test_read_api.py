@@ -25,6 +25,7 @@ import orjson
 import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import Config
 from gateway.store import queries
@@ -601,6 +602,25 @@ async def test_gateway_serve_runs_the_read_side_alone(
                 assert [d["device_id"] for d in body["devices"]] == [D2, D3]
             async with session.get(f"{url}/noisy") as response:
                 assert response.status == 404  # no ingest to ask in serve mode
+            # Its own /metrics: the requests above by route and status, and
+            # the API's answer cache (it had only process_* before).
+            async with session.get(f"{url}/metrics") as response:
+                scraped = {
+                    (s.name, tuple(sorted(s.labels.items()))): s.value
+                    for family in text_string_to_metric_families(await response.text())
+                    for s in family.samples
+                }
+        devices_route = "/api/v1/tenants/{tenant}/states/{state}/devices"
+        assert (
+            scraped[("gateway_http_requests_total", (("route", devices_route), ("status", "200")))]
+            == 1
+        )
+        assert (
+            scraped[("gateway_http_requests_total", (("route", "unmatched"), ("status", "404")))]
+            == 1
+        )
+        assert scraped[("gateway_cache_entries", (("cache", "api_answers"),))] >= 1
+        assert scraped[("gateway_cache_capacity", (("cache", "api_answers"),))] == 2048
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 15) == 0
     finally:

@@ -61,6 +61,7 @@ from cassandra import DriverException, RequestExecutionException
 from ..config import Config
 from ..errors import QueryError
 from ..lru import LRU
+from ..stats import Cache
 from ..store import queries
 from ..store.database import Database
 from .openapi import OPENAPI
@@ -110,6 +111,10 @@ class ReadApi:
         self._tokens = tokens
         self._cache: LRU[str, _Cached] = LRU(CACHE_SIZE)
         self._inflight: dict[str, asyncio.Future[_Cached]] = {}
+
+    def caches(self) -> dict[str, Cache]:
+        """For the ``gateway_cache_*`` metrics: the answers kept (``CACHE_SIZE``)."""
+        return {"api_answers": self._cache}
 
     def add_routes(self, app: web.Application) -> None:
         for route in ROUTES:
@@ -399,9 +404,17 @@ def read_api_unavailable(why: Callable[[], str]) -> AddRoutes:
     return add_routes
 
 
-def read_api(db: Database, config: Config, tokens: TokenStore) -> AddRoutes:
-    """The ``extra`` for :func:`gateway.web.server.build_app`."""
-    return ReadApi(db, config, tokens).add_routes
+def read_api(
+    db: Database,
+    config: Config,
+    tokens: TokenStore,
+    track_caches: Callable[[Mapping[str, Cache]], None] = lambda caches: None,
+) -> AddRoutes:
+    """The ``extra`` for :func:`gateway.web.server.build_app`; its cache goes
+    to ``track_caches`` (``Stats.track_caches``, for the metrics)."""
+    api = ReadApi(db, config, tokens)
+    track_caches(api.caches())
+    return api.add_routes
 
 
 def _answer(body: Any, versioned: Any = None) -> _Cached:

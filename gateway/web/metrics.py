@@ -364,13 +364,18 @@ def bucket_bound(bound: float) -> str:
     return repr(bound)
 
 
-def _histogram(name: str, help: str, source: StatsHistogram) -> HistogramMetricFamily:
+def _buckets(source: StatsHistogram) -> list[tuple[str, float]]:
+    """The cumulative buckets of ``source``, as prometheus_client takes them."""
     buckets: list[tuple[str, float]] = []
     cumulative = 0
     for bound, count in zip(source.bounds, source.counts, strict=True):
         cumulative += count
         buckets.append((bucket_bound(bound), cumulative))
-    return HistogramMetricFamily(name, help, buckets=buckets, sum_value=source.sum)
+    return buckets
+
+
+def _histogram(name: str, help: str, source: StatsHistogram) -> HistogramMetricFamily:
+    return HistogramMetricFamily(name, help, buckets=_buckets(source), sum_value=source.sum)
 
 
 class GatewayCollector(Collector):
@@ -559,6 +564,98 @@ def _spool_families(spool: SpoolGauges) -> Iterator[Metric]:
         "Spooled messages written to Cassandra and removed (its rate is the drain rate).",
         spool.deleted,
     )
+
+
+# Seconds to answer an HTTP request: a cached answer takes under a
+# millisecond, a read of Cassandra milliseconds, one that waits for a hung
+# Cassandra up to its 10 s request timeout.
+HTTP_SECONDS_BUCKETS: tuple[float, ...] = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+
+class HttpStats:
+    """The HTTP side's counts, kept by ``build_app``'s middleware on the event
+    loop and read by :class:`HttpCollector` at each scrape. Labelled by route
+    (the path template a request matched, ``unmatched`` for none: as many as
+    the application has routes) and status (an HTTP code, or ``cancelled``
+    for a request cut short), so the series are bounded by the routes."""
+
+    __slots__ = ("answered", "busy", "seconds", "under_way")
+
+    def __init__(self) -> None:
+        self.answered: dict[tuple[str, str], int] = {}  # (route, status) -> requests
+        self.seconds: dict[str, StatsHistogram] = {}  # route -> time to answer
+        self.under_way = 0
+        self.busy = 0  # API requests refused at the cap of requests handled at once
+
+    def observe(self, route: str, status: str, seconds: float) -> None:
+        key = (route, status)
+        self.answered[key] = self.answered.get(key, 0) + 1
+        histogram = self.seconds.get(route)
+        if histogram is None:
+            histogram = self.seconds[route] = StatsHistogram(HTTP_SECONDS_BUCKETS)
+        histogram.observe(seconds)
+
+
+class HttpCollector(Collector):
+    """The families of :class:`HttpStats`, for ``gateway run`` and ``gateway serve``."""
+
+    def __init__(self, http: HttpStats) -> None:
+        self.http = http
+
+    def collect(self) -> Iterator[Metric]:
+        http = self.http
+        answered = CounterMetricFamily(
+            "gateway_http_requests_total",
+            "HTTP requests answered, by route (the path template matched; unmatched for "
+            "none) and status (cancelled: cut short, by the client or a stop).",
+            labels=("route", "status"),
+        )
+        for (route, status), count in sorted(http.answered.items()):
+            answered.add_metric((route, status), count)
+        yield answered
+        seconds = HistogramMetricFamily(
+            "gateway_http_request_duration_seconds",
+            "Time to answer an HTTP request, by route.",
+            labels=("route",),
+        )
+        for route, histogram in sorted(http.seconds.items()):
+            seconds.add_metric((route,), _buckets(histogram), histogram.sum)
+        yield seconds
+        yield GaugeMetricFamily(
+            "gateway_http_requests_in_progress",
+            "HTTP requests being handled now.",
+            value=http.under_way,
+        )
+        yield CounterMetricFamily(
+            "gateway_http_busy_refusals_total",
+            "Read API requests refused with 503 busy: that many were already being handled "
+            "(the cap, 32), so the request was refused rather than queued.",
+            value=http.busy,
+        )
+
+
+class CachesCollector(Collector):
+    """``gateway_cache_*`` for a process with no :class:`Stats` (``gateway
+    serve``: the read API's answers)."""
+
+    def __init__(self, caches: Mapping[str, Cache]) -> None:
+        self.caches = caches
+
+    def collect(self) -> Iterator[Metric]:
+        yield from _cache_families(self.caches)
 
 
 def gateway_registry(

@@ -44,9 +44,13 @@ whatever it adds. Dependencies go in through closures, never module globals.
   has no cap of its own (its maintainers leave that to the application), so a
   middleware lets at most ``max_requests`` (32) requests be handled at once
   and answers the next 503 with ``Retry-After: 1`` and ``Connection: close``,
-  refused rather than queued. It bounds handlers (the read API's Cassandra
-  queries), not idle sockets: those are bounded in time by
+  refused rather than queued, and counted
+  (``gateway_http_busy_refusals_total``). It bounds handlers (the read API's
+  Cassandra queries), not idle sockets: those are bounded in time by
   ``keepalive_timeout``, in number only by the OS.
+* Measured (ours, :func:`_measured`, outermost): every request is counted by
+  route template and status and timed (:class:`~gateway.web.metrics.HttpStats`);
+  labels are bounded by the routes the application has.
 * Logs: aiohttp's protocol errors (bad requests) and failing handlers log
   through ``gateway.web.http``, at most one record per message per 10 s,
   with any token's secret masked (a parser error quotes the header line).
@@ -73,7 +77,7 @@ from aiohttp.typedefs import Middleware
 from prometheus_client import CollectorRegistry, generate_latest
 
 from ..errors import ConfigError
-from .metrics import METRICS_CONTENT_TYPE
+from .metrics import METRICS_CONTENT_TYPE, HttpCollector, HttpStats
 from .tokens import mask_secrets
 
 log = logging.getLogger(__name__)
@@ -221,7 +225,35 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return error_response(request, 500, "internal server error")
 
 
-def _admission(max_requests: int) -> Middleware:
+def _measured(http: HttpStats) -> Middleware:
+    """Every request counted by route and status, and timed (the outermost
+    middleware: refusals at the cap and errors turned into answers count too)."""
+
+    @web.middleware
+    async def measured(request: web.Request, handler: Handler) -> web.StreamResponse:
+        started = time.monotonic()
+        http.under_way += 1
+        status = "cancelled"  # unless it is answered or fails
+        try:
+            response = await handler(request)
+            status = str(response.status)
+            return response
+        except web.HTTPException as exc:  # outside /api, _errors lets aiohttp answer them
+            status = str(exc.status)
+            raise
+        except Exception:  # _errors answers every other error: none reach here today
+            status = "500"
+            raise
+        finally:
+            http.under_way -= 1
+            resource = request.match_info.route.resource
+            route = "unmatched" if resource is None else resource.canonical
+            http.observe(route, status, time.monotonic() - started)
+
+    return measured
+
+
+def _admission(max_requests: int, http: HttpStats) -> Middleware:
     """At most ``max_requests`` read API requests handled at once; beyond,
     503 at once (refused, not queued). /metrics, /healthz and the page's
     files are never refused: they read no Cassandra, and a Cassandra that
@@ -242,6 +274,7 @@ def _admission(max_requests: int) -> Middleware:
                 code="busy",
                 headers=[("Retry-After", "1")],
             )
+            http.busy += 1
             response.force_close()
             return response
         active += 1
@@ -276,8 +309,10 @@ def build_app(
 ) -> web.Application:
     """The application: /metrics, /healthz, /noisy (when there is ingest to ask;
     not in ``gateway serve``), then whatever each ``extra(app)`` adds."""
+    http = HttpStats()
+    metrics.register(HttpCollector(http))
     app = web.Application(
-        middlewares=[_admission(limits.max_requests), _errors],
+        middlewares=[_measured(http), _admission(limits.max_requests, http), _errors],
         client_max_size=limits.client_max_size,
         # Keyword arguments of aiohttp's protocol (RequestHandler), applied to
         # every connection this application is served on.
