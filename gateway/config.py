@@ -25,9 +25,11 @@ import tomllib
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from types import NoneType, UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -40,7 +42,7 @@ from pydantic import (
 
 from .errors import ConfigError
 from .topic_filters import covers, filter_levels, is_topic_level, overlap
-from .units import parse_duration, parse_whole_seconds
+from .units import duration_text, parse_duration, parse_whole_seconds
 
 ENV_PREFIX = "GATEWAY_"
 ENV_CONFIG_PATH = "GATEWAY_CONFIG"
@@ -57,8 +59,9 @@ MAX_BUCKET_SECONDS = 7 * 86400
 
 
 def _split_list(value: object) -> object:
-    # Environment variables carry lists as "a,b,c".
-    if isinstance(value, str):
+    # Environment variables carry lists as "a,b,c"; one that starts like a
+    # TOML list but does not parse is left whole, for the error to say so.
+    if isinstance(value, str) and not isinstance(value, _NotToml):
         return [item.strip() for item in value.split(",") if item.strip()]
     return value
 
@@ -153,8 +156,23 @@ class TlsConfig(_Model):
         return ctx
 
 
+# A host name or address; never empty (an empty api.host listened on every interface).
+Host = Annotated[str, Field(min_length=1, max_length=253)]
+
+
+def _a_file(value: Path) -> Path:
+    if not value.name:  # "" reads as ".", and "/" has no name either
+        raise ValueError(f"expected the path of a file, got {str(value)!r}")
+    if value.is_dir():
+        raise ValueError(f"{value} is a directory: name a file in it")
+    return value
+
+
+FilePath = Annotated[Path, AfterValidator(_a_file)]
+
+
 class MqttConfig(_Model):
-    host: str = "127.0.0.1"
+    host: Host = "127.0.0.1"
     port: Port = 1883
     # Fixed client id: the broker keeps this id's persistent session (and its
     # backlog) while the gateway is away.
@@ -192,6 +210,11 @@ class MqttConfig(_Model):
     @model_validator(mode="after")
     def _password_from_file(self) -> MqttConfig:
         _load_password(self, "mqtt")
+        if self.reconnect_min > self.reconnect_max:
+            raise ValueError(
+                f"mqtt.reconnect_min ({self.reconnect_min:g} s) is above mqtt.reconnect_max "
+                f"({self.reconnect_max:g} s): the first wait must not be the longest"
+            )
         return self
 
     def subscription(self, topic_filter: str) -> str:
@@ -305,11 +328,17 @@ class CassandraConfig(_Model):
     )
     port: Port = 9042
     keyspace: str = Field(default="gateway", pattern=_IDENTIFIER)
-    local_dc: str | None = None
+    local_dc: Annotated[str, Field(min_length=1)] | None = None
     # Used by `gateway schema apply` when it creates the keyspace.
     replication: Literal["SimpleStrategy", "NetworkTopologyStrategy"] = "SimpleStrategy"
     replication_factor: int = Field(default=1, ge=1, le=10)
-    datacenters: dict[str, int] = Field(default_factory=dict)
+    # Replicas per datacentre, by its name as Cassandra spells it (names are
+    # case-sensitive; from the environment set the whole table:
+    # GATEWAY_CASSANDRA__DATACENTERS='{DC1 = 3}').
+    datacenters: dict[
+        Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$")],
+        Annotated[int, Field(ge=1, le=10)],
+    ] = Field(default_factory=dict)
     consistency: Consistency = "LOCAL_QUORUM"
     connect_timeout: Duration = 10.0
     request_timeout: Duration = 10.0
@@ -362,7 +391,13 @@ class CassandraConfig(_Model):
     def _check(self) -> CassandraConfig:
         if self.replication == "NetworkTopologyStrategy" and not self.datacenters:
             raise ValueError(
-                "cassandra.datacenters is required with NetworkTopologyStrategy, e.g. {dc1 = 3}"
+                "cassandra.datacenters is required with cassandra.replication = "
+                '"NetworkTopologyStrategy", e.g. {dc1 = 3}'
+            )
+        if self.replication == "SimpleStrategy" and self.datacenters:
+            raise ValueError(
+                "cassandra.datacenters is used only with cassandra.replication = "
+                '"NetworkTopologyStrategy"; SimpleStrategy takes replication_factor'
             )
         _load_password(self, "cassandra")
         if self.min_in_flight is not None and self.min_in_flight > self.max_in_flight:
@@ -489,6 +524,11 @@ class TenantConfig(_Model):
     def _classes(self) -> TenantConfig:
         if self.slow_below >= self.fast_above:
             raise ValueError("slow_below must be lower than fast_above")
+        if self.adaptive_buckets and self.fast_bucket > self.slow_bucket:
+            raise ValueError(
+                f"fast_bucket ({self.fast_bucket:.0f} s) is above slow_bucket "
+                f"({self.slow_bucket:.0f} s): the faster a device, the smaller its partitions"
+            )
         # The partition index outlives its rows by one bucket (telemetry.py),
         # and Cassandra refuses a TTL over 20 years (630,720,000 s).
         longest = max(self.telemetry_bucket, self.fast_bucket, self.slow_bucket)
@@ -561,7 +601,7 @@ class SpoolConfig(_Model):
     # acknowledged once spooled, so an edge host keeps taking them while
     # Cassandra is away. Off by default.
     enabled: bool = False
-    path: Path = Path("gateway-spool.sqlite")
+    path: FilePath = Path("gateway-spool.sqlite")
     max_records: int = Field(default=1_000_000, ge=1, le=1_000_000_000)
     max_bytes: int = Field(default=1024**3, ge=1024, le=1024**4)
 
@@ -571,13 +611,13 @@ class ApiConfig(_Model):
     # the read API and the page; enabled = false turns them all off.
     # `gateway serve` ignores it: serving is all it does.
     enabled: bool = True
-    host: str = "127.0.0.1"
+    host: Host = "127.0.0.1"
     port: int = Field(default=9108, ge=0, le=65535)  # 0: any free port
     # Read tokens of the HTTP API (gateway/web/tokens.py), written by `gateway
     # token add/revoke`: ids, tenants and sha256 hashes, never the tokens.
     # Relative paths are from the working directory, as spool.path; give the
     # server and the `gateway token` commands the same absolute path.
-    tokens_file: Path = Path("gateway-tokens.jsonl")
+    tokens_file: FilePath = Path("gateway-tokens.jsonl")
 
 
 # -- [sampling] (gateway/ingest/sampling.py) ---------------------------------
@@ -735,8 +775,24 @@ class Config(_Model):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     rollups: RollupsConfig = Field(default_factory=RollupsConfig)
     metadata: MetadataConfig = Field(default_factory=MetadataConfig)
-    # [tenants.default] applies to every tenant without a section of its own.
+    # [tenants.default] applies to every tenant; [tenants.NAME] changes what
+    # it sets for that tenant (so does [sampling.tenants.NAME] over
+    # [sampling.tenants.default]).
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tenants_inherit(cls, data: Any) -> Any:
+        """A tenant's section takes what it does not set from the default
+        section. It used to replace it: ``[sampling.tenants.acme] noisy_for =
+        "0s"`` took acme out of ``[sampling.tenants.default]``'s device quota."""
+        if not isinstance(data, Mapping):
+            return data
+        data = {**data, "tenants": _inherit(data.get("tenants"))}
+        sampling = data.get("sampling")
+        if isinstance(sampling, Mapping):
+            data["sampling"] = {**sampling, "tenants": _inherit(sampling.get("tenants"))}
+        return data
 
     @model_validator(mode="after")
     def _queue_holds_receive_maximum(self) -> Config:
@@ -769,6 +825,22 @@ class Config(_Model):
 
 
 _DEFAULT_TENANT = TenantConfig()
+
+
+def _inherit(sections: Any) -> Any:
+    """Each named section (a table, as read from TOML and the environment)
+    over the ``default`` one."""
+    if not isinstance(sections, Mapping):
+        return {} if sections is None else sections
+    default = sections.get("default")
+    if not isinstance(default, Mapping):
+        return sections
+    return {
+        name: {**default, **section}
+        if name != "default" and isinstance(section, Mapping)
+        else section
+        for name, section in sections.items()
+    }
 
 
 def _no_partial_overlap(topics: list[TopicTemplate]) -> None:
@@ -809,9 +881,52 @@ def _env_overlay(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[tuple[str
             if not isinstance(child, dict):
                 raise ConfigError(f"{name}: {'.'.join(path)} conflicts with another variable")
             node = child
-        node[path[-1]] = _env_value(raw)
+        node[path[-1]] = raw if _takes_text(path) else _env_value(raw)
         origin[path] = name
     return tree, origin
+
+
+_BOUNDS = {
+    "less_than_equal": "at most",
+    "less_than": "under",
+    "greater_than_equal": "at least",
+    "greater_than": "over",
+}
+
+
+def _is_duration(text: str) -> bool:
+    """A duration with its unit ("40d"): a bare number may be a port or a count."""
+    if not text.strip()[-1:].isalpha():
+        return False
+    try:
+        parse_duration(text)
+    except ValueError:
+        return False
+    return True
+
+
+_TEXT_TYPES = (str, SecretStr, Path)
+
+
+def _takes_text(path: tuple[str, ...]) -> bool:
+    """Whether the key at ``path`` holds text (a name, password, path): its
+    variable's value is then taken as written. Read as TOML, 0x1F became
+    '31', 1e3 '1000.0', a quoted value lost its quotes, and "123 #x" was cut
+    at the '#': a password that failed with nothing to say why."""
+    model, named = _table_at(path[:-1])
+    field = model.model_fields.get(path[-1]) if model is not None and not named else None
+    if field is None or _model_of(field.annotation) != (None, False):
+        return False
+    annotation = field.annotation
+    union = get_origin(annotation) in (Union, UnionType)
+    choices = [a for a in (get_args(annotation) if union else (annotation,)) if a is not NoneType]
+    return bool(choices) and all(_is_text(a) for a in choices)
+
+
+def _is_text(annotation: Any) -> bool:
+    if get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    return isinstance(annotation, type) and issubclass(annotation, _TEXT_TYPES)
 
 
 class _NotToml(str):
@@ -851,14 +966,23 @@ def _describe(exc: ValidationError, origin: Mapping[tuple[str, ...], str], file:
         key = ".".join(loc) or "(top level)"
         source = next((origin[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in origin), None)
         message = err["msg"].removeprefix("Value error, ")
-        if source is None and loc:
+        if source is None and loc and (keys := _keys_named(loc, message)):
+            # A whole-section check that names its keys: what set those (a
+            # variable that set another key of the section is not to blame).
+            source = _sources_of(keys, origin, file)
+        elif source is None and loc:
             # A whole-section check: name the variables that fed that section.
             under = sorted(name for path, name in origin.items() if path[: len(loc)] == loc)
             source = ", ".join(under) if under else file
         elif source is None:
             source = _sources_named(message, origin, file)
         given = err.get("input")
-        if isinstance(given, _NotToml):
+        bound = _BOUNDS.get(err["type"])
+        if bound is not None and isinstance(given, str) and _is_duration(given):
+            # "less than or equal to 2678400" for "40d": say it in the units given.
+            limit = float(next(iter(err.get("ctx", {}).values()), 0))
+            message = f"must be {bound} {duration_text(limit)} (got {given.strip()!r})"
+        elif isinstance(given, _NotToml):
             # "Input should be a valid list" hid a missing bracket or quote.
             message += f" (the value is not valid TOML: {given.problem})"
         if err["type"] == "extra_forbidden":
@@ -872,17 +996,40 @@ def _describe(exc: ValidationError, origin: Mapping[tuple[str, ...], str], file:
 _KEY_IN_MESSAGE = re.compile(r"(?<![\w./'-])([a-z_]+(?:(?:\.[\w-]+)|\[\d+\])+)")
 
 
-def _sources_named(message: str, origin: Mapping[tuple[str, ...], str], file: str) -> str:
-    """For a check on the whole config (no one key to blame): the variables
-    that set the keys the message names, and the file (or "defaults") if it
-    names a key no variable set. If it names none: every variable, and the file."""
+def _keys_named(loc: tuple[str, ...], message: str) -> list[tuple[str, ...]]:
+    """The keys a section's own check names in its message: dotted
+    (``cassandra.min_in_flight``), or the section's keys by their bare names
+    (``slow_below must be lower than fast_above``)."""
+    keys = _dotted_keys(message)
+    model, named = _table_at(loc)
+    if model is not None and not named:
+        keys += [(*loc, f) for f in model.model_fields if re.search(rf"\b{f}\b", message)]
+    return keys
+
+
+def _dotted_keys(message: str) -> list[tuple[str, ...]]:
     keys = [
         tuple(re.sub(r"\[(\d+)\]", r".\1", found).split("."))
         for found in _KEY_IN_MESSAGE.findall(message)
     ]
-    keys = [key for key in keys if key[0] in Config.model_fields]
+    return [key for key in keys if key[0] in Config.model_fields]
+
+
+def _sources_named(message: str, origin: Mapping[tuple[str, ...], str], file: str) -> str:
+    """For a check on the whole config (no one key to blame): the variables
+    that set the keys the message names, and the file (or "defaults") if it
+    names a key no variable set. If it names none: every variable, and the file."""
+    keys = _dotted_keys(message)
     if not keys:
         return ", ".join([*sorted(origin.values()), file])
+    return _sources_of(keys, origin, file)
+
+
+def _sources_of(
+    keys: list[tuple[str, ...]], origin: Mapping[tuple[str, ...], str], file: str
+) -> str:
+    """The variables that set ``keys`` (or a table holding one), and the
+    file (or "defaults") if a key was set by no variable."""
     names: set[str] = set()
     from_file = False
     for key in keys:
@@ -898,19 +1045,26 @@ def _sources_named(message: str, origin: Mapping[tuple[str, ...], str], file: st
     return ", ".join([*sorted(names), *([file] if from_file else [])])
 
 
-def _nearest_key(loc: tuple[str, ...], source: str) -> str:
-    """For an unknown key: the nearest key the same table has, or the two
-    underscores a GATEWAY_ variable's section needs; else nothing."""
+def _table_at(loc: tuple[str, ...]) -> tuple[type[BaseModel] | None, bool]:
+    """The model of the table at ``loc`` (None if no table is there), and
+    whether it is a table of them by name, whose next part is a name."""
     model: type[BaseModel] | None = Config
     named = False  # the part after a table of tables ([tenants.acme]) is a name
-    for part in loc[:-1]:
+    for part in loc:
         if named:
             named = False
             continue
         field = model.model_fields.get(part) if model is not None else None
         if field is None:
-            return ""
+            return None, False
         model, named = _model_of(field.annotation)
+    return model, named
+
+
+def _nearest_key(loc: tuple[str, ...], source: str) -> str:
+    """For an unknown key: the nearest key the same table has, or the two
+    underscores a GATEWAY_ variable's section needs; else nothing."""
+    model, named = _table_at(loc[:-1])
     if model is None or named:
         return ""
     name = loc[-1]

@@ -35,6 +35,16 @@ def parse_duration(value: object) -> float:
     return seconds
 
 
+def duration_text(seconds: float) -> str:
+    """``seconds`` in the largest unit that gives a whole number (2678400 ->
+    "31d", 1 -> "1s", 0.005 -> "5ms"), for messages."""
+    for unit in ("d", "h", "m", "s", "ms"):
+        count = seconds / _UNITS[unit]
+        if count >= 1 and abs(count - round(count)) < 1e-9:
+            return f"{round(count)}{unit}"
+    return f"{seconds:g}s"
+
+
 def parse_whole_seconds(value: object) -> object:
     """A duration in whole seconds as an int (``"1m"`` -> 60); a value that
     is not a duration is left to the field's own type check."""

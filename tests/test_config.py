@@ -89,7 +89,7 @@ def test_env_values_use_toml_syntax_else_plain_strings() -> None:
             "GATEWAY_MQTT__KEEPALIVE": "60",
             "GATEWAY_CASSANDRA__REPLICATION": "NetworkTopologyStrategy",
             "GATEWAY_CASSANDRA__DATACENTERS": "{dc1 = 3, dc2 = 2}",
-            "GATEWAY_MQTT__PASSWORD": '"123456"',
+            "GATEWAY_MQTT__PASSWORD": "123456",
         },
     )
     assert config.mqtt.host == "broker.example"
@@ -97,6 +97,144 @@ def test_env_values_use_toml_syntax_else_plain_strings() -> None:
     assert config.cassandra.datacenters == {"dc1": 3, "dc2": 2}
     assert config.mqtt.password is not None
     assert config.mqtt.password.get_secret_value() == "123456"
+
+
+@pytest.mark.parametrize(
+    "value", ["0x1F", "1.50", "1e3", "1_000", "+5", "-0", "123 #x", '"abc"', "true", "[1,2]"]
+)
+def test_a_text_key_takes_the_variable_as_written(value: str) -> None:
+    """Read as TOML, a password 0x1F became '31', 1e3 '1000.0', "123 #x" was
+    cut at the '#' and quotes were dropped; true or [1,2] were refused as
+    "not a valid string". The password then failed with nothing to say why."""
+    config = load_config(
+        None,
+        {
+            "GATEWAY_MQTT__PASSWORD": value,
+            "GATEWAY_CASSANDRA__USERNAME": value,
+            "GATEWAY_MQTT__CLIENT_ID": value,
+        },
+    )
+    assert config.mqtt.password is not None
+    assert config.mqtt.password.get_secret_value() == value
+    assert config.cassandra.username == value
+    assert config.mqtt.client_id == value
+
+
+def test_a_name_with_capitals_is_set_by_its_whole_table() -> None:
+    """Variable names are case-insensitive, so GATEWAY_TENANTS__ACME__TTL is
+    tenant acme; a name with capitals keeps them in a table's value."""
+    config = load_config(
+        None,
+        {
+            "GATEWAY_TENANTS__ACME__TTL": "7d",
+            "GATEWAY_SAMPLING__TENANTS": "{Acme = {max_rate = 5.0}}",
+            "GATEWAY_CASSANDRA__REPLICATION": "NetworkTopologyStrategy",
+            "GATEWAY_CASSANDRA__DATACENTERS": "{DC1 = 3}",
+        },
+    )
+    assert config.tenant("acme").ttl == 7 * 86400
+    assert config.sampling.tenants["Acme"].max_rate == 5.0
+    assert config.cassandra.datacenters == {"DC1": 3}
+
+
+def test_a_tenant_section_changes_only_what_it_sets(tmp_path: Path) -> None:
+    """It replaced the default section: [sampling.tenants.acme] noisy_for =
+    "0s" took acme out of [sampling.tenants.default]'s device quota."""
+    path = _write(
+        tmp_path,
+        "[sampling.tenants.default]\nmax_devices_per_tenant = 1000\nmax_rate = 50.0\n"
+        '[sampling.tenants.acme]\nnoisy_for = "0s"\nmax_rate = 5.0\n'
+        '[tenants.default]\nttl = "90d"\nstate_buckets = 4\n'
+        "[tenants.acme]\nstate_buckets = 8\n",
+    )
+    config = load_config(path, {})
+    acme = config.sampling.tenants["acme"]
+    assert (acme.max_devices_per_tenant, acme.max_rate, acme.noisy_for) == (1000, 5.0, 0.0)
+    assert (config.tenant("acme").ttl, config.tenant("acme").state_buckets) == (90 * 86400, 8)
+    assert (config.tenant("other").ttl, config.tenant("other").state_buckets) == (90 * 86400, 4)
+
+
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        ({"GATEWAY_API__HOST": ""}, "api.host (from GATEWAY_API__HOST): String should have at"),
+        ({"GATEWAY_MQTT__HOST": ""}, "mqtt.host (from GATEWAY_MQTT__HOST): String should have"),
+        ({"GATEWAY_SPOOL__PATH": ""}, "spool.path (from GATEWAY_SPOOL__PATH): expected the path"),
+        ({"GATEWAY_SPOOL__PATH": "/"}, "spool.path (from GATEWAY_SPOOL__PATH): expected the path"),
+        ({"GATEWAY_API__TOKENS_FILE": ""}, "api.tokens_file (from GATEWAY_API__TOKENS_FILE)"),
+        ({"GATEWAY_SPOOL__PATH": "/tmp"}, "spool.path (from GATEWAY_SPOOL__PATH): /tmp is a dir"),
+        ({"GATEWAY_CASSANDRA__LOCAL_DC": ""}, "cassandra.local_dc (from GATEWAY_CASSANDRA__"),
+        (
+            {"GATEWAY_CASSANDRA__CONTACT_POINTS": '["10.0.0.5", "10.0.0.6"'},
+            "Input should be a valid list (the value is not valid TOML: Unclosed array",
+        ),
+        (
+            {"GATEWAY_MQTT__RECONNECT_MIN": "60s"},
+            "mqtt.reconnect_min (60 s) is above mqtt.reconnect_max (30 s)",
+        ),
+        (
+            {"GATEWAY_TENANTS__ACME__FAST_BUCKET": "1d"},
+            "fast_bucket (86400 s) is above slow_bucket (21600 s): the faster a device",
+        ),
+        (
+            {
+                "GATEWAY_CASSANDRA__REPLICATION": "NetworkTopologyStrategy",
+                "GATEWAY_CASSANDRA__DATACENTERS": "{dc1 = 0}",
+            },
+            "cassandra.datacenters.dc1 (from GATEWAY_CASSANDRA__DATACENTERS): Input should be",
+        ),
+        (
+            {
+                "GATEWAY_CASSANDRA__REPLICATION": "NetworkTopologyStrategy",
+                "GATEWAY_CASSANDRA__DATACENTERS": """{"dc'1" = 3}""",
+            },
+            "String should match pattern",
+        ),
+        (
+            {"GATEWAY_CASSANDRA__DATACENTERS": "{dc1 = 3}"},
+            "cassandra.datacenters is used only with cassandra.replication",
+        ),
+        (
+            {"GATEWAY_CASSANDRA__GIVE_UP_AFTER": "40d"},
+            "cassandra.give_up_after (from GATEWAY_CASSANDRA__GIVE_UP_AFTER): must be at most "
+            "31d (got '40d')",
+        ),
+        (
+            {"GATEWAY_PIPELINE__LINGER": "1500ms"},
+            "pipeline.linger (from GATEWAY_PIPELINE__LINGER): must be at most 1s (got '1500ms')",
+        ),
+    ],
+)
+def test_a_value_that_cannot_work_is_refused_naming_its_key(env: dict[str, str], said: str) -> None:
+    """Each of these loaded: an empty api.host listened on every interface,
+    an empty spool.path crashed spool mode with a traceback, a broken list
+    became hosts named '["10.0.0.5"', reconnect waits went above
+    reconnect_max, a replication factor of 0 or a quote reached the CQL, and
+    a range error said "less than or equal to 2678400" for "40d"."""
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, env)
+    assert said in str(caught.value), caught.value
+
+
+def test_a_section_check_blames_what_set_its_keys(tmp_path: Path) -> None:
+    """It blamed every variable of the section: a conflict in the file was
+    said to come from GATEWAY_CASSANDRA__PORT."""
+    path = _write(
+        tmp_path,
+        "[cassandra]\nmin_in_flight = 500\nmax_in_flight = 100\n"
+        "[tenants.acme]\nslow_below = 10.0\nfast_above = 0.001\n",
+    )
+    env = {"GATEWAY_CASSANDRA__PORT": "9043", "GATEWAY_TENANTS__ACME__TTL": "90d"}
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, env)
+    said = str(caught.value)
+    assert f"cassandra (from {path}): cassandra.min_in_flight (500)" in said, said
+    assert f"tenants.acme (from {path}): slow_below must be lower" in said, said
+    assert "GATEWAY_" not in said, said
+    # A variable that set one of the keys named is blamed, beside the file.
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, env | {"GATEWAY_CASSANDRA__MAX_IN_FLIGHT": "50"})
+    assert f"cassandra (from GATEWAY_CASSANDRA__MAX_IN_FLIGHT, {path}):" in str(caught.value)
 
 
 def test_gateway_config_env_names_the_file(tmp_path: Path) -> None:
@@ -600,7 +738,7 @@ def test_network_topology_strategy_needs_datacenters(tmp_path: Path) -> None:
     path = _write(tmp_path, '[cassandra]\nreplication = "NetworkTopologyStrategy"\n')
     message = _error(path)
     assert f"(from {path})" in message
-    assert "cassandra.datacenters is required with NetworkTopologyStrategy" in message
+    assert "cassandra.datacenters is required with cassandra.replication = " in message
 
     ok = _write(
         tmp_path,
@@ -702,7 +840,7 @@ def test_unreadable_password_file_is_a_config_error(tmp_path: Path) -> None:
 # --- tenants -----------------------------------------------------------------------
 
 
-def test_tenant_falls_back_to_default_then_builtin(tmp_path: Path) -> None:
+def test_tenant_takes_its_section_then_the_default_then_builtin(tmp_path: Path) -> None:
     builtin = load_config(None, {})
     assert builtin.tenant("anyone") == TenantConfig()
     assert builtin.tenant("anyone").state_buckets == 1
@@ -717,8 +855,8 @@ def test_tenant_falls_back_to_default_then_builtin(tmp_path: Path) -> None:
     config = load_config(path, {})
     acme = config.tenant("acme")
     assert (acme.state_buckets, acme.telemetry_bucket) == (8, 900.0)
-    # A tenant's own section does not inherit from [tenants.default].
-    assert acme.ttl == 30 * 86400.0
+    # What a tenant's own section does not set comes from [tenants.default].
+    assert acme.ttl == 7 * 86400.0
     other = config.tenant("other")
     assert (other.state_buckets, other.ttl) == (2, 7 * 86400.0)
 

@@ -8,6 +8,7 @@ convergence under shuffling and duplicates, bad payloads, and a SIGKILL.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import re
 import signal
@@ -392,6 +393,23 @@ async def test_bad_payloads_rejected_with_reasons_and_good_ones_written(
         assert "(0 rejected since " in listed.stderr
     for i in range(20):
         assert (await device_row(db, tenant, f"g{i}")).value_num == i
+
+
+async def test_a_reject_log_rate_under_one_a_second_still_logs(
+    tenant: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At pipeline.reject_log_per_s = 0.5 the bucket never held one line's
+    token, so no rejection was ever logged (config review)."""
+    bad = [(topic(tenant, f"b{i}"), b"{not json") for i in range(5)]
+    config = make_config(GATEWAY_PIPELINE__REJECT_LOG_PER_S="0.5")
+    with caplog.at_level(logging.WARNING, logger="gateway.store.rejects"):
+        async with running_gateway(config) as gw:
+            await publish(bad)
+            await gw.wait_handled(len(bad))
+    logged = [r.getMessage() for r in caplog.records if "rejected message on" in r.getMessage()]
+    # The first at once, the next at most one per 2 s (the test takes far less).
+    assert 1 <= len(logged) <= 2, logged
+    assert "invalid_json" in logged[0]
 
 
 # ---------------------------------------------------------------- metrics

@@ -43,7 +43,10 @@ class Rejects:
         self._stats = stats
         self._keep = config.limits.rejected_payload_bytes
         self._rate = config.pipeline.reject_log_per_s
-        self._tokens = self._rate
+        # The bucket holds at least one line's token: under 1/s (0.2: one line
+        # per 5 s) it held under one, and nothing was ever logged. 0: none.
+        self._burst = max(1.0, self._rate) if self._rate > 0 else 0.0
+        self._tokens = self._burst
         self._last = time.monotonic()
         self._suppressed = 0
 
@@ -82,7 +85,7 @@ class Rejects:
 
     def _log(self, rejection: Rejection) -> None:
         now = time.monotonic()
-        self._tokens = min(self._rate, self._tokens + (now - self._last) * self._rate)
+        self._tokens = min(self._burst, self._tokens + (now - self._last) * self._rate)
         self._last = now
         if self._tokens < 1:
             self._suppressed += 1
