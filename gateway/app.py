@@ -51,7 +51,7 @@ from .store.rejects import Rejects
 from .store.requests import Requests
 from .store.rollups import RollupMarks, RollupWorker
 from .store.rotate import StateRotation
-from .store.schema import missing_from
+from .store.schema import incomplete
 from .store.sink import Sink
 from .store.telemetry import Telemetry
 from .store.write_session import WriteSession, open_write_session
@@ -319,13 +319,10 @@ class _Opening:
             raise cannot_connect(self._config.cassandra, exc) from None
 
 
-async def _check_schema(session: WriteSession, config: Config) -> None:
-    missing = missing_from(session.keyspace, await session.tables())
-    if missing:
-        raise SchemaError(
-            f"schema incomplete in keyspace {config.cassandra.keyspace!r} "
-            f"(missing: {', '.join(missing)}): run `gateway schema apply`"
-        )
+async def _check_schema(session: WriteSession) -> None:
+    why = incomplete(session.keyspace, await session.tables())
+    if why is not None:
+        raise SchemaError(why)
 
 
 @asynccontextmanager
@@ -359,7 +356,7 @@ async def open_gateway(
             raise write
         session = write
         opening = _Opening(config, session.transient)
-        await opening(_check_schema(session, config))
+        await opening(_check_schema(session))
         for failed in (rollup_session, reader):
             if isinstance(failed, BaseException):
                 raise failed
@@ -541,6 +538,7 @@ async def run(
     if not config.spool.enabled and (said := stranded(config.spool.path)):
         raise ConfigError(said)
     since: float | None = None
+    waiting: str | None = None  # what spool mode waits for, if not Cassandra itself
     notifier = notifier or Notifier()
     while True:
         # After spool mode (READY sent, so systemd's watchdog runs) the
@@ -571,7 +569,17 @@ async def run(
                     "the spool: with spool.enabled the gateway starts anyway and spools"
                 ) from None
             since = since or time.time()
+            waiting = None
             log.warning("%s: taking messages into the spool until it answers", exc)
+        except* SchemaError as group:
+            # Spooling, the link came back to a keyspace without the tables
+            # (installed while the link was down, or a release that adds
+            # one): that ended the intake, at every restart.
+            if not config.spool.enabled:
+                raise group.exceptions[0] from None
+            since = since or time.time()
+            waiting = f"Cassandra answers, but its {group.exceptions[0]}"
+            log.error("%s: taking messages into the spool until then", waiting)
         finally:
             opened.set()
             if feeding is not None:
@@ -582,6 +590,7 @@ async def run(
             stats,
             stop,
             since=since,
+            waiting=waiting,
             shutdown_deadline=shutdown_deadline,
             ready=ready,
             notifier=notifier,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections.abc import Iterator
@@ -37,6 +38,7 @@ from .ingest.spool import Spool, SpoolSource
 from .ingest.topics import TopicMatcher
 from .sd_notify import Notifier
 from .stats import Stats
+from .store.schema import incomplete
 from .store.write_session import open_write_session
 from .units import utc_text
 from .web.api import read_api_unavailable
@@ -75,6 +77,13 @@ def unreachable_since(wall: float) -> str:
     return f"spooling, Cassandra unreachable since {utc_text(wall)}"
 
 
+class _Waiting:
+    """What the gateway waits for, as /healthz and the status line say it."""
+
+    def __init__(self, state: str) -> None:
+        self.state = state
+
+
 class _NotYet:
     """The spool's queue while there are no writers: its feed task is not run."""
 
@@ -88,13 +97,15 @@ async def spool_until_reachable(
     stop: asyncio.Event,
     *,
     since: float,
+    waiting: str | None = None,
     shutdown_deadline: float,
     ready: asyncio.Event | None = None,
     notifier: Notifier | None = None,
 ) -> bool:
-    """Run the intake alone until a connection to Cassandra opens (True) or
-    ``stop`` is set (False). ``since``: wall time the outage was first seen."""
-    state = unreachable_since(since)
+    """Run the intake alone until a connection to Cassandra opens, with the
+    schema complete (True), or ``stop`` is set (False). ``since``: wall time
+    the outage was first seen; ``waiting``: what else it waits for."""
+    state = _Waiting(unreachable_since(since) if waiting is None else f"spooling, {waiting}")
     reachable = asyncio.Event()
     done = asyncio.Event()  # the intake stops: Cassandra answers, or stop
     async with AsyncExitStack() as stack:
@@ -123,7 +134,7 @@ async def spool_until_reachable(
                 return False, {
                     "mqtt": "connected" if receiver.connected.is_set() else "disconnected",
                     "mqtt_client_id": config.mqtt.client_id,
-                    "cassandra": state,
+                    "cassandra": state.state,
                     "spool": spool.depth,
                     "spool_state": spool.state(),
                 }
@@ -133,16 +144,19 @@ async def spool_until_reachable(
                 health=health,
                 # The page too (a reload finds it), over a read API that says
                 # it is not there yet.
-                extra=[read_api_unavailable(lambda: f"read API not ready: {state}"), add_page],
+                extra=[
+                    read_api_unavailable(lambda: f"read API not ready: {state.state}"),
+                    add_page,
+                ],
             )
             await stack.enter_async_context(serve(app, config.api.host, config.api.port))
         notifier = notifier or Notifier()
-        notifier.notify("READY=1", f"STATUS={state}")
+        notifier.notify("READY=1", f"STATUS={state.state}")
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(notifier.keep_alive(done))
             tasks.create_task(source.append())
             tasks.create_task(_receive(receiver, source, done))
-            tasks.create_task(_connect(config.cassandra, reachable, done, stop))
+            tasks.create_task(_connect(config.cassandra, state, reachable, done, stop))
             tasks.create_task(_status(stats, state, done, config.pipeline.status_interval))
             if ready is not None:
                 tasks.create_task(_signal_ready(receiver, ready, done))
@@ -158,10 +172,15 @@ async def _receive(receiver: Receiver, source: SpoolSource, done: asyncio.Event)
 
 
 async def _connect(
-    config: CassandraConfig, reachable: asyncio.Event, done: asyncio.Event, stop: asyncio.Event
+    config: CassandraConfig,
+    waiting: _Waiting,
+    reachable: asyncio.Event,
+    done: asyncio.Event,
+    stop: asyncio.Event,
 ) -> None:
     attempt = 0
     logged = time.monotonic()
+    told = -math.inf  # of a missing schema
     try:
         while True:
             attempt += 1
@@ -176,12 +195,19 @@ async def _connect(
                 # Exactly the connection `gateway run` opens (same driver, same
                 # checks); closed at once, the gateway opens its own.
                 with _drivers_quiet():
-                    async with open_write_session(config):
-                        pass
+                    async with open_write_session(config) as session:
+                        why = incomplete(session.keyspace, await session.tables())
             except CassandraUnreachable as exc:
                 if time.monotonic() - logged >= LOG_EVERY:
                     logged = time.monotonic()
                     log.warning("still spooling, %d attempts so far: %s", attempt, exc)
+                continue
+            if why is not None:
+                # It answers, but writing would fail: spool on, and say why.
+                waiting.state = f"spooling, Cassandra answers, but its {why}"
+                if time.monotonic() - told >= LOG_EVERY:  # the first time at once
+                    told = time.monotonic()
+                    log.error("still spooling: Cassandra answers, but its %s", why)
                 continue
             log.info("Cassandra answers after %d attempts: opening the gateway", attempt)
             reachable.set()
@@ -190,13 +216,13 @@ async def _connect(
         done.set()
 
 
-async def _status(stats: Stats, state: str, done: asyncio.Event, interval: float) -> None:
+async def _status(stats: Stats, waiting: _Waiting, done: asyncio.Event, interval: float) -> None:
     while not done.is_set():
         try:
             async with asyncio.timeout(interval):
                 await done.wait()
         except TimeoutError:
-            log.info("status: %s; %s", state, stats.status_line())
+            log.info("status: %s; %s", waiting.state, stats.status_line())
 
 
 async def _signal_ready(receiver: Receiver, ready: asyncio.Event, done: asyncio.Event) -> None:

@@ -81,6 +81,27 @@ class _SlowSpool(Spool):
         return await super().append(records)
 
 
+async def test_an_emptied_spool_gives_its_room_back(tmp_path: Path) -> None:
+    """A spool file kept the size of its largest outage for good: 7.9 MB for
+    50,000 records, 0 left in it (edge review). Emptied with more than
+    SHRINK_ABOVE free in it, it shrinks; a small one is left as it is."""
+    path = tmp_path / "spool.sqlite"
+    async with Spool(path, 1000, 1 << 30) as spool:
+        seqs = await spool.append([(1, "t/a", None, os.urandom(1 << 20))] * 12)
+        assert path.stat().st_size > 12 << 20
+        await spool.delete(seqs[:6], 6 << 20)
+        assert path.stat().st_size > 12 << 20  # not empty: kept
+        await spool.delete(seqs[6:], 6 << 20)
+        assert path.stat().st_size < 1 << 20
+        assert (await spool.append([(2, "t/a", None, b"{}")])) == [seqs[-1] + 1]
+    async with Spool(path, 1000, 1 << 30) as spool:
+        assert spool.depth == 1
+        seqs = await spool.append([(3, "t/a", None, os.urandom(1 << 20))] * 2)
+        size = path.stat().st_size
+        await spool.delete([seqs[0] - 1, *seqs], (2 << 20) + 2)
+        assert path.stat().st_size == size  # 2 MB free in it: under SHRINK_ABOVE
+
+
 async def test_closing_during_a_commit_with_a_delivery_behind_it_does_not_hang(
     tmp_path: Path,
 ) -> None:

@@ -25,6 +25,7 @@ import signal
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,7 @@ import orjson
 import pytest
 
 from gateway.errors import SpoolDiskFull, SpoolError
-from gateway.ingest.spool import Spool
+from gateway.ingest.spool import READ_ONLY_WHY, Spool
 from gateway.store.database import Database
 
 from .helpers import (
@@ -401,6 +402,17 @@ async def test_disk_full_is_not_acknowledged_and_flows_once_there_is_room(
                 await gw.wait_for(lambda s: s.written >= 200 and s.spool.depth == 0, deadline=60)
                 assert not gw.task.done()
                 assert said("gave back its reserve")
+                # Drained, but the disk is still full, so no append can commit:
+                # it still says so. A delete that went through said "room
+                # again ... acknowledging again", /healthz turned 200 and the
+                # next refusal was logged at once: flapping at every delete.
+                await asyncio.sleep(1)
+                code, checks = await _healthz(api)
+                assert code == 503, checks
+                assert (await _metrics(api))["gateway_spool_disk_full"] == 1
+                assert not said("spool disk has room again")
+                refused = [m for m in said("spool disk full at") if "gave back" not in m]
+                assert len(refused) == 1, refused  # once a minute at most
                 (disk / "filler").unlink()  # room again
                 await assert_all_stored(db, tenant, sent, deadline=60)
                 await gw.wait_for(lambda s: s.acked == 400 and s.spool.depth == 0, deadline=30)
@@ -554,12 +566,12 @@ async def test_check_and_the_gateway_say_the_spool_is_on_a_read_only_file_system
         assert done.returncode == 1, done.stdout
         first = done.stdout.splitlines()[0]
         assert first.startswith(f"cannot write the spool {path}: "), done.stdout
-        assert first.endswith(f": {disk} is a read-only file system"), done.stdout
+        assert first.endswith(f": {disk} is a read-only file system{READ_ONLY_WHY}"), done.stdout
         assert f"spool: cannot write {path}: {disk} is a read-only file system" in done.stdout
         assert "this user" not in done.stdout
     for refused in (refused_before, refused_after):
         said = str(refused.value)
-        assert said == f"spool {path}: {disk} is a read-only file system", said
+        assert said == f"spool {path}: {disk} is a read-only file system{READ_ONLY_WHY}", said
 
 
 def test_check_says_a_spool_this_user_cannot_write(
@@ -615,6 +627,64 @@ def test_a_spool_turned_off_while_holding_messages_is_said_not_stranded(tmp_path
     ran = run_cli("run", env=env, timeout=60)
     assert ran.returncode == 2
     assert said in ran.stderr, ran.stderr
+
+
+async def test_a_keyspace_without_its_tables_keeps_the_gateway_spooling(
+    tenant: str, tmp_path: Path
+) -> None:
+    """Spool mode, and Cassandra answers but the schema is not there (a host
+    installed while the link was down, or a release that adds a table): the
+    gateway exited with "schema incomplete", at every restart, and took no
+    more messages. It now spools on, and /healthz says why."""
+    api = free_port()
+    keyspace = f"nothing_{uuid.uuid4().hex[:8]}"  # never created
+    env = _spool_env(
+        tenant, tmp_path / "spool.sqlite", CQL_PORT, api, GATEWAY_CASSANDRA__KEYSPACE=keyspace
+    )
+    messages = [(topic(tenant, f"d{i}"), orjson.dumps({"ts": 1000 + i})) for i in range(20)]
+    async with running_gateway(make_config(**env)) as gw:
+        await publish(messages)
+        await gw.wait_for(lambda s: s.acked == 20, deadline=30)  # spooled
+        assert gw.stats.spool is not None
+        assert gw.stats.spool.depth == 20
+        code, checks = await _healthz(api)
+        assert code == 503
+        assert f"schema incomplete in keyspace '{keyspace}'" in str(checks["cassandra"]), checks
+        assert not gw.task.done()
+
+
+def test_a_damaged_spool_is_said_with_what_to_do(tmp_path: Path) -> None:
+    """A spool file damaged on disk (a page of garbage): `gateway run` ended
+    with the bare "database disk image is malformed" (or a traceback, when
+    the read met it) at every restart, `gateway check` could call it ok, and
+    with the spool off it was ignored without a word. Each now names the
+    file, says it is damaged and what to do; nothing starts over it."""
+    path = tmp_path / "spool.sqlite"
+
+    async def spool_some() -> None:
+        async with Spool(path, 1000, 1 << 24) as spool:
+            await spool.append([(int(time.time() * 1000), "t/a", None, b"x" * 3000)] * 50)
+
+    asyncio.run(spool_some())
+    with path.open("r+b") as file:
+        file.seek(4096 * 20)
+        file.write(b"\xff" * 4096)
+    advice = f"the file is damaged: stop the gateway, move it aside (mv {path} {path}.damaged)"
+    env = base_env(GATEWAY_SPOOL__ENABLED="true", GATEWAY_SPOOL__PATH=str(path))
+    checked = run_cli("check", env=env)
+    assert checked.returncode == 1
+    first = checked.stdout.splitlines()[0]
+    assert first.startswith(f"cannot read the spool {path} (database disk image is malformed)")
+    assert advice in first, first
+    assert f"spool: DAMAGED, cannot read {path}" in checked.stdout
+    ran = run_cli("run", env=env, timeout=60)
+    assert ran.returncode == 1
+    assert advice in ran.stderr, ran.stderr
+    assert "Traceback" not in ran.stderr
+    off = run_cli("run", env=env | {"GATEWAY_SPOOL__ENABLED": "false"}, timeout=60)
+    assert off.returncode == 2
+    assert f"spool.enabled is false, but the spool {path} cannot be read" in off.stderr
+    assert advice in off.stderr, off.stderr
 
 
 async def test_healthz_says_the_link_is_down_with_nothing_to_write(

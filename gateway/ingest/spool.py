@@ -84,6 +84,8 @@ LOG_EVERY = 60.0
 # of this size beside the spool (PATH-reserve) is given back to deletes that
 # meet a disk filled by something else.
 RESERVE_BYTES = 512 * 1024
+# An emptied spool file gives its free pages back when they are this many bytes.
+SHRINK_ABOVE = 8 * 1024 * 1024
 # The WAL is checkpointed at this many pages (of 4 KiB; SQLite's default is
 # 1,000) and cut back to RESERVE_BYTES after: on a small file system a WAL of
 # 4 MB took room the spooled messages needed (about 11 KB per message on 2 MB).
@@ -135,12 +137,19 @@ class Peeked(NamedTuple):
     freed: int  # bytes of pages that deletes freed inside the file (appends reuse them)
 
 
-def peek(path: Path) -> Peeked | None:
+def peek(path: Path, *, verify: bool = False) -> Peeked | None:
     """A spool file's contents, read only; None when there is no file.
-    Raises sqlite3.Error when it cannot be read."""
+    Raises sqlite3.Error when it cannot be read, or with ``verify`` (SQLite's
+    ``quick_check``, a read of every page: `gateway check`) when it is damaged."""
     if not path.exists():
         return None
     with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+        if verify:
+            problems = [row[0] for row in db.execute("PRAGMA quick_check(3)")]
+            if problems != ["ok"]:
+                error = sqlite3.DatabaseError("; ".join(problems))
+                error.sqlite_errorcode = sqlite3.SQLITE_CORRUPT
+                raise error
         depth, size, oldest = db.execute(
             "SELECT count(*), coalesce(sum(length(payload)), 0), min(received_ms) FROM spool"
         ).fetchone()
@@ -162,6 +171,9 @@ def nearest_existing(path: Path) -> Path | None:
     return next((p for p in (path, *path.parents) if p.exists()), None)
 
 
+READ_ONLY_WHY = " (remounted so after disk errors, or outside a systemd service's ReadWritePaths=)"
+
+
 def unwritable(path: Path) -> str | None:
     """Why the spool at ``path`` cannot be written, naming what is in the way,
     or None: its file system mounted read-only (a failing SD card the kernel
@@ -177,7 +189,9 @@ def unwritable(path: Path) -> str | None:
             mount = where  # named by where it is mounted
             while mount != mount.parent and os.stat(mount.parent).st_dev == os.stat(mount).st_dev:
                 mount = mount.parent
-            return f"{mount} is a read-only file system"
+            # Or a sandbox's: under ProtectSystem=strict (deploy/systemd)
+            # everything outside ReadWritePaths= and the StateDirectory is.
+            return f"{mount} is a read-only file system" + READ_ONLY_WHY
     # The file, and the directory SQLite makes its -wal and -shm files in.
     for what in (path, path.parent) if where == path else (where,):
         if what.exists() and not os.access(what, os.W_OK):
@@ -191,14 +205,35 @@ def _freed(db: sqlite3.Connection) -> int:
     return int(pages) * int(page_size)
 
 
+def damaged(exc: sqlite3.Error) -> bool:
+    """Whether ``exc`` says the file is damaged (or is no SQLite file at all)."""
+    return exc.sqlite_errorcode & 0xFF in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
+
+
+def what_to_do_with_damaged(path: Path) -> str:
+    """What an operator does with a damaged spool file: the messages in it
+    were acknowledged to the broker and are in no other place."""
+    return (
+        f"the file is damaged: stop the gateway, move it aside (mv {path} {path}.damaged) "
+        "and start again with a new one; `sqlite3 "
+        f"{path}.damaged .recover` (Debian package sqlite3) gets back what it can of the "
+        "messages it held, which were acknowledged to the broker and are in no other place"
+    )
+
+
 def stranded(path: Path) -> str | None:
     """With ``spool.enabled`` false: what to say if a spool file at ``path``
     still holds messages. They were acknowledged to the broker when spooled
     and are nowhere else, so the gateway does not start over them."""
     try:
         found = peek(path)
-    except sqlite3.Error:
-        return None  # not a spool of ours (or not readable): nothing of ours stranded
+    except sqlite3.Error as exc:
+        if damaged(exc) and path.stat().st_size > 0:
+            return (
+                f"spool.enabled is false, but the spool {path} cannot be read ({exc}) and may "
+                f"hold messages; {what_to_do_with_damaged(path)}"
+            )
+        return None  # not readable here: nothing of ours known to be stranded
     if found is None or found.depth == 0:
         return None
     return (
@@ -343,7 +378,11 @@ class Spool:
         return seqs
 
     async def read(self, after: int, limit: int) -> list[Record]:
-        records: list[Record] = await self._call(self._read, after, limit)
+        try:
+            records: list[Record] = await self._call(self._read, after, limit)
+        except sqlite3.Error as exc:
+            # A damaged page: it was a traceback, and every restart met it again.
+            raise self._error(exc, f"reading the messages after #{after}") from None
         return records
 
     async def delete(self, seqs: Sequence[int], size: int) -> None:
@@ -362,12 +401,18 @@ class Spool:
                 raise self._error(again, f"deleting {len(seqs)} written messages") from None
         if not self._reserved:
             await self._call(self._restore)
-        self.disk_full_since = None
+        if self.disk_full_since is not None and await self._call(self._has_room):
+            # A delete that went through is not room for an append: on a disk
+            # another program filled, clearing it here flipped /healthz and
+            # the log ("room again ... acknowledging again", then "disk full")
+            # at every delete while no append could commit.
+            self.disk_full_since = None
         self.depth -= len(seqs)
         self.bytes -= size
         self.deleted += len(seqs)
         if self.depth == 0:
             self._oldest_ms = None
+            await self._call(self._shrink)
         else:
             self._oldest_ms = await self._call(self._oldest)
         self._update_room()
@@ -390,6 +435,10 @@ class Spool:
             if self.disk_full_since is None:
                 self.disk_full_since = time.time()
             return SpoolDiskFull(f"spool disk full at {self.path}: {doing} failed ({exc})")
+        if damaged(exc):
+            return SpoolError(
+                f"spool {self.path}: {doing} failed: {exc}; {what_to_do_with_damaged(self.path)}"
+            )
         return SpoolError(f"spool {self.path}: {doing} failed: {exc}")
 
     async def _call(self, fn: Any, *args: Any) -> Any:
@@ -539,6 +588,12 @@ class Spool:
             raise
         return seqs
 
+    def _has_room(self) -> bool:
+        """Whether an append of a small message would find its room now."""
+        db = self._db
+        assert db is not None
+        return shutil.disk_usage(self.path.parent).free + _freed(db) >= room_needed(0)
+
     def _read(self, after: int, limit: int) -> list[Record]:
         db = self._db
         assert db is not None
@@ -563,6 +618,29 @@ class Spool:
             if db.in_transaction:
                 db.execute("ROLLBACK")
             raise
+
+    def _shrink(self) -> None:
+        """Empty, give the file's free pages back to the file system once
+        they are many: a file that held an outage kept its size for good
+        (7.9 MB for 50,000 records, 0 in it), room an SD card's other users
+        (the broker's store, the journal) needed."""
+        db = self._db
+        assert db is not None
+        if _freed(db) < SHRINK_ABOVE:
+            return
+        before = self.path.stat().st_size
+        try:
+            db.execute("VACUUM")  # of an empty table: a moment, and little room
+            db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except sqlite3.Error as exc:  # no room for it, say: the file just stays as large
+            log.info("spool %s: empty, but not shrunk (%s)", self.path, exc)
+            return
+        log.info(
+            "spool %s: empty, shrunk from %d to %d bytes",
+            self.path,
+            before,
+            self.path.stat().st_size,
+        )
 
     def _oldest(self) -> int | None:
         db = self._db
@@ -840,7 +918,8 @@ class SpoolSource:
                     self._delete_ready.set()
                     continue
                 delay = RETRY_MIN
-                self._disk_room()
+                if self.spool.disk_full_since is None:
+                    self._disk_room()
             if self._writes_stopped.is_set() and not self._to_delete:
                 return
 

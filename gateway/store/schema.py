@@ -106,6 +106,18 @@ async def apply(db: Database, directory: Path | None = None) -> int:
     return done
 
 
+def incomplete(keyspace: str, tables: set[str] | None) -> str | None:
+    """Why the gateway cannot write to ``keyspace`` with ``tables`` (None:
+    no such keyspace), or None if nothing is missing."""
+    missing = missing_from(keyspace, tables)
+    if not missing:
+        return None
+    return (
+        f"schema incomplete in keyspace {keyspace!r} (missing: {', '.join(missing)}): "
+        "run `gateway schema apply`"
+    )
+
+
 def missing_from(keyspace: str, tables: set[str] | None) -> list[str]:
     """What the gateway needs that ``tables`` (None: no such keyspace) lacks."""
     if tables is None:

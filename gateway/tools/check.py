@@ -20,7 +20,15 @@ import aiomqtt
 
 from ..config import Config
 from ..errors import ConfigError, SinkError
-from ..ingest.spool import nearest_existing, peek, room_needed, stranded, unwritable
+from ..ingest.spool import (
+    damaged,
+    nearest_existing,
+    peek,
+    room_needed,
+    stranded,
+    unwritable,
+    what_to_do_with_damaged,
+)
 from ..store.schema import missing_from
 from ..store.write_session import open_write_session
 from .mqtt_client import mqtt_client
@@ -94,8 +102,11 @@ def _spool(config: Config) -> Result:
     if why is not None:
         return False, f"spool: cannot write {path}: {why}", f"cannot write the spool {path}: {why}"
     try:
-        found = peek(path)
+        found = peek(path, verify=True)
     except sqlite3.Error as exc:
+        if damaged(exc):
+            said = f"cannot read the spool {path} ({exc}); {what_to_do_with_damaged(path)}"
+            return False, f"spool: DAMAGED, cannot read {path}: {exc}", said
         if free < need:  # reading needs room too (its -shm file)
             return False, f"spool: DISK FULL, cannot read {path}: {exc}", full_disk(free)
         return False, f"spool: cannot read {path}: {exc}", f"cannot read the spool {path}: {exc}"
