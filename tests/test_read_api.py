@@ -137,6 +137,24 @@ async def test_the_reference_example_through_mqtt_then_http(
                 break
             cursor = f"&cursor={body['next_cursor']}"
         assert seen == ["event 1-3", "event 1-2", "event 1-1"]
+        # A cursor is for the query it came from: on another it gave a 200
+        # that began mid-list (a page of "on" from where "off" ended, or a
+        # device's history from another device's time).
+        _, off, _ = await api.get(f"/api/v1/tenants/{tenant}/states/off/devices?limit=1")
+        _, d1, _ = await api.get(f"/api/v1/tenants/{tenant}/devices/{D1}/history?{since}&limit=1")
+        for path in (
+            f"states/on/devices?cursor={off['next_cursor']}",
+            f"states/off/devices?prefix=x&cursor={off['next_cursor']}",
+            f"devices/{D2}/history?{since}&cursor={d1['next_cursor']}",
+        ):
+            status, body, _ = await api.get(f"/api/v1/tenants/{tenant}/{path}")
+            assert status == 400, (path, body)
+            assert body["detail"].startswith("cursor: given out for another query"), body
+        status, body, _ = await api.get(
+            f"/api/v1/tenants/{tenant}/states/off/devices?cursor={off['next_cursor']}"
+        )
+        pages = [d["device_id"] for d in off["devices"] + body["devices"]]
+        assert sorted(pages) == [D2, D3]  # its own query takes it
 
         status, body, _ = await api.get(f"/api/v1/tenants/{tenant}/devices/nobody")
         assert status == 404
@@ -231,7 +249,7 @@ async def test_paging_crosses_buckets_and_filters_by_prefix_and_tag(
 async def test_tenants_are_isolated(db: Database, tenant: str, tokens: TokenStore) -> None:
     other = f"o{uuid.uuid4().hex[:12]}"
     await load_reference(tenant, other)
-    config = make_config()
+    config = make_config(GATEWAY_TENANTS__DEFAULT__TTL="30d")  # a section, not a tenant
     mine = tokens.add(tenant=tenant).token
     admin = tokens.add(admin=True).token
     async with api_server(db, config, tokens) as url, aiohttp.ClientSession() as session:
@@ -256,6 +274,7 @@ async def test_tenants_are_isolated(db: Database, tenant: str, tokens: TokenStor
         # keyspace is far below it; a long-used one may not be).
         listed = body["tenants"]
         assert {tenant, other} <= set(listed) or len(listed) == 1000
+        assert "default" not in listed  # it was listed: an admin's picker offered it
         # Revoked by another process (`gateway token revoke` writes the file):
         # the running API refuses it within about a second (its store re-reads
         # the file), cached answers included.
@@ -306,6 +325,25 @@ async def test_history_pages_through_many_events_of_one_millisecond(
         path = f"/api/v1/tenants/{tenant}/devices/burst/history?{since}&limit=8"
         events = await every_page(api, path, "events", pages=6)
     assert sorted(e["value"] for e in events) == list(range(30))  # each once
+
+
+async def test_an_event_a_fast_clock_dated_ahead_is_in_the_default_history(
+    db: Database, tenant: str, tokens: TokenStore
+) -> None:
+    """Stored (within limits.max_future_skew) and shown as the device's
+    latest, but history and roll-ups ended at now by default: a device whose
+    clock ran 2 minutes fast had its newest value left out of them."""
+    ahead = int(time.time() * 1000) + 120_000
+    async with running_gateway(make_config()) as gw:
+        await publish([(topic(tenant, "fast"), orjson.dumps({"ts": ahead, "value": 7.5}))])
+        await gw.wait_handled(1)
+    async with client(db, make_config(), tokens, tenant) as api:
+        status, body, _ = await api.get(f"/api/v1/tenants/{tenant}/devices/fast/history")
+        assert status == 200, body
+        assert [e["value"] for e in body["events"]] == [7.5]
+    shown = run_cli("history", "--tenant", tenant, "fast", "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert [e["value"] for e in orjson.loads(shown.stdout)] == [7.5]
 
 
 @pytest.mark.parametrize("buckets", [1, 4])
@@ -423,7 +461,9 @@ async def test_a_history_cursor_counting_too_many_events_is_a_400(
         "event_id, state) VALUES (%s, 'd', %s, 0, %s, 1, 'on')",
         (tenant, start, start + 5),
     )
-    cursor = base64.urlsafe_b64encode(f"[{now_ms},{given}]".encode()).decode().rstrip("=")
+    query = queries.query_of(tenant, "d")
+    packed = base64.urlsafe_b64encode(f"[{now_ms},{given},{query}]".encode())
+    cursor = packed.decode().rstrip("=")
     async with client(db, make_config(), tokens, tenant) as api:
         status, body, _ = await api.get(
             f"/api/v1/tenants/{tenant}/devices/d/history?since=1h&cursor={cursor}"

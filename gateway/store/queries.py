@@ -19,6 +19,7 @@ import heapq
 import itertools
 import logging
 import re
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -137,16 +138,28 @@ Position = tuple[int, str]
 START: Position = (FIRST_HASH, "")  # before every row
 
 
-def encode_cursor(bucket: int, after: Position) -> str:
-    return _pack([bucket, *after])
+def query_of(*identity: Any) -> int:
+    """What a cursor carries of the query it was given out for (tenant, state
+    or device, filters): a position alone was taken by any other query, and a
+    page of state "off" began where a page of "on" ended, with no error."""
+    return zlib.crc32(orjson.dumps(identity))
 
 
-def decode_cursor(cursor: str, buckets: int) -> tuple[int, Position]:
+OTHER_QUERY = "given out for another query (tenant, state, device or filter): start without it"
+
+
+def encode_cursor(bucket: int, after: Position, query: int) -> str:
+    return _pack([bucket, *after, query])
+
+
+def decode_cursor(cursor: str, buckets: int, query: int) -> tuple[int, Position]:
     found = _unpack(cursor)
     match found:
-        case [int(bucket), int(hashed), str(after)] if 0 <= bucket < buckets and (
+        case [int(bucket), int(hashed), str(after), int(given_for)] if 0 <= bucket < buckets and (
             FIRST_HASH <= hashed < 2**31
         ):
+            if given_for != query:
+                raise bad_parameter("cursor", OTHER_QUERY)
             return bucket, (hashed, after)
     raise bad_parameter("cursor", "not a cursor this server gave out (or state_buckets changed)")
 
@@ -199,7 +212,8 @@ async def devices_page(
     if not 1 <= limit <= MAX_PAGE:
         raise bad_parameter("limit", f"must be between 1 and {MAX_PAGE} (got {limit})")
     buckets = await state_buckets(db, config, tenant)
-    bucket, after = decode_cursor(cursor, buckets) if cursor else (0, START)
+    query = query_of(tenant, state, prefix, tag)
+    bucket, after = decode_cursor(cursor, buckets, query) if cursor else (0, START)
     gens = await state_generations(db, tenant, state)
     stmt = await db.prepared(
         "SELECT device_hash, device_id, ts, value, tags, WRITETIME(ts) AS wt "
@@ -240,11 +254,11 @@ async def devices_page(
         if len(out) == limit:
             last = (rows[-1].device_hash, rows[-1].device_id)
             if after != last or len(rows) > want:
-                return _page(out, encode_cursor(bucket, after))
-            return _page(out, await _next(db, stmt, tenant, state, gens, bucket, buckets))
+                return _page(out, encode_cursor(bucket, after, query))
+            return _page(out, await _next(db, stmt, tenant, state, gens, bucket, buckets, query))
         if len(rows) > want:
             if filtered and scanned >= SCAN_BUDGET:
-                return _page(out, encode_cursor(bucket, after))
+                return _page(out, encode_cursor(bucket, after, query))
             continue  # more in this bucket
         bucket, after = bucket + 1, START
     return _page(out, None)
@@ -329,13 +343,14 @@ async def _next(
     gens: dict[int, int],
     bucket: int,
     buckets: int,
+    query: int,
 ) -> str | None:
     """The cursor of the start of the next bucket that holds a row (None:
     none does), for a page that ended exactly with its bucket."""
     for later in range(bucket + 1, buckets):
         params = (tenant, state, later, gens.get(later, 0), *START, 1)
         if await _read_state(db, stmt, params, tenant, state, buckets):
-            return encode_cursor(later, START)
+            return encode_cursor(later, START, query)
     return None
 
 
@@ -583,9 +598,10 @@ async def history_page(
         raise bad_parameter("limit", f"must be between 1 and {MAX_PAGE} (got {limit})")
     seen: set[int] = set()
     skip = 0
+    query = query_of(tenant, device_id)
     if cursor:
         try:
-            last_ms, given = _unpack(cursor)
+            last_ms, given, given_for = _unpack(cursor)
             if isinstance(given, list):
                 seen = {int(i) for i in given}
             else:
@@ -595,6 +611,8 @@ async def history_page(
                 raise ValueError(skip)
         except (ValueError, TypeError, OverflowError):
             raise bad_parameter("cursor", "not a cursor this server gave out") from None
+        if given_for != query:
+            raise bad_parameter("cursor", OTHER_QUERY)
         if skip > HISTORY_MAX_SKIP:
             # Each partition read would fetch that many rows more (and past a
             # 32-bit int, Cassandra refuses the LIMIT).
@@ -618,8 +636,8 @@ async def history_page(
     else:
         ids, count = {r.event_id for r in here}, len(here)
     if not skip and len(ids) <= CURSOR_IDS:
-        return HistoryPage(page, _pack([end, sorted(ids)]))
-    return HistoryPage(page, _pack([end, count]))
+        return HistoryPage(page, _pack([end, sorted(ids), query]))
+    return HistoryPage(page, _pack([end, count, query]))
 
 
 # Event ids a history cursor carries at most (about 20 characters each); past

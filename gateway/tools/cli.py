@@ -850,10 +850,13 @@ async def _device(config: Config, args: argparse.Namespace) -> int:
     return 0
 
 
-def _time_range(args: argparse.Namespace, now: datetime) -> tuple[datetime, datetime]:
-    """--since and --until (the last 24 h unless given), in order."""
+def _time_range(
+    args: argparse.Namespace, now: datetime, config: Config
+) -> tuple[datetime, datetime]:
+    """--since and --until (the last 24 h unless given, up to
+    limits.max_future_skew ahead, as the API's), in order."""
     since = _time_arg("--since", args.since, now - timedelta(hours=24))
-    until = _time_arg("--until", args.until, now)
+    until = _time_arg("--until", args.until, now + timedelta(seconds=config.limits.max_future_skew))
     try:
         queries.check_order(since, until, since_given=bool(args.since), flag="--")
     except QueryError as exc:
@@ -863,7 +866,7 @@ def _time_range(args: argparse.Namespace, now: datetime) -> tuple[datetime, date
 
 async def _history(config: Config, args: argparse.Namespace) -> int:
     now = datetime.now(UTC)
-    since, until = _time_range(args, now)
+    since, until = _time_range(args, now, config)
     async with connect(config.cassandra) as db:
         # One more than asked: whether the limit left any out.
         rows = await queries.history(db, args.tenant, args.device_id, since, until, args.limit + 1)
@@ -897,7 +900,7 @@ def _no_device_hint(tenant: str, device_id: str) -> str:
 
 async def _rollup(config: Config, args: argparse.Namespace) -> int:
     now = datetime.now(UTC)
-    since, until = _time_range(args, now)
+    since, until = _time_range(args, now, config)
     try:
         step = queries.parse_step(args.step)
     except QueryError as exc:

@@ -151,7 +151,9 @@ class ReadApi:
             except QueryError as exc:
                 if exc.parameter is not None:
                     return error_response(request, 400, str(exc), code="bad_parameter")
-                return error_response(request, 503, str(exc), code="unavailable")
+                return error_response(
+                    request, 503, str(exc), code="unavailable", headers=[("Retry-After", "2")]
+                )
             except (DriverException, RequestExecutionException, NoHostAvailable, OSError) as exc:
                 # Once per 10 s at most: pages left open through an outage
                 # ask every second or two each, and an edge host's disk is small.
@@ -234,7 +236,7 @@ class ReadApi:
     async def _me(self, request: web.Request, grant: Grant) -> _Cached:
         if grant.tenant is not None:
             return _answer({"admin": False, "tenants": [grant.tenant]})
-        configured = set(self._config.tenants)
+        configured = set(self._config.tenants) - {"default"}  # a section, not a tenant
 
         async def compute() -> tuple[Any, float]:
             known = await queries.tenants(self._db)
@@ -306,7 +308,7 @@ class ReadApi:
     async def _history(self, request: web.Request, grant: Grant) -> _Cached:
         tenant, device = request.match_info["tenant"], request.match_info["device_id"]
         query = request.query
-        since, until = _day_range(query)
+        since, until = _day_range(query, self._config.limits.max_future_skew)
         limit = _int(query, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
         cursor = query.get("cursor") or None
 
@@ -325,7 +327,7 @@ class ReadApi:
     async def _rollups(self, request: web.Request, grant: Grant) -> _Cached:
         tenant, device = request.match_info["tenant"], request.match_info["device_id"]
         query = request.query
-        since, until = _day_range(query)
+        since, until = _day_range(query, self._config.limits.max_future_skew)
         step_text = query.get("step") or DEFAULT_STEP
         step = queries.parse_step(step_text)
         metric = query.get("metric") or DEFAULT_METRIC
@@ -460,11 +462,14 @@ def _int(query: Any, name: str, default: int, low: int, high: int) -> int:
     return value
 
 
-def _day_range(query: Any) -> tuple[datetime, datetime]:
-    """``since`` and ``until`` from the query: the last 24 hours unless given."""
+def _day_range(query: Any, ahead: float) -> tuple[datetime, datetime]:
+    """``since`` and ``until`` from the query: the last 24 hours unless given,
+    up to ``ahead`` seconds past now (``limits.max_future_skew``: an event a
+    device's fast clock dated ahead is stored, and was left out of its
+    history and roll-ups until its time came)."""
     now = datetime.now(UTC)
     since = _time(query, "since", now - timedelta(hours=24), now)
-    until = _time(query, "until", now, now)
+    until = _time(query, "until", now + timedelta(seconds=ahead), now)
     queries.check_order(since, until, since_given=bool(query.get("since")))
     return since, until
 

@@ -105,7 +105,8 @@ _SCHEMAS: dict[str, Any] = {
         error={
             "type": "string",
             "description": "a code: bad_parameter, unauthorized, forbidden, not_found, "
-            "method_not_allowed, unavailable",
+            "method_not_allowed, unavailable, busy (too many requests at once), "
+            "internal_error",
         },
         detail={"type": "string", "description": "what went wrong, for a person"},
     ),
@@ -287,8 +288,8 @@ OPENAPI: dict[str, Any] = {
             },
             "Unavailable": {
                 "description": "unavailable: Cassandra did not answer, the tokens file cannot "
-                "be read now, the gateway is only spooling, or too many requests at once; "
-                "ask again after Retry-After",
+                "be read now, or the gateway is only spooling; busy: too many requests at "
+                "once. Ask again after Retry-After",
                 "headers": {"Retry-After": {"$ref": "#/components/headers/RetryAfter"}},
                 "content": _ERROR_CONTENT,
             },

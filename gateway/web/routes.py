@@ -48,8 +48,8 @@ LIMIT = Param(
 )
 CURSOR = Param(
     "cursor",
-    "Where to go on from: the next_cursor of the previous page (opaque; absent or "
-    "empty: the first page).",
+    "Where to go on from: the next_cursor of the previous page, with the same path and "
+    "filters (opaque; absent or empty: the first page; one from another query is a 400).",
     {"type": "string"},
 )
 SINCE = Param(
@@ -60,7 +60,8 @@ SINCE = Param(
 )
 UNTIL = Param(
     "until",
-    f"Up to this time: {_TIME_FORMS}. Default now.",
+    f"Up to this time: {_TIME_FORMS}. Default now, plus limits.max_future_skew (5 min): "
+    "events a device's clock dated ahead are shown too.",
     {"type": "string"},
     example="30m",
 )
