@@ -49,6 +49,14 @@ class LRU(Generic[K, V]):
             return data.popitem(last=False)
         return None
 
+    def evict_oldest(self) -> tuple[K, V] | None:
+        """Evict the least recently used entry (counted), for a cache with a
+        bound of its own beside the count (bytes, say); None when empty."""
+        if not self._data:
+            return None
+        self.evictions += 1
+        return self._data.popitem(last=False)
+
     def touch(self, key: K) -> bool:
         """Mark as just used; False if absent."""
         if key in self._data:

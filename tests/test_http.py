@@ -365,12 +365,17 @@ class Reply:
 
 
 async def request(
-    at: Listening, path: str, method: str = "GET", data: bytes | None = None
+    at: Listening,
+    path: str,
+    method: str = "GET",
+    data: bytes | None = None,
+    token: str | None = None,
 ) -> Reply:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with (
         asyncio.timeout(WAIT),
         aiohttp.ClientSession() as session,
-        session.request(method, f"{at.url}{path}", data=data) as response,
+        session.request(method, f"{at.url}{path}", data=data, headers=headers) as response,
     ):
         return Reply(
             response.status,
@@ -627,20 +632,24 @@ async def test_requests_beyond_the_cap_get_503() -> None:
         app.router.add_get("/api/v1/slow", slow)
 
     async with running(extra=[add_slow, add_api], limits=Limits(max_requests=4)) as at:
-        held = [asyncio.create_task(request(at, "/api/v1/slow")) for _ in range(4)]
+        # Half the cap each for two tokens.
+        held = [asyncio.create_task(request(at, "/api/v1/slow", token=t)) for t in "aabb"]
         try:
             async with asyncio.timeout(WAIT):
                 while inside < 4:  # noqa: ASYNC110 - a test waiting for its own handlers
                     await asyncio.sleep(0.01)
             assert (await request(at, "/healthz")).status == 200
             assert (await request(at, "/metrics")).status == 200
-            reply = await request(at, "/api/v1/things/x")
+            reply = await request(at, "/api/v1/things/x", token="c")
             assert reply.status == 503
             assert reply.headers["retry-after"] == "1"
             assert reply.headers["connection"] == "close"
             body = reply.json()
             assert isinstance(body, dict)
-            assert body["error"] == "busy"
+            assert (body["error"], body["detail"]) == (
+                "busy",
+                "busy: 4 requests under way, retry shortly",
+            )
             assert inside == 4  # refused requests never reached a handler
             # The refusal is counted; it was silent (read-side review).
             scrape = parse((await request(at, "/metrics")).body.decode())
@@ -652,6 +661,7 @@ async def test_requests_beyond_the_cap_get_503() -> None:
         assert [r.status for r in replies] == [200] * 4
         assert (await request(at, "/healthz")).status == 200
         scrape = parse((await request(at, "/metrics")).body.decode())
+        assert scrape.value("gateway_http_busy_refusals_total") == 1
         assert scrape.series("gateway_http_requests_total") == {
             frozenset({("route", "/api/v1/slow"), ("status", "200")}): 4,
             frozenset({("route", "/api/v1/things/{name}"), ("status", "503")}): 1,
@@ -659,6 +669,46 @@ async def test_requests_beyond_the_cap_get_503() -> None:
             frozenset({("route", "/metrics"), ("status", "200")}): 2,
         }
         assert scrape.value("gateway_http_requests_in_progress") == 1  # this scrape
+
+
+async def test_one_token_takes_at_most_half_the_requests_at_once() -> None:
+    """One token's slow queries took all 32 places, and every other tenant's
+    page answered "busy" (read-API review)."""
+    release = asyncio.Event()
+    inside = 0
+
+    def add_slow(app: web.Application) -> None:
+        async def slow(request: web.Request) -> web.Response:
+            nonlocal inside
+            inside += 1
+            await release.wait()
+            return web.Response(text="done")
+
+        app.router.add_get("/api/v1/slow", slow)
+
+    async with running(extra=[add_slow], limits=Limits(max_requests=4)) as at:
+        held = [asyncio.create_task(request(at, "/api/v1/slow", token="a")) for _ in range(2)]
+        try:
+            async with asyncio.timeout(WAIT):
+                while inside < 2:  # noqa: ASYNC110 - a test waiting for its own handlers
+                    await asyncio.sleep(0.01)
+            refused = await request(at, "/api/v1/slow", token="a")
+            assert refused.status == 503
+            assert refused.json() == {
+                "error": "busy",
+                "detail": "busy: 2 requests under way for this token, retry shortly",
+            }
+            other = asyncio.create_task(request(at, "/api/v1/slow", token="b"))
+            async with asyncio.timeout(WAIT):
+                while inside < 3:  # noqa: ASYNC110 - another token still gets in
+                    await asyncio.sleep(0.01)
+        finally:
+            release.set()
+            replies = await asyncio.gather(*held)
+        assert [r.status for r in replies] == [200, 200]
+        assert (await other).status == 200
+        # Its places are given back: the token gets in again.
+        assert (await request(at, "/api/v1/slow", token="a")).status == 200
 
 
 async def test_requests_are_counted_and_timed_by_route_and_status() -> None:

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import Config
+from gateway.lru import LRU
 from gateway.store import queries
 from gateway.store.database import Database
 from gateway.units import epoch_ms
@@ -325,6 +326,84 @@ async def test_history_pages_through_many_events_of_one_millisecond(
         path = f"/api/v1/tenants/{tenant}/devices/burst/history?{since}&limit=8"
         events = await every_page(api, path, "events", pages=6)
     assert sorted(e["value"] for e in events) == list(range(30))  # each once
+
+
+async def test_the_answer_cache_is_bounded_in_bytes(
+    db: Database, tenant: str, tokens: TokenStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bounded by 2048 answers only: history pages of long values, each a
+    query of its own (since=7d, 7.0d, 168h ... are all different keys), could
+    hold gigabytes on an edge host (read-API review)."""
+    await load_reference(tenant)
+    monkeypatch.setattr(api_module, "CACHE_BYTES", 16 * 1024)
+    api = api_module.ReadApi(db, make_config(), tokens)
+    app = build_app(metrics=CollectorRegistry(), health=lambda: (True, {}), extra=[api.add_routes])
+    token = tokens.add(tenant=tenant).token
+    cache = api.caches()["api_answers"]
+    async with serve(app, "127.0.0.1", 0) as listening, aiohttp.ClientSession() as session:
+        client = Client(session, listening.url, token)
+        for second in range(100):
+            status, body, _ = await client.get(
+                f"/api/v1/tenants/{tenant}/devices/{D1}/history"
+                f"?since=2020-12-31T00:00:{second // 60:02d}.{second % 60:02d}Z"
+                "&until=2021-01-02T00:00:00Z"
+            )
+            assert (status, len(body["events"])) == (200, 3), body
+    assert isinstance(cache, LRU)
+    kept = sum(len(answer.body) for _, answer in cache.items())
+    assert 0 < kept <= 16 * 1024
+    assert len(cache) < 100
+    assert cache.evictions == 100 - len(cache)
+
+
+async def test_state_counts_read_a_bounded_number_of_partitions_at_once(
+    db: Database, tenant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every state's every bucket was counted at once: states times
+    state_buckets (up to 1024 each) reads started together (read-API review).
+    Counted here by the reads the session has under way."""
+    config = make_config(**{f"GATEWAY_TENANTS__{tenant.upper()}__STATE_BUCKETS": "64"})
+    async with running_gateway(config) as gw:
+        await publish(
+            [(topic(tenant, f"d{i}"), f'{{"state": "s{i % 3}"}}'.encode()) for i in range(30)]
+        )
+        await gw.wait_handled(30)
+    under_way = most = 0
+    execute = db.execute
+
+    def counting(*args: Any, **kwargs: Any) -> asyncio.Future[Any]:
+        nonlocal under_way, most
+        under_way += 1
+        most = max(most, under_way)
+        future = execute(*args, **kwargs)
+
+        def done(_: asyncio.Future[Any]) -> None:
+            nonlocal under_way
+            under_way -= 1
+
+        future.add_done_callback(done)
+        return future
+
+    monkeypatch.setattr(db, "execute", counting)
+    counts = await queries.state_counts(db, config, tenant)
+    assert counts == [("s0", 10), ("s1", 10), ("s2", 10)]
+    assert 1 < most <= queries.COUNT_READS, most  # 3 x 64 = 192 at once before
+
+
+async def test_rejected_says_when_its_limit_left_some_out(
+    db: Database, tenant: str, tokens: TokenStore
+) -> None:
+    """The answer had no way to say it was cut at its limit: the page guessed
+    from the count, and said older ones were left out when exactly that many
+    were there."""
+    async with running_gateway(make_config()) as gw:
+        await publish([(topic(tenant, f"b{i}"), b"{oops") for i in range(3)])
+        await gw.wait_handled(3)
+    async with client(db, make_config(), tokens, tenant) as api:
+        for limit, shown, truncated in ((2, 2, True), (3, 3, False), (4, 3, False)):
+            status, body, _ = await api.get(f"/api/v1/tenants/{tenant}/rejected?limit={limit}")
+            assert status == 200, body
+            assert (len(body["rejected"]), body["truncated"]) == (shown, truncated), body
 
 
 async def test_an_event_a_fast_clock_dated_ahead_is_in_the_default_history(

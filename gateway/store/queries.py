@@ -431,15 +431,21 @@ async def state_counts(db: Database, config: Config, tenant: str) -> list[tuple[
         "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ?"
     )
 
+    # At most COUNT_READS counts at once: a tenant's states times its buckets
+    # (up to 1024 each) were all started together.
+    reading = asyncio.Semaphore(COUNT_READS)
+
+    async def part(state: str, bucket: int, gen: int) -> int:
+        params = (tenant, state, bucket, gen)
+        async with reading:
+            rows = await _read_state(db, count, params, tenant, state, buckets)
+        return int(rows[0].n)
+
     async def one(state: str) -> tuple[str, int]:
-        gens = await state_generations(db, tenant, state)
-        parts = await asyncio.gather(
-            *(
-                _read_state(db, count, (tenant, state, b, gens.get(b, 0)), tenant, state, buckets)
-                for b in range(buckets)
-            )
-        )
-        return state, sum(rows[0].n for rows in parts)
+        async with reading:
+            gens = await state_generations(db, tenant, state)
+        parts = await asyncio.gather(*(part(state, b, gens.get(b, 0)) for b in range(buckets)))
+        return state, sum(parts)
 
     found = await asyncio.gather(*(one(state) for state in states))
     return sorted(found, key=lambda sc: (-sc[1], sc[0]))
@@ -646,6 +652,8 @@ CURSOR_IDS = 16
 # Partition reads one history query has in flight (history: newest first, as
 # many as its page needs).
 HISTORY_READS = 16
+# Partition counts one state count has in flight (queries.state_counts).
+COUNT_READS = 32
 # Events of one millisecond a history cursor may count as given out: the
 # page after reads that many rows more from each partition.
 HISTORY_MAX_SKIP = 10_000

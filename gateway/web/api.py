@@ -37,7 +37,8 @@ Promises:
   two Cassandra reads a second per distinct view; concurrent misses share one
   read. State counts read every device row of the tenant, so they are cached
   longer, ``cached_for_s`` (1 s, or 10 s when counting took over 200 ms), and
-  say so in the answer. At most ``CACHE_SIZE`` answers are kept (LRU).
+  say so in the answer. At most ``CACHE_SIZE`` answers (2048) and ``CACHE_BYTES``
+  (32 MiB) of them are kept (LRU); an answer over 2 MiB is not kept.
 """
 
 from __future__ import annotations
@@ -86,6 +87,11 @@ LIST_TTL = 0.5
 COUNTS_TTL = 1.0
 SLOW_COUNTS_TTL = 10.0
 CACHE_SIZE = 2048
+# And at most this many bytes of answers: a history page can be hundreds of
+# KB (500 events of long values), and 2048 of them an edge host's memory. An
+# answer over a sixteenth of it is not kept (still computed once for all
+# who ask at the same time).
+CACHE_BYTES = 32 * 1024 * 1024
 
 
 @dataclass(slots=True)
@@ -110,6 +116,7 @@ class ReadApi:
         self._config = config
         self._tokens = tokens
         self._cache: LRU[str, _Cached] = LRU(CACHE_SIZE)
+        self._cache_bytes = 0
         self._inflight: dict[str, asyncio.Future[_Cached]] = {}
 
     def caches(self) -> dict[str, Cache]:
@@ -218,7 +225,7 @@ class ReadApi:
             body, keep = await compute()
             answer = _answer(body, None if versioned is None else versioned(body))
             answer.expires = time.monotonic() + (keep or ttl)
-            self._cache.put(key, answer)
+            self._keep(key, answer)
             future.set_result(answer)
             return answer
         except asyncio.CancelledError:
@@ -230,6 +237,19 @@ class ReadApi:
             raise
         finally:
             del self._inflight[key]
+
+    def _keep(self, key: str, answer: _Cached) -> None:
+        """Into the cache, within CACHE_SIZE answers and CACHE_BYTES bytes."""
+        cache = self._cache
+        old = cache.pop(key)
+        if old is not None:
+            self._cache_bytes -= len(old.body)
+        if len(answer.body) > CACHE_BYTES // 16:
+            return
+        evicted = cache.put(key, answer)
+        self._cache_bytes += len(answer.body) - (len(evicted[1].body) if evicted else 0)
+        while self._cache_bytes > CACHE_BYTES and (gone := cache.evict_oldest()) is not None:
+            self._cache_bytes -= len(gone[1].body)
 
     # -- routes -------------------------------------------------------------
 
@@ -380,8 +400,13 @@ class ReadApi:
         limit = _int(query, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
 
         async def compute() -> tuple[Any, float]:
-            rows = await queries.rejected(self._db, tenant, since, limit)
-            return {"tenant": tenant, "rejected": [r.as_json() for r in rows]}, 0
+            # One more than asked: whether older ones were left out.
+            rows = await queries.rejected(self._db, tenant, since, limit + 1)
+            return {
+                "tenant": tenant,
+                "rejected": [r.as_json() for r in rows[:limit]],
+                "truncated": len(rows) > limit,
+            }, 0
 
         return await self._cached(f"rejected:{request.path_qs}", LIST_TTL, compute)
 

@@ -218,6 +218,10 @@ _SCHEMAS: dict[str, Any] = {
         f"{queries.MAX_REJECTED_HOURS // 24} days)",
         tenant=_STRING,
         rejected=_list(_ref("RejectedMessage")),
+        truncated={
+            "type": "boolean",
+            "description": "true when the limit left older ones (since `since`) out",
+        },
     ),
 }
 

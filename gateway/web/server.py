@@ -42,9 +42,9 @@ whatever it adds. Dependencies go in through closures, never module globals.
   gives up or the gateway stops.
 * Concurrency (ours, :func:`_admission`): aiohttp accepts every connection and
   has no cap of its own (its maintainers leave that to the application), so a
-  middleware lets at most ``max_requests`` (32) requests be handled at once
-  and answers the next 503 with ``Retry-After: 1`` and ``Connection: close``,
-  refused rather than queued, and counted
+  middleware lets at most ``max_requests`` (32) requests be handled at once,
+  half of them for one token, and answers the next 503 with ``Retry-After:
+  1`` and ``Connection: close``, refused rather than queued, and counted
   (``gateway_http_busy_refusals_total``). It bounds handlers (the read API's
   Cassandra queries), not idle sockets: those are bounded in time by
   ``keepalive_timeout``, in number only by the OS.
@@ -254,23 +254,31 @@ def _measured(http: HttpStats) -> Middleware:
 
 
 def _admission(max_requests: int, http: HttpStats) -> Middleware:
-    """At most ``max_requests`` read API requests handled at once; beyond,
-    503 at once (refused, not queued). /metrics, /healthz and the page's
+    """At most ``max_requests`` read API requests handled at once, and half
+    of them for one token (its Authorization header); beyond, 503 at once
+    (refused, not queued). /metrics, /healthz and the page's
     files are never refused: they read no Cassandra, and a Cassandra that
     hangs (every API request waiting) made monitoring blind and the page
     impossible to load just when they were needed."""
     active = 0
+    # One token may have half of them: a tenant sending slow queries (a long
+    # range, a hung Cassandra replica) left every other tenant "busy".
+    per_token = max(1, max_requests // 2)
+    by_token: dict[str, int] = {}  # at most max_requests entries: those under way
 
     @web.middleware
     async def admission(request: web.Request, handler: Handler) -> web.StreamResponse:
         nonlocal active
         if not _is_api(request):
             return await handler(request)
-        if active >= max_requests:
+        token = request.headers.get("Authorization", "")
+        mine = by_token.get(token, 0)
+        if active >= max_requests or mine >= per_token:
+            whose = "" if active >= max_requests else " for this token"
             response = error_response(
                 request,
                 503,
-                f"busy: {max_requests} requests under way, retry shortly",
+                f"busy: {mine if whose else active} requests under way{whose}, retry shortly",
                 code="busy",
                 headers=[("Retry-After", "1")],
             )
@@ -278,10 +286,16 @@ def _admission(max_requests: int, http: HttpStats) -> Middleware:
             response.force_close()
             return response
         active += 1
+        by_token[token] = mine + 1
         try:
             return await handler(request)
         finally:
             active -= 1
+            left = by_token[token] - 1
+            if left:
+                by_token[token] = left
+            else:
+                del by_token[token]
 
     return admission
 

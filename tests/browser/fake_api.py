@@ -256,7 +256,7 @@ class FakeApi:
             limit = min(int(request.query.get("limit") or 100), MAX_LIMIT)
             rows = [r for r in self.rejected.get(tenant, []) if r["received_at"] >= since]
             rows.sort(key=lambda r: str(r["received_at"]), reverse=True)
-            return {"tenant": tenant, "rejected": rows[:limit]}
+            return {"tenant": tenant, "rejected": rows[:limit], "truncated": len(rows) > limit}
         raise AssertionError(name)
 
     def _log(self, request: web.Request, response: _R) -> _R:

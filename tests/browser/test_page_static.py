@@ -428,6 +428,11 @@ async def test_rejected_says_when_it_shows_only_the_newest_and_never_another_ten
     await expect(page.locator("#rejected-meta")).to_contain_text("The newest 500 are shown")
     await expect(page.locator("#rejected-meta")).to_contain_text("older ones of the last 24 hours")
     await expect(page.locator("#rejected-rows tr").first).to_contain_text("d0")
+    # Exactly 500: none left out, so no such note (it went by the count alone).
+    api.rejected["exact"] = [rejected(i) for i in range(500)]
+    await page.goto(f"{url}#/t/exact/rejected")
+    await expect(page.locator("#rejected-rows tr")).to_have_count(500)
+    await expect(page.locator("#rejected-meta")).to_have_text("")
 
 
 async def test_times_drawn_before_midnight_get_their_date_after_it(

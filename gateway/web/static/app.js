@@ -1448,7 +1448,7 @@
         drawn = true;
         const items = data.rejected || [];
         // The newest come first: at the cap, older ones of the 24 hours are left out.
-        meta.textContent = items.length >= REJECTED_LIMIT
+        meta.textContent = data.truncated
           ? `The newest ${items.length} are shown, back to `
             + `${formatTime(tsMillis(items[items.length - 1].received_at))}; older ones of `
             + "the last 24 hours are not listed."
