@@ -637,6 +637,11 @@ def test_the_wheel_alone_installs_initialises_and_checks(keyspace: str, tmp_path
     assert where.stdout.startswith(str(venv))  # not the checkout
     assert gateway("init").returncode == 0
     assert (elsewhere / "gateway.toml").read_text() == example
+    # The unit the README installs, from the wheel: it was only in the repository.
+    unit = gateway("init", "--systemd", "gateway.service")
+    assert unit.returncode == 0, unit.stderr
+    shipped = (ROOT / "deploy" / "systemd" / "gateway.service").read_text()
+    assert (elsewhere / "gateway.service").read_text() == shipped
     checked = gateway("check", "--config", "gateway.toml")
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert f"keyspace {keyspace}, schema complete" in checked.stdout

@@ -143,7 +143,11 @@ def _setup_logging(level: str) -> None:
 
 # `gateway COMMAND --help` ends with these, then the exit status.
 EXAMPLES: dict[str, tuple[str, ...]] = {
-    "init": ("gateway init gateway.toml", "sudo gateway init --edge /etc/gateway/gateway.toml"),
+    "init": (
+        "gateway init gateway.toml",
+        "sudo gateway init --edge /etc/gateway/gateway.toml",
+        "sudo gateway init --systemd /etc/systemd/system/gateway.service",
+    ),
     "check": ("gateway check --config gateway.toml",),
     "devices": (
         "gateway devices --tenant demo --state on",
@@ -240,10 +244,17 @@ def _parser() -> argparse.ArgumentParser:
         "--config FILE names it too)",
     )
     ini.add_argument("--force", action="store_true", help="replace an existing file")
-    ini.add_argument(
+    profile = ini.add_mutually_exclusive_group()
+    profile.add_argument(
         "--edge",
         action="store_true",
         help="the edge profile: spool on, state in /var/lib/gateway (the service's directory)",
+    )
+    profile.add_argument(
+        "--systemd",
+        action="store_true",
+        help="write the systemd unit instead (the one in deploy/systemd/: it ships in the "
+        "package, for a host that has only the wheel)",
     )
 
     _command(sub, "run", parents=[common], help="run the gateway until SIGTERM/SIGINT")
@@ -528,6 +539,31 @@ def _init(path: Path, force: bool, edge: bool = False) -> int:
     text = importlib.resources.files("gateway").joinpath("example.toml").read_text()
     if edge:
         text = edge_config(text)
+    if code := _write_new(path, text, force):
+        return code
+    spool = "" if edge else " (and [spool] on an edge host)"
+    print(f"wrote {path}: set [mqtt] and [cassandra]{spool}, then: gateway check --config {path}")
+    return 0
+
+
+def _init_unit(path: Path, force: bool) -> int:
+    """The systemd unit (gateway/gateway.service, a link to
+    deploy/systemd/gateway.service in a checkout): a host with only the
+    wheel had no way to the file the README told it to copy."""
+    text = importlib.resources.files("gateway").joinpath("gateway.service").read_text()
+    if code := _write_new(path, text, force):
+        return code
+    print(
+        f"wrote {path}: its ExecStart runs /opt/gateway/bin/gateway with "
+        "/etc/gateway/gateway.toml (edit it for other paths), then: "
+        "systemctl daemon-reload && systemctl enable --now gateway"
+    )
+    return 0
+
+
+def _write_new(path: Path, text: str, force: bool) -> int:
+    """Write ``text`` to ``path``, not over an existing file unless ``force``:
+    0, or the exit status, said why (2: a directory given, 1: not written)."""
     if not str(path) or path.is_dir():
         # Path("") is "."; `init DIR` said "DIR exists", and --force then failed.
         print(
@@ -545,8 +581,6 @@ def _init(path: Path, force: bool, edge: bool = False) -> int:
     except OSError as exc:
         print(f"gateway: cannot write {path}: {exc.strerror}", file=sys.stderr)
         return 1
-    spool = "" if edge else " (and [spool] on an edge host)"
-    print(f"wrote {path}: set [mqtt] and [cassandra]{spool}, then: gateway check --config {path}")
     return 0
 
 
@@ -1282,6 +1316,8 @@ def _main(argv: Sequence[str] | None) -> int:
                 file=sys.stderr,
             )
             return 2
+        if args.systemd:
+            return _init_unit(args.path or named or Path("gateway.service"), args.force)
         env_path = os.environ.get(ENV_CONFIG_PATH) or None
         target = args.path or named or (Path(env_path) if env_path else Path("gateway.toml"))
         return _init(target, args.force, args.edge)
