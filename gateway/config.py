@@ -42,7 +42,7 @@ from pydantic import (
 
 from .errors import ConfigError
 from .topic_filters import covers, filter_levels, is_topic_level, overlap
-from .units import duration_text, parse_duration, parse_whole_seconds
+from .units import duration_text, parse_duration, parse_size, parse_whole_seconds, size_text
 
 ENV_PREFIX = "GATEWAY_"
 ENV_CONFIG_PATH = "GATEWAY_CONFIG"
@@ -74,6 +74,8 @@ Wait = Annotated[float, BeforeValidator(parse_duration), Field(ge=0, le=3600)]
 MAX_TTL_SECONDS = 20 * 365 * 86400
 LongDuration = Annotated[float, BeforeValidator(parse_duration), Field(gt=0, le=20 * 365 * 86400)]
 Port = Annotated[int, Field(ge=1, le=65535)]
+# Bytes: 65536, or with a unit ("64KiB", "1GiB", "500MB").
+Bytes = Annotated[int, BeforeValidator(parse_size)]
 
 
 class _Model(BaseModel):
@@ -470,7 +472,7 @@ class PipelineConfig(_Model):
 
 
 class LimitsConfig(_Model):
-    max_payload_bytes: int = Field(default=64 * 1024, ge=64, le=16 * 1024 * 1024)
+    max_payload_bytes: Bytes = Field(default=64 * 1024, ge=64, le=16 * 1024 * 1024)
     max_metrics: int = Field(default=64, ge=0, le=10_000)
     max_tags: int = Field(default=32, ge=0, le=10_000)
     max_key_length: int = Field(default=64, ge=1, le=1024)
@@ -482,7 +484,7 @@ class LimitsConfig(_Model):
     # Old timestamps are legitimate (backfill); only implausible ones are rejected.
     min_timestamp: datetime = datetime(2000, 1, 1, tzinfo=UTC)
     # Rejected payloads are stored truncated to this many bytes.
-    rejected_payload_bytes: int = Field(default=2048, ge=0, le=1024 * 1024)
+    rejected_payload_bytes: Bytes = Field(default=2048, ge=0, le=1024 * 1024)
 
     @field_validator("min_timestamp")
     @classmethod
@@ -603,7 +605,7 @@ class SpoolConfig(_Model):
     enabled: bool = False
     path: FilePath = Path("gateway-spool.sqlite")
     max_records: int = Field(default=1_000_000, ge=1, le=1_000_000_000)
-    max_bytes: int = Field(default=1024**3, ge=1024, le=1024**4)
+    max_bytes: Bytes = Field(default=1024**3, ge=1024, le=1024**4)
 
 
 class ApiConfig(_Model):
@@ -982,6 +984,9 @@ def _describe(exc: ValidationError, origin: Mapping[tuple[str, ...], str], file:
             # "less than or equal to 2678400" for "40d": say it in the units given.
             limit = float(next(iter(err.get("ctx", {}).values()), 0))
             message = f"must be {bound} {duration_text(limit)} (got {given.strip()!r})"
+        elif bound is not None and loc[-1:] and loc[-1].endswith("_bytes"):
+            limit = int(next(iter(err.get("ctx", {}).values()), 0))
+            message = f"must be {bound} {size_text(limit)}, {limit} bytes (got {given})"
         elif isinstance(given, _NotToml):
             # "Input should be a valid list" hid a missing bracket or quote.
             message += f" (the value is not valid TOML: {given.problem})"
@@ -1092,6 +1097,8 @@ def _model_of(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
     args: tuple[Any, ...] = getattr(annotation, "__args__", ())
     if getattr(annotation, "__origin__", None) is dict and len(args) == 2:
         return _model_of(args[1])[0], True
+    if getattr(annotation, "__origin__", None) is list and len(args) == 1:
+        return _model_of(args[0])[0], True  # [[topics]]: the next part is an index
     return None, False
 
 

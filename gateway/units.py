@@ -35,6 +35,42 @@ def parse_duration(value: object) -> float:
     return seconds
 
 
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"B": 1}
+for _power, _letter in enumerate("KMGT", start=1):
+    _SIZE_UNITS[f"{_letter}B"] = 1000**_power
+    _SIZE_UNITS[f"{_letter}IB"] = 1024**_power
+
+
+def parse_size(value: object) -> object:
+    """``"64KiB"``, ``"1GiB"``, ``"500MB"``, ``65536`` (bytes) -> whole bytes;
+    KB, MB, GB, TB are powers of 1000, KiB ... TiB of 1024. A value that is
+    not a size is left to the field's own type check (an int)."""
+    if isinstance(value, bool) or not isinstance(value, str):
+        return value
+    match = _SIZE.match(value)
+    if match is None:
+        if value.strip().lstrip("-").isdigit():
+            return value  # a bare (negative) number: the field's own bound says why
+        raise ValueError(
+            f"expected a size such as 65536, '64KiB' or '1GiB' (B, KB, MB, GB, TB; KiB, MiB, "
+            f"GiB, TiB), got {value!r}"
+        )
+    size = float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "B").upper()]
+    if not size.is_integer():
+        raise ValueError(f"expected whole bytes, got {value!r}")
+    return int(size)
+
+
+def size_text(size: int) -> str:
+    """``size`` bytes in the largest binary unit that gives a whole number."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        count = _SIZE_UNITS[unit.upper()]
+        if size >= count and size % count == 0:
+            return f"{size // count}{unit}"
+    return f"{size}B"
+
+
 def duration_text(seconds: float) -> str:
     """``seconds`` in the largest unit that gives a whole number (2678400 ->
     "31d", 1 -> "1s", 0.005 -> "5ms"), for messages."""

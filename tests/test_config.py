@@ -200,6 +200,14 @@ def test_a_tenant_section_changes_only_what_it_sets(tmp_path: Path) -> None:
             "31d (got '40d')",
         ),
         (
+            {"GATEWAY_SPOOL__MAX_BYTES": "2TiB"},
+            "spool.max_bytes (from GATEWAY_SPOOL__MAX_BYTES): must be at most 1TiB",
+        ),
+        (
+            {"GATEWAY_SPOOL__MAX_BYTES": "1 gigabyte"},
+            "expected a size such as 65536, '64KiB' or '1GiB'",
+        ),
+        (
             {"GATEWAY_PIPELINE__LINGER": "1500ms"},
             "pipeline.linger (from GATEWAY_PIPELINE__LINGER): must be at most 1s (got '1500ms')",
         ),
@@ -214,6 +222,23 @@ def test_a_value_that_cannot_work_is_refused_naming_its_key(env: dict[str, str],
     with pytest.raises(ConfigError) as caught:
         load_config(None, env)
     assert said in str(caught.value), caught.value
+
+
+@pytest.mark.parametrize(
+    ("given", "size"),
+    [("1GiB", 1 << 30), ("512MB", 512_000_000), ("64kib", 65536), ("1.5GiB", 3 << 29)],
+)
+def test_a_size_takes_a_unit(given: str, size: int) -> None:
+    """spool.max_bytes = "1GB" was "Input should be a valid integer", where
+    every duration takes its unit."""
+    assert load_config(None, {"GATEWAY_SPOOL__MAX_BYTES": given}).spool.max_bytes == size
+
+
+def test_a_misspelt_key_in_a_topics_entry_gets_the_nearest(tmp_path: Path) -> None:
+    path = _write(tmp_path, '[[topics]]\ntemplte = "a/{tenant}/{device_id}"\n')
+    message = _error(path)
+    assert "topics.0.templte" in message
+    assert "unknown key; did you mean topics.0.template?" in message
 
 
 def test_a_section_check_blames_what_set_its_keys(tmp_path: Path) -> None:
