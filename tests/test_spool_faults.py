@@ -57,8 +57,8 @@ from .helpers import (
 )
 
 # The outage of the first test, in seconds. The issue asks for "minutes"; make
-# test's budget allows half a minute. SPOOL_OUTAGE_S=180 runs the long version.
-OUTAGE_S = float(os.environ.get("SPOOL_OUTAGE_S", "30"))
+# test's budget allows a quarter of one. SPOOL_OUTAGE_S=180 runs the long version.
+OUTAGE_S = float(os.environ.get("SPOOL_OUTAGE_S", "15"))
 
 
 def _own_topics(tenant: str) -> str:
@@ -118,7 +118,7 @@ async def test_cassandra_away_under_load_the_spool_keeps_acknowledging(
     db: Database, tenant: str, gateway_process: Callable[..., GatewayProcess], tmp_path: Path
 ) -> None:
     """A fleet publishes steadily while the link to Cassandra is cut for
-    OUTAGE_S seconds (30 by default; SPOOL_OUTAGE_S=180 for three minutes):
+    OUTAGE_S seconds (15 by default; SPOOL_OUTAGE_S=180 for three minutes):
     the gateway keeps acknowledging, so the broker's backlog for its session
     stays small, and says it is spooling; once the link is back everything
     is in Cassandra and the spool is empty. (Past cassandra.give_up_after,
