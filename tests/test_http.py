@@ -614,30 +614,38 @@ async def test_slow_and_idle_connections_are_closed() -> None:
         assert (await request(at, "/healthz")).status == 200
 
 
+class _Slow:
+    """/api/v1/slow: each request waits inside until ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.inside = 0
+
+    def add(self, app: web.Application) -> None:
+        async def slow(request: web.Request) -> web.Response:
+            self.inside += 1
+            await self.release.wait()
+            return web.Response(text="done")
+
+        app.router.add_get("/api/v1/slow", slow)
+
+    async def until_inside(self, count: int) -> None:
+        async with asyncio.timeout(WAIT):
+            while self.inside < count:  # noqa: ASYNC110 - a test waiting for its own handlers
+                await asyncio.sleep(0.01)
+
+
 async def test_requests_beyond_the_cap_get_503() -> None:
     """Behaviour chosen: a read API request beyond the cap is refused at once
     with 503, not queued. /healthz and /metrics never are: with Cassandra
     hanging, 32 waiting API requests made them answer "busy", and monitoring
     went blind in the outage (read-side probe)."""
-    release = asyncio.Event()
-    inside = 0
-
-    def add_slow(app: web.Application) -> None:
-        async def slow(request: web.Request) -> web.Response:
-            nonlocal inside
-            inside += 1
-            await release.wait()
-            return web.Response(text="done")
-
-        app.router.add_get("/api/v1/slow", slow)
-
-    async with running(extra=[add_slow, add_api], limits=Limits(max_requests=4)) as at:
+    slow = _Slow()
+    async with running(extra=[slow.add, add_api], limits=Limits(max_requests=4)) as at:
         # Half the cap each for two tokens.
         held = [asyncio.create_task(request(at, "/api/v1/slow", token=t)) for t in "aabb"]
         try:
-            async with asyncio.timeout(WAIT):
-                while inside < 4:  # noqa: ASYNC110 - a test waiting for its own handlers
-                    await asyncio.sleep(0.01)
+            await slow.until_inside(4)
             assert (await request(at, "/healthz")).status == 200
             assert (await request(at, "/metrics")).status == 200
             reply = await request(at, "/api/v1/things/x", token="c")
@@ -650,13 +658,13 @@ async def test_requests_beyond_the_cap_get_503() -> None:
                 "busy",
                 "busy: 4 requests under way, retry shortly",
             )
-            assert inside == 4  # refused requests never reached a handler
+            assert slow.inside == 4  # refused requests never reached a handler
             # The refusal is counted; it was silent (read-side review).
             scrape = parse((await request(at, "/metrics")).body.decode())
             assert scrape.value("gateway_http_busy_refusals_total") == 1
             assert scrape.value("gateway_http_requests_in_progress") == 5  # 4 held, /metrics
         finally:
-            release.set()
+            slow.release.set()
             replies = await asyncio.gather(*held)
         assert [r.status for r in replies] == [200] * 4
         assert (await request(at, "/healthz")).status == 200
@@ -674,24 +682,11 @@ async def test_requests_beyond_the_cap_get_503() -> None:
 async def test_one_token_takes_at_most_half_the_requests_at_once() -> None:
     """One token's slow queries took all 32 places, and every other tenant's
     page answered "busy" (read-API review)."""
-    release = asyncio.Event()
-    inside = 0
-
-    def add_slow(app: web.Application) -> None:
-        async def slow(request: web.Request) -> web.Response:
-            nonlocal inside
-            inside += 1
-            await release.wait()
-            return web.Response(text="done")
-
-        app.router.add_get("/api/v1/slow", slow)
-
-    async with running(extra=[add_slow], limits=Limits(max_requests=4)) as at:
+    slow = _Slow()
+    async with running(extra=[slow.add], limits=Limits(max_requests=4)) as at:
         held = [asyncio.create_task(request(at, "/api/v1/slow", token="a")) for _ in range(2)]
         try:
-            async with asyncio.timeout(WAIT):
-                while inside < 2:  # noqa: ASYNC110 - a test waiting for its own handlers
-                    await asyncio.sleep(0.01)
+            await slow.until_inside(2)
             refused = await request(at, "/api/v1/slow", token="a")
             assert refused.status == 503
             assert refused.json() == {
@@ -699,11 +694,9 @@ async def test_one_token_takes_at_most_half_the_requests_at_once() -> None:
                 "detail": "busy: 2 requests under way for this token, retry shortly",
             }
             other = asyncio.create_task(request(at, "/api/v1/slow", token="b"))
-            async with asyncio.timeout(WAIT):
-                while inside < 3:  # noqa: ASYNC110 - another token still gets in
-                    await asyncio.sleep(0.01)
+            await slow.until_inside(3)  # another token still gets in
         finally:
-            release.set()
+            slow.release.set()
             replies = await asyncio.gather(*held)
         assert [r.status for r in replies] == [200, 200]
         assert (await other).status == 200
