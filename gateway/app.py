@@ -33,13 +33,13 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 
 from . import COMPILED
 from .config import Config
-from .errors import CassandraUnreachable, ConfigError, SchemaError
+from .errors import CassandraUnreachable, ConfigError, SchemaMissing
 from .ingest.pipeline import Classifier, Flow, NoFlow, Pipeline
 from .ingest.receive import Handler, Receiver
 from .ingest.sampling import QUOTA_RECHECK, Sampler
 from .ingest.spool import Spool, SpoolSource, stranded
 from .sd_notify import Notifier
-from .spooling import spool_until_reachable, unreachable_since
+from .spooling import schema_missing, spool_until_reachable, unreachable_since
 from .stats import Cache, Stats
 from .store.database import Database, cannot_connect, connect
 from .store.hot import HotPartitions
@@ -322,7 +322,7 @@ class _Opening:
 async def _check_schema(session: WriteSession) -> None:
     why = incomplete(session.keyspace, await session.tables())
     if why is not None:
-        raise SchemaError(why)
+        raise SchemaMissing(why)
 
 
 @asynccontextmanager
@@ -571,15 +571,15 @@ async def run(
             since = since or time.time()
             waiting = None
             log.warning("%s: taking messages into the spool until it answers", exc)
-        except* SchemaError as group:
+        except* SchemaMissing as group:
             # Spooling, the link came back to a keyspace without the tables
             # (installed while the link was down, or a release that adds
             # one): that ended the intake, at every restart.
             if not config.spool.enabled:
                 raise group.exceptions[0] from None
             since = since or time.time()
-            waiting = f"Cassandra answers, but its {group.exceptions[0]}"
-            log.error("%s: taking messages into the spool until then", waiting)
+            waiting = schema_missing(str(group.exceptions[0]))
+            log.error("%s: taking messages into the spool until it is complete", waiting)
         finally:
             opened.set()
             if feeding is not None:

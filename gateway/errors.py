@@ -55,6 +55,13 @@ class SchemaError(GatewayError):
     """The schema could not be applied, or is missing."""
 
 
+class SchemaMissing(SchemaError):
+    """The keyspace, or tables of it, are not there (`gateway schema apply`
+    makes them): in spool mode the gateway spools on until they are. A table
+    of an older layout (a column missing) is a plain :class:`SchemaError`:
+    the next open would fail the same way, so it is not waited for."""
+
+
 class QueryError(GatewayError):
     """A read that cannot be answered: Cassandra refused it (the message says
     why and what to change), or a parameter is bad (``parameter`` names it)."""

@@ -77,11 +77,17 @@ def unreachable_since(wall: float) -> str:
     return f"spooling, Cassandra unreachable since {utc_text(wall)}"
 
 
+def schema_missing(why: str) -> str:
+    """What they say while Cassandra answers without the gateway's tables."""
+    return f"spooling, Cassandra answers, but its {why}"
+
+
 class _Waiting:
     """What the gateway waits for, as /healthz and the status line say it."""
 
-    def __init__(self, state: str) -> None:
-        self.state = state
+    def __init__(self, unreachable: str, state: str | None) -> None:
+        self.unreachable = unreachable  # said again when Cassandra stops answering
+        self.state = state or unreachable
 
 
 class _NotYet:
@@ -104,8 +110,9 @@ async def spool_until_reachable(
 ) -> bool:
     """Run the intake alone until a connection to Cassandra opens, with the
     schema complete (True), or ``stop`` is set (False). ``since``: wall time
-    the outage was first seen; ``waiting``: what else it waits for."""
-    state = _Waiting(unreachable_since(since) if waiting is None else f"spooling, {waiting}")
+    the outage was first seen; ``waiting``: what to say if not that
+    (:func:`schema_missing`)."""
+    state = _Waiting(unreachable_since(since), waiting)
     reachable = asyncio.Event()
     done = asyncio.Event()  # the intake stops: Cassandra answers, or stop
     async with AsyncExitStack() as stack:
@@ -198,16 +205,17 @@ async def _connect(
                     async with open_write_session(config) as session:
                         why = incomplete(session.keyspace, await session.tables())
             except CassandraUnreachable as exc:
+                waiting.state = waiting.unreachable
                 if time.monotonic() - logged >= LOG_EVERY:
                     logged = time.monotonic()
                     log.warning("still spooling, %d attempts so far: %s", attempt, exc)
                 continue
             if why is not None:
                 # It answers, but writing would fail: spool on, and say why.
-                waiting.state = f"spooling, Cassandra answers, but its {why}"
+                waiting.state = schema_missing(why)
                 if time.monotonic() - told >= LOG_EVERY:  # the first time at once
                     told = time.monotonic()
-                    log.error("still spooling: Cassandra answers, but its %s", why)
+                    log.error("still %s", waiting.state)
                 continue
             log.info("Cassandra answers after %d attempts: opening the gateway", attempt)
             reachable.set()

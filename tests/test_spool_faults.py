@@ -630,27 +630,39 @@ def test_a_spool_turned_off_while_holding_messages_is_said_not_stranded(tmp_path
 
 
 async def test_a_keyspace_without_its_tables_keeps_the_gateway_spooling(
-    tenant: str, tmp_path: Path
+    db: Database, tenant: str, tmp_path: Path
 ) -> None:
     """Spool mode, and Cassandra answers but the schema is not there (a host
     installed while the link was down, or a release that adds a table): the
     gateway exited with "schema incomplete", at every restart, and took no
-    more messages. It now spools on, and /healthz says why."""
+    more messages. It now spools on, and /healthz says why; once `gateway
+    schema apply` has made them, it opens and drains the spool."""
     api = free_port()
-    keyspace = f"nothing_{uuid.uuid4().hex[:8]}"  # never created
+    keyspace = f"nothing_{uuid.uuid4().hex[:8]}"  # not there yet
     env = _spool_env(
         tenant, tmp_path / "spool.sqlite", CQL_PORT, api, GATEWAY_CASSANDRA__KEYSPACE=keyspace
     )
-    messages = [(topic(tenant, f"d{i}"), orjson.dumps({"ts": 1000 + i})) for i in range(20)]
-    async with running_gateway(make_config(**env)) as gw:
-        await publish(messages)
-        await gw.wait_for(lambda s: s.acked == 20, deadline=30)  # spooled
-        assert gw.stats.spool is not None
-        assert gw.stats.spool.depth == 20
-        code, checks = await _healthz(api)
-        assert code == 503
-        assert f"schema incomplete in keyspace '{keyspace}'" in str(checks["cassandra"]), checks
-        assert not gw.task.done()
+    now = int(time.time() * 1000)
+    messages = [(topic(tenant, f"d{i}"), orjson.dumps({"ts": now + i})) for i in range(20)]
+    try:
+        async with running_gateway(make_config(**env)) as gw:
+            await publish(messages)
+            await gw.wait_for(lambda s: s.acked == 20, deadline=30)  # spooled
+            assert gw.stats.spool is not None
+            assert gw.stats.spool.depth == 20
+            code, checks = await _healthz(api)
+            assert code == 503
+            said = str(checks["cassandra"])
+            assert said.startswith("spooling, Cassandra answers, but its schema incomplete "), said
+            assert f"in keyspace '{keyspace}'" in said, said
+            assert not gw.task.done()
+            applied = await asyncio.to_thread(
+                run_cli, "schema", "apply", env=base_env(GATEWAY_CASSANDRA__KEYSPACE=keyspace)
+            )
+            assert applied.returncode == 0, applied.stderr
+            await gw.wait_for(lambda s: s.written == 20, deadline=60)  # drained
+    finally:
+        await db.execute(f"DROP KEYSPACE IF EXISTS {keyspace}")
 
 
 def test_a_damaged_spool_is_said_with_what_to_do(tmp_path: Path) -> None:

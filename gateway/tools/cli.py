@@ -316,7 +316,9 @@ def _parser() -> argparse.ArgumentParser:
         "(ms, s, m, h, d; default 24h)",
     )
     his.add_argument(
-        "--until", help="RFC 3339 time (UTC without an offset) or a duration ago (default now)"
+        "--until",
+        help="RFC 3339 time (UTC without an offset) or a duration ago (default now plus "
+        "limits.max_future_skew: events a device's fast clock dated ahead are shown too)",
     )
     _add_limit(his, "events")
     his.add_argument("--json", action="store_true", help="print a JSON array")
@@ -885,12 +887,12 @@ async def _device(config: Config, args: argparse.Namespace) -> int:
 
 
 def _time_range(
-    args: argparse.Namespace, now: datetime, config: Config
+    args: argparse.Namespace, now: datetime, ahead: float = 0
 ) -> tuple[datetime, datetime]:
-    """--since and --until (the last 24 h unless given, up to
-    limits.max_future_skew ahead, as the API's), in order."""
+    """--since and --until (the last 24 h unless given, up to ``ahead``
+    seconds past now, as the API's), in order."""
     since = _time_arg("--since", args.since, now - timedelta(hours=24))
-    until = _time_arg("--until", args.until, now + timedelta(seconds=config.limits.max_future_skew))
+    until = _time_arg("--until", args.until, now + timedelta(seconds=ahead))
     try:
         queries.check_order(since, until, since_given=bool(args.since), flag="--")
     except QueryError as exc:
@@ -900,7 +902,7 @@ def _time_range(
 
 async def _history(config: Config, args: argparse.Namespace) -> int:
     now = datetime.now(UTC)
-    since, until = _time_range(args, now, config)
+    since, until = _time_range(args, now, config.limits.max_future_skew)
     async with connect(config.cassandra) as db:
         # One more than asked: whether the limit left any out.
         rows = await queries.history(db, args.tenant, args.device_id, since, until, args.limit + 1)
@@ -934,7 +936,7 @@ def _no_device_hint(tenant: str, device_id: str) -> str:
 
 async def _rollup(config: Config, args: argparse.Namespace) -> int:
     now = datetime.now(UTC)
-    since, until = _time_range(args, now, config)
+    since, until = _time_range(args, now)
     try:
         step = queries.parse_step(args.step)
     except QueryError as exc:

@@ -48,8 +48,8 @@ LIMIT = Param(
 )
 CURSOR = Param(
     "cursor",
-    "Where to go on from: the next_cursor of the previous page, with the same path and "
-    "filters (opaque; absent or empty: the first page; one from another query is a 400).",
+    "Where to go on from: the next_cursor of the previous page (opaque; absent or empty: "
+    "the first page; one given out for another tenant, state, device or filter is a 400).",
     {"type": "string"},
 )
 SINCE = Param(
@@ -58,10 +58,16 @@ SINCE = Param(
     {"type": "string"},
     example="2h",
 )
+HISTORY_UNTIL = Param(
+    "until",
+    f"Up to this time: {_TIME_FORMS}. Default now plus limits.max_future_skew (5 min unless "
+    "configured): events a device's clock dated ahead are shown too.",
+    {"type": "string"},
+    example="30m",
+)
 UNTIL = Param(
     "until",
-    f"Up to this time: {_TIME_FORMS}. Default now, plus limits.max_future_skew (5 min): "
-    "events a device's clock dated ahead are shown too.",
+    f"Up to this time: {_TIME_FORMS}. Default now.",
     {"type": "string"},
     example="30m",
 )
@@ -83,7 +89,7 @@ LIST_PARAMS = (
         example="floor:3",
     ),
 )
-HISTORY_PARAMS = (SINCE, UNTIL, LIMIT, CURSOR)
+HISTORY_PARAMS = (SINCE, HISTORY_UNTIL, LIMIT, CURSOR)
 ROLLUP_PARAMS = (
     SINCE,
     UNTIL,
