@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import logging
 import math
 import os
 import re
@@ -43,6 +44,8 @@ from pydantic import (
 from .errors import ConfigError
 from .topic_filters import covers, filter_levels, is_topic_level, overlap
 from .units import duration_text, parse_duration, parse_size, parse_whole_seconds, size_text
+
+log = logging.getLogger(__name__)
 
 ENV_PREFIX = "GATEWAY_"
 ENV_CONFIG_PATH = "GATEWAY_CONFIG"
@@ -679,18 +682,26 @@ class Override(_Model):
 
 
 class TenantSampling(_Model):
-    """One tenant's settings; unset fields take the global [sampling] value.
+    """One tenant's settings: what its section leaves unset comes from
+    [sampling.tenants.default] (Config._tenants_inherit), then from the
+    global [sampling] values.
 
-    ``max_rate``/``burst`` and ``max_devices_per_tenant`` are off unless set.
+    ``max_rate``/``burst`` and ``max_devices_per_tenant`` are off unless set;
+    0 sets them off for one tenant when the default section sets them.
     """
 
     noisy_above: Rate | None = None
     noisy_for: Seconds | None = None
     target_rate: Rate | None = None
-    max_rate: Rate | None = None
+    max_rate: Annotated[float, Field(ge=0, le=1_000_000, allow_inf_nan=False)] | None = None
     # Tokens the bucket holds; defaults to one second of max_rate (at least 1).
     burst: Annotated[float, Field(ge=1, le=1_000_000_000, allow_inf_nan=False)] | None = None
-    max_devices_per_tenant: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
+    max_devices_per_tenant: Annotated[int, Field(ge=0, le=10_000_000)] | None = None
+
+    @field_validator("max_rate", "max_devices_per_tenant")
+    @classmethod
+    def _zero_is_none(cls, value: float | None) -> float | None:
+        return None if value == 0 else value
 
 
 class SamplingConfig(_Model):
@@ -728,7 +739,8 @@ class SamplingConfig(_Model):
     max_tenants: int = Field(default=10_000, ge=1, le=10_000_000)
     important: list[ImportantRule] = Field(default_factory=list, max_length=256)
     overrides: list[Override] = Field(default_factory=list, max_length=1024)
-    # [sampling.tenants.default] applies to every tenant without a section of its own.
+    # [sampling.tenants.default] applies to every tenant; [sampling.tenants.NAME]
+    # changes what it sets for that one (0 for max_rate or max_devices_per_tenant: none).
     tenants: dict[str, TenantSampling] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -883,7 +895,15 @@ def _env_overlay(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[tuple[str
             if not isinstance(child, dict):
                 raise ConfigError(f"{name}: {'.'.join(path)} conflicts with another variable")
             node = child
-        node[path[-1]] = raw if _takes_text(path) else _env_value(raw)
+        text = _takes_text(path)
+        if text and len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "\"'":
+            # Read as TOML until now: a quoted value lost its quotes.
+            log.warning(
+                "%s is in quotes, and they are part of its value (a text key takes its "
+                "variable as written)",
+                name,
+            )
+        node[path[-1]] = raw if text else _env_value(raw)
         origin[path] = name
     return tree, origin
 

@@ -45,8 +45,7 @@ class LRU(Generic[K, V]):
         data[key] = value
         data.move_to_end(key)
         if len(data) > self.capacity:
-            self.evictions += 1
-            return data.popitem(last=False)
+            return self.evict_oldest()
         return None
 
     def evict_oldest(self) -> tuple[K, V] | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -56,8 +57,9 @@ def parse_size(value: object) -> object:
             f"expected a size such as 65536, '64KiB' or '1GiB' (B, KB, MB, GB, TB; KiB, MiB, "
             f"GiB, TiB), got {value!r}"
         )
-    size = float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "B").upper()]
-    if not size.is_integer():
+    # Exact: in floats "4.1GB" was not whole bytes, and long numbers lost digits.
+    size = Decimal(match.group(1)) * _SIZE_UNITS[(match.group(2) or "B").upper()]
+    if size != size.to_integral_value():
         raise ValueError(f"expected whole bytes, got {value!r}")
     return int(size)
 

@@ -138,6 +138,14 @@ def test_init_writes_where_config_says_and_refuses_two_places(
     err = _fails(gateway, "init", str(first), "--config", str(second))
     assert f"two places to write, {first} and --config {second}" in err
     assert gateway("init", str(first), "--config", str(first), "--force")[0] == 0
+    # --systemd writes the unit to PATH: --config (a config file) is refused,
+    # where it was overwritten by the unit with --force (final review).
+    before = first.read_text()
+    err = _fails(gateway, "init", "--systemd", "--config", str(first), "--force")
+    assert "--systemd writes the unit to PATH; --config names a config file" in err
+    assert first.read_text() == before
+    assert gateway("init", "--systemd")[0] == 0
+    assert (tmp_path / "gateway.service").read_text().startswith("# The gateway as a systemd")
 
 
 def test_init_refuses_a_directory_and_follows_gateway_config(

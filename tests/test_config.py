@@ -102,10 +102,13 @@ def test_env_values_use_toml_syntax_else_plain_strings() -> None:
 @pytest.mark.parametrize(
     "value", ["0x1F", "1.50", "1e3", "1_000", "+5", "-0", "123 #x", '"abc"', "true", "[1,2]"]
 )
-def test_a_text_key_takes_the_variable_as_written(value: str) -> None:
+def test_a_text_key_takes_the_variable_as_written(
+    value: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """Read as TOML, a password 0x1F became '31', 1e3 '1000.0', "123 #x" was
     cut at the '#' and quotes were dropped; true or [1,2] were refused as
-    "not a valid string". The password then failed with nothing to say why."""
+    "not a valid string". The password then failed with nothing to say why.
+    A value in quotes keeps them, and a warning says so (it lost them before)."""
     config = load_config(
         None,
         {
@@ -118,6 +121,9 @@ def test_a_text_key_takes_the_variable_as_written(value: str) -> None:
     assert config.mqtt.password.get_secret_value() == value
     assert config.cassandra.username == value
     assert config.mqtt.client_id == value
+    warned = [r.getMessage() for r in caplog.records if "are part of its value" in r.getMessage()]
+    assert len(warned) == (3 if value == '"abc"' else 0), warned
+    assert all(m.startswith("GATEWAY_") for m in warned)
 
 
 def test_a_name_with_capitals_is_set_by_its_whole_table() -> None:
@@ -144,12 +150,16 @@ def test_a_tenant_section_changes_only_what_it_sets(tmp_path: Path) -> None:
         tmp_path,
         "[sampling.tenants.default]\nmax_devices_per_tenant = 1000\nmax_rate = 50.0\n"
         '[sampling.tenants.acme]\nnoisy_for = "0s"\nmax_rate = 5.0\n'
+        "[sampling.tenants.free]\nmax_devices_per_tenant = 0\nmax_rate = 0\n"
         '[tenants.default]\nttl = "90d"\nstate_buckets = 4\n'
         "[tenants.acme]\nstate_buckets = 8\n",
     )
     config = load_config(path, {})
     acme = config.sampling.tenants["acme"]
     assert (acme.max_devices_per_tenant, acme.max_rate, acme.noisy_for) == (1000, 5.0, 0.0)
+    # 0: none for that tenant, where the default section sets one.
+    free = config.sampling.tenants["free"]
+    assert (free.max_devices_per_tenant, free.max_rate) == (None, None)
     assert (config.tenant("acme").ttl, config.tenant("acme").state_buckets) == (90 * 86400, 8)
     assert (config.tenant("other").ttl, config.tenant("other").state_buckets) == (90 * 86400, 4)
 

@@ -815,7 +815,7 @@ def test_durations_accept_units() -> None:
         ({"half_life": 0.1}, "half_life (0.1 s) is too short for quiet_below"),
         ({"tenants": {"x": {"noisy_above": 1.0}}}, "tenants.x.noisy_above (1.0)"),
         ({"tenants": {"x": {"burst": 5}}}, "tenants.x.burst is set but max_rate is not"),
-        ({"tenants": {"x": {"max_devices_per_tenant": 0}}}, "max_devices_per_tenant"),
+        ({"tenants": {"x": {"max_devices_per_tenant": -1}}}, "max_devices_per_tenant"),
         ({"overrides": [{"topic_filter": "a/#", "noisy_above": 2.0}]}, "overrides[0].noisy_above"),
         ({"overrides": [{"topic_filter": "a/#/b", "target_rate": 2}]}, "must be the last level"),
         ({"overrides": [{"topic_filter": "a/b+", "target_rate": 2}]}, "must stand alone"),

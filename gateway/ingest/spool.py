@@ -399,6 +399,9 @@ class Spool:
                 await self._call(self._delete_on_reserve, list(seqs))
             except sqlite3.Error as again:
                 raise self._error(again, f"deleting {len(seqs)} written messages") from None
+        self.depth -= len(seqs)
+        self.bytes -= size
+        self.deleted += len(seqs)
         if not self._reserved:
             await self._call(self._restore)
         if self.disk_full_since is not None and await self._call(self._has_room):
@@ -407,9 +410,6 @@ class Spool:
             # the log ("room again ... acknowledging again", then "disk full")
             # at every delete while no append could commit.
             self.disk_full_since = None
-        self.depth -= len(seqs)
-        self.bytes -= size
-        self.deleted += len(seqs)
         if self.depth == 0:
             self._oldest_ms = None
             await self._call(self._shrink)
@@ -589,10 +589,14 @@ class Spool:
         return seqs
 
     def _has_room(self) -> bool:
-        """Whether an append of a small message would find its room now."""
+        """Whether an append of a small message would find its room now (not
+        if that cannot be told: the next append says)."""
         db = self._db
         assert db is not None
-        return shutil.disk_usage(self.path.parent).free + _freed(db) >= room_needed(0)
+        try:
+            return shutil.disk_usage(self.path.parent).free + _freed(db) >= room_needed(0)
+        except (OSError, sqlite3.Error):
+            return False
 
     def _read(self, after: int, limit: int) -> list[Record]:
         db = self._db
@@ -626,21 +630,17 @@ class Spool:
         (the broker's store, the journal) needed."""
         db = self._db
         assert db is not None
-        if _freed(db) < SHRINK_ABOVE:
-            return
-        before = self.path.stat().st_size
         try:
+            if _freed(db) < SHRINK_ABOVE:
+                return
+            before = self.path.stat().st_size
             db.execute("VACUUM")  # of an empty table: a moment, and little room
             db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        except sqlite3.Error as exc:  # no room for it, say: the file just stays as large
+            after = self.path.stat().st_size
+        except (sqlite3.Error, OSError) as exc:  # no room for it, say: it stays as large
             log.info("spool %s: empty, but not shrunk (%s)", self.path, exc)
             return
-        log.info(
-            "spool %s: empty, shrunk from %d to %d bytes",
-            self.path,
-            before,
-            self.path.stat().st_size,
-        )
+        log.info("spool %s: empty, shrunk from %d to %d bytes", self.path, before, after)
 
     def _oldest(self) -> int | None:
         db = self._db

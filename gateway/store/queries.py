@@ -431,23 +431,26 @@ async def state_counts(db: Database, config: Config, tenant: str) -> list[tuple[
         "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ?"
     )
 
-    # At most COUNT_READS counts at once: a tenant's states times its buckets
-    # (up to 1024 each) were all started together.
-    reading = asyncio.Semaphore(COUNT_READS)
+    # COUNT_READS workers, each reading one partition at a time: a tenant's
+    # states times its buckets (up to 1024 each) were all started together.
+    gens: dict[str, dict[int, int]] = {}
+    totals = dict.fromkeys(states, 0)
 
-    async def part(state: str, bucket: int, gen: int) -> int:
-        params = (tenant, state, bucket, gen)
-        async with reading:
+    async def generations(todo: Iterator[str]) -> None:
+        for state in todo:
+            gens[state] = await state_generations(db, tenant, state)
+
+    async def counts(todo: Iterator[tuple[str, int]]) -> None:
+        for state, bucket in todo:
+            params = (tenant, state, bucket, gens[state].get(bucket, 0))
             rows = await _read_state(db, count, params, tenant, state, buckets)
-        return int(rows[0].n)
+            totals[state] += int(rows[0].n)
 
-    async def one(state: str) -> tuple[str, int]:
-        async with reading:
-            gens = await state_generations(db, tenant, state)
-        parts = await asyncio.gather(*(part(state, b, gens.get(b, 0)) for b in range(buckets)))
-        return state, sum(parts)
-
-    found = await asyncio.gather(*(one(state) for state in states))
+    state_todo = iter(states)
+    await asyncio.gather(*(generations(state_todo) for _ in range(COUNT_READS)))
+    part_todo = ((state, bucket) for state in states for bucket in range(buckets))
+    await asyncio.gather(*(counts(part_todo) for _ in range(COUNT_READS)))
+    found = list(totals.items())
     return sorted(found, key=lambda sc: (-sc[1], sc[0]))
 
 

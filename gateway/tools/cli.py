@@ -241,7 +241,7 @@ def _parser() -> argparse.ArgumentParser:
         nargs="?",
         type=Path,
         help="where to write it (default $GATEWAY_CONFIG if set, else gateway.toml; "
-        "--config FILE names it too)",
+        "--config FILE names it too; with --systemd, default gateway.service)",
     )
     ini.add_argument("--force", action="store_true", help="replace an existing file")
     profile = ini.add_mutually_exclusive_group()
@@ -1319,7 +1319,15 @@ def _main(argv: Sequence[str] | None) -> int:
             )
             return 2
         if args.systemd:
-            return _init_unit(args.path or named or Path("gateway.service"), args.force)
+            if named is not None:
+                # It is not the unit's path: the unit runs with /etc/gateway/gateway.toml.
+                print(
+                    "gateway init: --systemd writes the unit to PATH; --config names a config "
+                    "file, which this would overwrite: give the unit's path as PATH",
+                    file=sys.stderr,
+                )
+                return 2
+            return _init_unit(args.path or Path("gateway.service"), args.force)
         env_path = os.environ.get(ENV_CONFIG_PATH) or None
         target = args.path or named or (Path(env_path) if env_path else Path("gateway.toml"))
         return _init(target, args.force, args.edge)

@@ -245,6 +245,7 @@ class ReadApi:
         if old is not None:
             self._cache_bytes -= len(old.body)
         if len(answer.body) > CACHE_BYTES // 16:
+            cache.evictions += 1  # forgotten at once: counted as the bound's
             return
         evicted = cache.put(key, answer)
         self._cache_bytes += len(answer.body) - (len(evicted[1].body) if evicted else 0)

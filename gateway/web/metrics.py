@@ -629,8 +629,8 @@ class HttpCollector(Collector):
         )
         yield CounterMetricFamily(
             "gateway_http_busy_refusals_total",
-            "Read API requests refused with 503 busy: that many were already being handled "
-            "(the cap, 32), so the request was refused rather than queued.",
+            "Read API requests refused with 503 busy: the cap of requests handled at once "
+            "(32 by default, half of it for one token) was reached; refused, not queued.",
             value=http.busy,
         )
 
