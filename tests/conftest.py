@@ -58,6 +58,19 @@ LONGEST_FIRST = (
     "test_rollups.py",  # 34
     "test_signals.py",  # 34
     "test_quota.py",  # 31
+    "test_noisy.py",  # 24
+    "test_outage.py",  # 24
+    "test_overload.py",  # 22 (one test)
+    "test_services.py",  # 20
+    "test_metadata.py",  # 18
+    "test_inflight_limit.py",  # 18
+    "test_scaling_out.py",  # 15
+    "test_instances.py",  # 13
+    "test_tokens.py",  # 13
+    "test_sampling.py",  # 12
+    "test_write_session.py",  # 10
+    "test_slow_link.py",  # 10
+    "test_simulate.py",  # 10
 )
 
 

