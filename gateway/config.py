@@ -1000,13 +1000,12 @@ def _describe(exc: ValidationError, origin: Mapping[tuple[str, ...], str], file:
             source = _sources_named(message, origin, file)
         given = err.get("input")
         bound = _BOUNDS.get(err["type"])
+        limit = next(iter(err.get("ctx", {}).values()), 0)  # the bound's number, if one
         if bound is not None and isinstance(given, str) and _is_duration(given):
             # "less than or equal to 2678400" for "40d": say it in the units given.
-            limit = float(next(iter(err.get("ctx", {}).values()), 0))
-            message = f"must be {bound} {duration_text(limit)} (got {given.strip()!r})"
+            message = f"must be {bound} {duration_text(float(limit))} (got {given.strip()!r})"
         elif bound is not None and loc[-1:] and loc[-1].endswith("_bytes"):
-            limit = int(next(iter(err.get("ctx", {}).values()), 0))
-            message = f"must be {bound} {size_text(limit)}, {limit} bytes (got {given})"
+            message = f"must be {bound} {size_text(int(limit))}, {limit} bytes (got {given})"
         elif isinstance(given, _NotToml):
             # "Input should be a valid list" hid a missing bracket or quote.
             message += f" (the value is not valid TOML: {given.problem})"

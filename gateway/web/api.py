@@ -491,9 +491,9 @@ def _int(query: Any, name: str, default: int, low: int, high: int) -> int:
 
 def _day_range(query: Any, ahead: float) -> tuple[datetime, datetime]:
     """``since`` and ``until`` from the query: the last 24 hours unless given,
-    up to ``ahead`` seconds past now (``limits.max_future_skew``: an event a
-    device's fast clock dated ahead is stored, and was left out of its
-    history and roll-ups until its time came)."""
+    up to ``ahead`` seconds past now (history's: ``limits.max_future_skew``,
+    an event a device's fast clock dated ahead is stored, and was left out of
+    its history until its time came)."""
     now = datetime.now(UTC)
     since = _time(query, "since", now - timedelta(hours=24), now)
     until = _time(query, "until", now + timedelta(seconds=ahead), now)

@@ -260,37 +260,36 @@ def _admission(max_requests: int, http: HttpStats) -> Middleware:
     files are never refused: they read no Cassandra, and a Cassandra that
     hangs (every API request waiting) made monitoring blind and the page
     impossible to load just when they were needed."""
-    active = 0
     # One token may have half of them: a tenant sending slow queries (a long
     # range, a hung Cassandra replica) left every other tenant "busy".
     per_token = max(1, max_requests // 2)
-    by_token: dict[str, int] = {}  # at most max_requests entries: those under way
+    # The requests under way, by token: at most max_requests entries.
+    by_token: dict[str, int] = {}
 
     @web.middleware
     async def admission(request: web.Request, handler: Handler) -> web.StreamResponse:
-        nonlocal active
         if not _is_api(request):
             return await handler(request)
         token = request.headers.get("Authorization", "")
         mine = by_token.get(token, 0)
-        if active >= max_requests or mine >= per_token:
-            whose = "" if active >= max_requests else " for this token"
+        active = sum(by_token.values())
+        if active >= max_requests:
+            busy = f"busy: {active} requests under way, retry shortly"
+        elif mine >= per_token:
+            busy = f"busy: {mine} requests under way for this token, retry shortly"
+        else:
+            busy = ""
+        if busy:
             response = error_response(
-                request,
-                503,
-                f"busy: {mine if whose else active} requests under way{whose}, retry shortly",
-                code="busy",
-                headers=[("Retry-After", "1")],
+                request, 503, busy, code="busy", headers=[("Retry-After", "1")]
             )
             http.busy += 1
             response.force_close()
             return response
-        active += 1
         by_token[token] = mine + 1
         try:
             return await handler(request)
         finally:
-            active -= 1
             left = by_token[token] - 1
             if left:
                 by_token[token] = left
