@@ -213,6 +213,10 @@ def test_sums_near_the_range_of_a_double_neither_raise_nor_lie() -> None:
     assert rollups.merge([beyond, rollups.aggregate([(60_001, 3, 1.0)])]).sum is None
     hour = rollups.merge([rollups.aggregate([(1, 1, 1e308)]), rollups.aggregate([(2, 2, 1e308)])])
     assert (hour.count, hour.sum) == (2, None)
+    # Rows another program wrote may hold infinities (the decoder refuses them):
+    # inf with -inf raised ValueError, which stopped the worker at that minute.
+    odd = rollups.aggregate([(1, 1, math.inf), (2, 2, -math.inf), (3, 3, 1.0)])
+    assert (odd.count, odd.sum, odd.last) == (3, None, 1.0)
 
 
 async def test_a_device_sending_values_near_1e308_stops_no_roll_up(
@@ -472,6 +476,35 @@ async def test_the_worker_waits_while_writes_are_being_retried(session: WriteSes
     assert w.cursor_ms == first
     await asyncio.sleep(1.1)  # the grace period with no further retry
     assert await w.catch_up() >= 1
+
+
+@pytest.mark.asyncio(loop_scope="session")  # the module's session lives on that loop
+async def test_a_retry_during_a_long_catch_up_stops_it_at_the_next_minute(
+    session: WriteSession,
+) -> None:
+    """A pass that catches up on many due minutes (after a restart or an
+    outage) looked at the retries once, before its first minute: a retry
+    that began meanwhile did not stop it, so it finished the newest minutes
+    while a raw row of theirs could still land after their marks were read."""
+    stats = Stats()
+    first = minute_now()
+
+    def clock() -> float:
+        if w.cursor_ms == first + MINUTE_MS and not stats.retries:
+            stats.retries += 1  # the first minute is done: a write is retried now
+        return time.time() + 600
+
+    w = RollupWorker(
+        session,
+        make_config(GATEWAY_ROLLUPS__GRACE="1s"),
+        stats,
+        name=f"test-{uuid.uuid4().hex[:8]}",
+        clock=clock,
+    )
+    await w.start(first)
+    await asyncio.sleep(1.1)  # a worker up for longer than the grace, no retry so far
+    assert await w.catch_up() == 1  # ten minutes due; it stops after the first
+    assert w.cursor_ms == first + MINUTE_MS
 
 
 @pytest.mark.asyncio(loop_scope="session")

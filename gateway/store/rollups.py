@@ -227,7 +227,12 @@ def exact_sum(values: list[float]) -> float | None:
     """The exactly rounded sum of finite values, whatever their order; None
     when it is beyond the range of a double. (``math.fsum`` alone raised
     OverflowError when a partial sum passed it, even for a sum that fits: a
-    device sending values near 1e308 stopped every roll-up, for good.)"""
+    device sending values near 1e308 stopped every roll-up, for good.) None
+    too when a value is not finite: the decoder refuses them, but a row
+    written by another program may hold one, and ``inf`` with ``-inf`` made
+    ``math.fsum`` raise ValueError, which stopped the worker at that minute."""
+    if not all(map(math.isfinite, values)):
+        return None
     try:
         return math.fsum(values)
     except OverflowError:
@@ -408,14 +413,17 @@ class RollupWorker:
         """Finish every minute of marks that is due; returns how many."""
         assert self._ready, "start() first"
         stats = self._stats
-        if stats.retries != self._retries_seen:
-            # This process's writes are being retried: a raw row may land after
-            # its mark. Wait until they have gone through for a grace period.
-            self._retries_seen = stats.retries
-            self._quiet_since = time.monotonic()
         done = 0
         while True:
             now_ms = int(self._clock() * 1000)
+            if stats.retries != self._retries_seen:
+                # This process's writes are being retried: a raw row may land
+                # after its mark. Wait until they have gone through for a grace
+                # period. Checked before each minute, not once a pass: a pass
+                # that catches up on many minutes (after a restart or an
+                # outage) must not finish the newest while retries go on.
+                self._retries_seen = stats.retries
+                self._quiet_since = time.monotonic()
             due_at = self._cursor + MINUTE_MS + self._grace_ms
             # Measured before any wait: while retries hold the worker back the
             # lag grows, so a worker stalled by a flaky link shows.
