@@ -5,6 +5,7 @@ entry, capped per tenant (counted), and served by the CLI and the API."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from gateway.store import queries
 from gateway.store.database import Database
 from gateway.web.tokens import TokenStore
 
-from .helpers import DRIVERS, make_config, publish, run_cli, running_gateway
+from .helpers import DRIVERS, base_env, make_config, publish, run_cli, running_gateway
 from .test_read_api import client
 
 # A topic tree of their own: other tenants' traffic on the shared broker would
@@ -106,8 +107,13 @@ async def test_metadata_is_kept_on_ingest_and_served(
 
 
 async def test_a_tenant_over_its_metadata_cap_is_counted_and_its_events_still_stored(
-    db: Database, tenant: str
+    db: Database, tenant: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """The cap was silent: never logged, and the lists' answers said nothing,
+    so `meta devices` of a tenant past it was incomplete without a word. And
+    each later event of a device with a refused entry counted it again, for
+    the life of the process."""
+    caplog.set_level(logging.WARNING, "gateway.store.metadata")
     # A tag whose value never repeats (a serial number, say).
     messages = [(topic(tenant, f"d{i}"), event({"serial": f"s{i}"})) for i in range(8)]
     config = make_config(GATEWAY_METADATA__MAX_PER_TENANT="5", GATEWAY_TOPICS=TOPICS)
@@ -116,8 +122,29 @@ async def test_a_tenant_over_its_metadata_cap_is_counted_and_its_events_still_st
         await gw.wait_handled(len(messages))
         assert gw.stats.written == len(messages)
         assert gw.stats.metadata_writes == 5
-        assert gw.stats.metadata_capped > 0
-        assert gw.stats.metadata_capped_by_tenant.counts[tenant] == gw.stats.metadata_capped
+        capped = gw.stats.metadata_capped
+        assert capped > 0
+        assert gw.stats.metadata_capped_by_tenant.counts[tenant] == capped
+        # The same devices again, the same tags: nothing new to refuse.
+        await publish([(t, event({"serial": f"s{i}"})) for i, (t, _) in enumerate(messages)])
+        await gw.wait_handled(2 * len(messages))
+        assert gw.stats.metadata_capped == capped
+    said = [r.getMessage() for r in caplog.records if "metadata.max_per_tenant" in r.getMessage()]
+    assert len(said) == 1, said
+    assert repr(tenant) in said[0]
+    assert "(5 entries)" in said[0]
+    result = run_cli(
+        "meta", "tags", "--tenant", tenant, env=base_env(GATEWAY_METADATA__MAX_PER_TENANT="5")
+    )
+    assert result.returncode == 0, result.stderr
+    assert "the tenant is at metadata.max_per_tenant (5 entries)" in result.stderr
+    tokens = TokenStore(tmp_path / "tokens.jsonl")
+    async with client(db, config, tokens, tenant) as api:
+        status, body, _ = await api.get(f"/api/v1/tenants/{tenant}/meta/tags/serial/values")
+        assert (status, body["capped"]) == (200, True), body
+    async with client(db, make_config(), tokens, tenant) as api:  # the default cap: 10,000
+        status, body, _ = await api.get(f"/api/v1/tenants/{tenant}/meta/tags")
+        assert (status, body["capped"]) == (200, False), body
     stored = (
         len(await queries.meta_metrics(db, tenant))
         + len(await queries.meta_tag_keys(db, tenant))
@@ -240,22 +267,23 @@ async def test_past_the_cache_bound_an_entry_is_read_again_not_written_or_counte
     forgot costs one read when seen again (counted), never a second write
     or a second place against the tenant's cap."""
     config = make_config(GATEWAY_METADATA__CACHE_SIZE="100", GATEWAY_TOPICS=TOPICS)
-    # 60 devices with a tag value each: value, serial, 60 values, 60 device pairs.
-    first = [(topic(tenant, f"d{i}"), event({"serial": f"s{i}"})) for i in range(60)]
+    # 120 devices with a tag value each: value, serial, 120 values, 120 device pairs.
+    first = [(topic(tenant, f"d{i}"), event({"serial": f"s{i}"})) for i in range(120)]
     async with running_gateway(config) as gw:
         await publish(first)
         await gw.wait_handled(len(first))
-        assert gw.stats.metadata_writes == 2 + 60 + 60
-        # 122 entries remembered in a cache of 100: 22 forgotten, and counted
+        assert gw.stats.metadata_writes == 2 + 120 + 120
+        # 242 entries remembered in a cache of 100, and 120 devices' shapes in
+        # another: 142 and 20 forgotten, and counted
         # (gateway_metadata_cache_evictions_total; it was not anywhere).
-        assert gw.stats.metadata_cache_evictions == 22
+        assert gw.stats.metadata_cache_evictions == 142 + 20
         reads = gw.stats.metadata_reads
-        # d0's value and device pair were among the oldest, so forgotten.
+        # d0's shape, value and device pair were among the oldest, so forgotten.
         await publish(first[:1])
         await gw.wait_handled(len(first) + 1)
         assert gw.stats.metadata_reads == reads + 2
-        assert gw.stats.metadata_writes == 2 + 60 + 60
-    assert await queries.meta_entry_count(db, tenant) == 2 + 60 + 60
+        assert gw.stats.metadata_writes == 2 + 120 + 120
+    assert await queries.meta_entry_count(db, tenant) == 2 + 120 + 120
 
 
 async def test_a_metadata_list_cut_at_its_bound_says_so(

@@ -37,8 +37,11 @@ BACKLOG_CHUNKS chunks wait, beyond that the write loop waits for room
   metric names and tag keys go before tag values and devices). An instance
   that loses the race learns the count from the answer and tries again, up
   to ``reservations.MAX_ATTEMPTS`` times per chunk: instances never together pass the cap,
-  and none starves another. Entries not written are counted per occurrence
-  (``metadata_capped``, per tenant too); the event itself is stored as usual.
+  and none starves another. Entries not written are counted
+  (``metadata_capped``, per tenant too) and the tenant is named in the log,
+  once; the event itself is stored as usual. A device's event whose entries
+  are all decided, written or refused, is remembered as its shape (above),
+  so its next events of that shape count nothing again.
 * A tenant found at the cap is remembered (its count, in an LRU of
   ``reservations.MAX_TENANTS``): from then on its entries not in the LRU above cost no reads,
   and are counted as capped whether or not an earlier run stored them (no
@@ -59,6 +62,7 @@ BACKLOG_CHUNKS chunks wait, beyond that the write loop waits for room
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterator
 
 from ..aio import gather_all
@@ -67,10 +71,12 @@ from ..event import Event
 from ..lru import LRU, K, V
 from ..stats import Cache, Stats
 from .requests import Requests
-from .reservations import Reservations
+from .reservations import MAX_TENANTS, Reservations
 from .rollups import VALUE_METRIC
 from .sink import Pending, Sink, Write
 from .write_session import Prepared, WriteSession
+
+log = logging.getLogger(__name__)
 
 # Chunks of held events waiting for the worker; the write loop waits beyond.
 BACKLOG_CHUNKS = 8
@@ -123,6 +129,8 @@ class Metadata:
             requests, "meta_entry_counts", "reserved", self._count_attempt, self._count_evicted
         )
         self._cap = config.metadata.max_per_tenant
+        # Tenants this process has said are at the cap (once each, while remembered).
+        self._said_capped: LRU[str, bool] = LRU(MAX_TENANTS)
 
     def caches(self) -> dict[str, Cache]:
         """Its bounded caches, by name, for the metrics (gateway_cache_*)."""
@@ -199,8 +207,17 @@ class Metadata:
             capped[entry] = False
         if capped:
             return self._rows(event, pending, capped)
-        self._remember(self._shapes, device, (has_value, frozenset(event.metrics), event.tags))
+        self._remember_shape(event)
         return []
+
+    def _remember_shape(self, event: Event) -> None:
+        """Remember the entries of an event whose every entry is decided:
+        stored, or refused by a cap that never goes down. So is the next event
+        of the same shape: without this a tenant at its cap had each such
+        event's refused entries (and stored ones the LRU forgot) counted as
+        capped again, for good."""
+        shape = (event.value_num is not None, frozenset(event.metrics), event.tags)
+        self._remember(self._shapes, (event.tenant, event.device_id), shape)
 
     def _remember(self, cache: LRU[K, V], key: K, value: V) -> None:
         """Put, counting what the cache's bound pushes out (an entry forgotten
@@ -324,4 +341,21 @@ class Metadata:
             else:
                 stats.metadata_capped += 1
                 stats.metadata_capped_by_tenant.add(entry[1])
+                self._say_capped(entry[1])
+        self._remember_shape(event)
         return out
+
+    def _say_capped(self, tenant: str) -> None:
+        """Log, once per tenant, that it reached the cap: its lists go
+        incomplete from then on, which nothing else would tell."""
+        if self._said_capped.touch(tenant):
+            return
+        self._said_capped.put(tenant, True)
+        log.warning(
+            "metadata: tenant %r is at metadata.max_per_tenant (%d entries): its new metric "
+            "names, tag keys, tag values and devices by tag are no longer recorded, so its "
+            "metadata lists are incomplete from now on (gateway_metadata_capped_total counts "
+            "them; `gateway meta count` shows the count; its events are stored as usual)",
+            tenant,
+            self._cap,
+        )

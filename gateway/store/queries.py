@@ -919,6 +919,12 @@ async def quota_listed(db: Database, tenant: str, buckets: int) -> int | None:
     return sum(int(rows[0].n) for rows in answers)
 
 
+async def meta_capped(db: Database, tenant: str, config: Config) -> bool:
+    """Whether the tenant has reached ``metadata.max_per_tenant``: entries
+    since are not recorded, so its metadata lists may be incomplete."""
+    return await meta_entry_count(db, tenant) >= config.metadata.max_per_tenant
+
+
 async def meta_entry_count(db: Database, tenant: str) -> int:
     """The entries the tenant has taken against ``metadata.max_per_tenant``
     (at least those stored; see store/metadata.py)."""

@@ -1006,6 +1006,12 @@ async def _meta(config: Config, args: argparse.Namespace) -> int:
             found = await queries.meta_tag_devices(db, args.tenant, key, value)
         asked_key = args.key if what == "values" else key if what == "devices" else None
         hint = "" if found else await _empty_meta_hint(db, args.tenant, asked_key, config)
+        if await queries.meta_capped(db, args.tenant, config):
+            hint += (
+                f"; the tenant is at metadata.max_per_tenant "
+                f"({config.metadata.max_per_tenant:,} entries): entries since are not "
+                "recorded, so this list may be incomplete"
+            )
     found, cut = queries.meta_cut(found)
     if args.json:
         _print_json(found)

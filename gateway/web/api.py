@@ -390,6 +390,7 @@ class ReadApi:
                 name, found = "devices", await queries.meta_tag_devices(db, tenant, key, value)
             # "truncated": the list holds queries.MAX_META entries and there are more.
             answer[name], answer["truncated"] = queries.meta_cut(found)
+            answer["capped"] = await queries.meta_capped(db, tenant, self._config)
             return answer, 0
 
         return await self._cached(f"meta:{request.path_qs}", COUNTS_TTL, compute)

@@ -98,6 +98,11 @@ _TRUNCATED = {
     "type": "boolean",
     "description": f"true when the list stopped at {queries.MAX_META} entries and there are more",
 }
+_CAPPED = {
+    "type": "boolean",
+    "description": "true when the tenant has reached metadata.max_per_tenant: entries"
+    " since are not recorded, so the list may be incomplete",
+}
 _ERROR_CONTENT = {"application/json": {"schema": _ref("Error")}}
 _SCHEMAS: dict[str, Any] = {
     "Error": _object(
@@ -182,12 +187,14 @@ _SCHEMAS: dict[str, Any] = {
         tenant=_STRING,
         metrics=_list(_STRING),
         truncated=_TRUNCATED,
+        capped=_CAPPED,
     ),
     "MetaTags": _object(
         "Tag keys the tenant's devices use",
         tenant=_STRING,
         tags=_list(_STRING),
         truncated=_TRUNCATED,
+        capped=_CAPPED,
     ),
     "MetaTagValues": _object(
         "The values a tag key has had",
@@ -195,6 +202,7 @@ _SCHEMAS: dict[str, Any] = {
         tag=_STRING,
         values=_list(_STRING),
         truncated=_TRUNCATED,
+        capped=_CAPPED,
     ),
     "MetaDevices": _object(
         "Devices that have carried a tag value",
@@ -203,6 +211,7 @@ _SCHEMAS: dict[str, Any] = {
         value=_STRING,
         devices=_list(_STRING),
         truncated=_TRUNCATED,
+        capped=_CAPPED,
     ),
     "RejectedMessage": _object(
         "A message the gateway did not store, and why",
