@@ -175,7 +175,8 @@ test: test-setup
 	fi; \
 	exit $$rc
 
-# The three-node cluster's fault tests (tests/cluster/, about 3.5 min): the
+# The three-node cluster's fault tests (tests/cluster/; about 2 min at the end
+# of `make test`: 1 min 25 s of pytest plus starting node 1 and stopping): the
 # single node is stopped, three nodes start on 127.0.0.1..3 one at a time
 # (768 MB heap each), the tests run, the cluster stops, and the single node is
 # started again (not waited for: `make up` waits when it is next needed).
@@ -205,8 +206,9 @@ lint: venv
 clean: down
 	rm -rf $(STATE_DIR)
 
-# End-to-end benchmark (~10 min): gateway vs broker/Cassandra ceilings, a naive
-# bridge and Node-RED. Results in bench/results/. BENCH_ARGS="--help" for options.
+# End-to-end benchmark (~13 min; ~7 with BENCH_ARGS="--skip overload,scaling,states"):
+# gateway vs broker/Cassandra ceilings, a naive bridge and Node-RED. Results in
+# bench/results/. BENCH_ARGS="--help" for options.
 bench: up
 	@$(VPY) -c "import matplotlib" 2>/dev/null || $(VPY) -m pip install -q -e '.[bench]'
 	$(VPY) bench/run.py $(BENCH_ARGS)
