@@ -826,6 +826,25 @@ def check_rollup_range(step: int, since: datetime, until: datetime) -> tuple[int
     return first, until_ms
 
 
+# The roll-up worker's cursor's name in rollup_progress (store/rollups.py).
+ROLLUP_PROGRESS = "default"
+# A worker this far behind is said to be, by itself in the log and by the
+# roll-up answers.
+ROLLUP_BEHIND_S = 600.0
+
+
+async def rollups_done_until(db: Database) -> datetime | None:
+    """The roll-up worker's cursor: the first minute of writes it has not
+    finished, so windows before it are done (a late event marks its window
+    again); None when no gateway has started one in this keyspace."""
+    stmt = await db.prepared(
+        f"SELECT toUnixTimestamp(minute) AS minute_ms FROM {db.keyspace}.rollup_progress "
+        "WHERE name = ?"
+    )
+    rows = await db.execute(stmt, (ROLLUP_PROGRESS,))
+    return datetime.fromtimestamp(rows[0].minute_ms / 1000, UTC) if rows else None
+
+
 async def rollups(
     db: Database,
     tenant: str,

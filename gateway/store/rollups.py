@@ -101,7 +101,8 @@ MINUTE_MS = 60_000
 HOUR_MS = 3_600_000
 MARK_SHARDS = 16
 VALUE_METRIC = "value"
-PROGRESS = "default"
+PROGRESS = queries.ROLLUP_PROGRESS
+BEHIND_S = queries.ROLLUP_BEHIND_S
 # A cursor starts at the minute the first instance to write marks (or the
 # worker) started, never later: a compare-and-set, whoever comes first.
 INIT_CURSOR = "INSERT INTO {keyspace}.rollup_progress (name, minute) VALUES (?, ?) IF NOT EXISTS"
@@ -301,6 +302,7 @@ class RollupWorker:
         self._cursor = 0
         self._retries_seen = stats.retries
         self._quiet_since = time.monotonic()
+        self._behind = False  # said to be BEHIND_S behind, not yet caught up
         self._ready = False
 
     async def start(self, first_minute_ms: int | None = None) -> None:
@@ -428,6 +430,7 @@ class RollupWorker:
             # Measured before any wait: while retries hold the worker back the
             # lag grows, so a worker stalled by a flaky link shows.
             stats.rollup_lag_s = max(0.0, (now_ms - due_at) / 1000)
+            self._say_lag(stats.rollup_lag_s)
             if due_at > now_ms:
                 return done
             if time.monotonic() - self._quiet_since < self._grace_ms / 1000 and stats.retries:
@@ -436,6 +439,23 @@ class RollupWorker:
             self._cursor += MINUTE_MS
             await self._execute(self._write_cursor, (self._name, self._cursor))
             done += 1
+
+    def _say_lag(self, lag_s: float) -> None:
+        """Log when the worker falls BEHIND_S behind, and when it has caught
+        up again: a lag that only the gauge showed went unseen until marks
+        began to expire (7 days)."""
+        if lag_s >= BEHIND_S and not self._behind:
+            self._behind = True
+            log.warning(
+                "roll-ups: %d min behind, done up to %s; catching up (after an outage or a "
+                "restart it goes at full speed; if this lasts, the worker is slower than the "
+                "marks come: gateway_rollup_lag_seconds, rollups.concurrency)",
+                lag_s // 60,
+                queries.iso(datetime.fromtimestamp(self._cursor / 1000, UTC)),
+            )
+        elif lag_s < MINUTE_MS / 1000 and self._behind:
+            self._behind = False
+            log.info("roll-ups: caught up")
 
     def _pace(self, late_ms: int) -> float:
         """Seconds to spread a minute found ``late_ms`` after it came due over

@@ -961,9 +961,12 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
             hint = f": tenant {args.tenant!r} has no metrics recorded; a misspelt --tenant?"
         elif not rows and await queries.latest_event(db, args.tenant, args.device_id) is None:
             hint = _no_device_hint(args.tenant, args.device_id)
-    summary = f"({_count(len(rows), 'window')} of {args.step} for {args.metric!r}{hint})"
+        progress, stalled = rollup_progress(
+            await queries.rollups_done_until(db), until, now, config.rollups.grace
+        )
+    summary = f"({_count(len(rows), 'window')} of {args.step} for {args.metric!r}{hint}{progress})"
     if args.json:
-        if hint:
+        if hint or stalled:
             print(summary, file=sys.stderr)
         _print_json([r.as_json() for r in rows])
     else:
@@ -977,6 +980,27 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
             )
         print(summary, file=sys.stderr)
     return 0
+
+
+def rollup_progress(
+    done: datetime | None, until: datetime, now: datetime, grace: float
+) -> tuple[str, bool]:
+    """What a roll-up answer should say about the worker's progress, and
+    whether that is trouble (no worker, or one far behind): windows after its
+    cursor are not there yet, which an answer without them did not say."""
+    if done is None:
+        return "; no roll-up worker has run in this keyspace (rollups.worker on one gateway)", True
+    behind = (now - done).total_seconds() - 60 - grace
+    if behind >= queries.ROLLUP_BEHIND_S:
+        return (
+            f"; the roll-up worker is {int(behind // 60)} min behind, done up to "
+            f"{queries.iso(done)}: is a gateway with rollups.worker = true running? "
+            "(gateway_rollup_lag_seconds on it)",
+            True,
+        )
+    if until > done:
+        return f"; done up to {queries.iso(done)}, each minute about 2 min after it began", False
+    return "", False
 
 
 async def _meta(config: Config, args: argparse.Namespace) -> int:

@@ -355,13 +355,18 @@ class ReadApi:
         metric = query.get("metric") or DEFAULT_METRIC
 
         async def compute() -> tuple[Any, float]:
-            rows = await queries.rollups(self._db, tenant, device, metric, step, since, until)
+            rows, done = await asyncio.gather(
+                queries.rollups(self._db, tenant, device, metric, step, since, until),
+                queries.rollups_done_until(self._db),
+            )
             return {
                 "tenant": tenant,
                 "device_id": device,
                 "metric": metric,
                 "step": step_text,
                 "rollups": [r.as_json() for r in rows],
+                # Windows of what was written from then on are not done yet.
+                "done_until": None if done is None else queries.iso(done),
             }, 0
 
         return await self._cached(f"rollups:{request.path_qs}", LIST_TTL, compute)

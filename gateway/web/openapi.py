@@ -181,6 +181,13 @@ _SCHEMAS: dict[str, Any] = {
         metric=_STRING,
         step={"type": "string", "enum": list(queries.ROLLUP_STEPS)},
         rollups=_list(_ref("Rollup")),
+        done_until=_TIME
+        | {
+            "type": ["string", "null"],
+            "description": "the roll-up worker's progress: what was written from then on is"
+            " not rolled up yet (each minute about 2 min after it began); null when no"
+            " worker has run",
+        },
     ),
     "MetaMetrics": _object(
         "Metric names the tenant's devices use",
