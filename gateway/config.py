@@ -404,6 +404,17 @@ class CassandraConfig(_Model):
                 "cassandra.datacenters is used only with cassandra.replication = "
                 '"NetworkTopologyStrategy"; SimpleStrategy takes replication_factor'
             )
+        if self.datacenters and self.local_dc is not None and self.local_dc not in self.datacenters:
+            raise ValueError(
+                f"cassandra.local_dc {self.local_dc!r} is not one of cassandra.datacenters "
+                f"({', '.join(sorted(self.datacenters))}); names are case-sensitive"
+            )
+        if len(self.datacenters) > 1 and self.local_dc is None:
+            raise ValueError(
+                "cassandra.local_dc is required when cassandra.datacenters names more than "
+                f"one ({', '.join(sorted(self.datacenters))}): the datacentre of this "
+                "gateway's nodes, so that its requests, and LOCAL_QUORUM, stay in it"
+            )
         _load_password(self, "cassandra")
         if self.min_in_flight is not None and self.min_in_flight > self.max_in_flight:
             raise ValueError(

@@ -89,6 +89,7 @@ def test_env_values_use_toml_syntax_else_plain_strings() -> None:
             "GATEWAY_MQTT__KEEPALIVE": "60",
             "GATEWAY_CASSANDRA__REPLICATION": "NetworkTopologyStrategy",
             "GATEWAY_CASSANDRA__DATACENTERS": "{dc1 = 3, dc2 = 2}",
+            "GATEWAY_CASSANDRA__LOCAL_DC": "dc1",
             "GATEWAY_MQTT__PASSWORD": "123456",
         },
     )
@@ -203,6 +204,22 @@ def test_a_tenant_section_changes_only_what_it_sets(tmp_path: Path) -> None:
         (
             {"GATEWAY_CASSANDRA__DATACENTERS": "{dc1 = 3}"},
             "cassandra.datacenters is used only with cassandra.replication",
+        ),
+        (
+            {
+                "GATEWAY_CASSANDRA__REPLICATION": "NetworkTopologyStrategy",
+                "GATEWAY_CASSANDRA__DATACENTERS": "{dc1 = 3, dc2 = 3}",
+            },
+            "cassandra.local_dc is required when cassandra.datacenters names more than one "
+            "(dc1, dc2)",
+        ),
+        (
+            {
+                "GATEWAY_CASSANDRA__REPLICATION": "NetworkTopologyStrategy",
+                "GATEWAY_CASSANDRA__DATACENTERS": "{dc1 = 3}",
+                "GATEWAY_CASSANDRA__LOCAL_DC": "dc9",
+            },
+            "cassandra.local_dc 'dc9' is not one of cassandra.datacenters (dc1)",
         ),
         (
             {"GATEWAY_CASSANDRA__GIVE_UP_AFTER": "40d"},

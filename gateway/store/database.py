@@ -24,7 +24,6 @@ from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile, S
 from cassandra.policies import (
     DCAwareRoundRobinPolicy,
     ExponentialReconnectionPolicy,
-    RoundRobinPolicy,
     TokenAwarePolicy,
 )
 from cassandra.query import PreparedStatement, Statement, dict_factory
@@ -151,10 +150,10 @@ def _reason(exc: BaseException) -> str:
 
 
 def build_cluster(config: CassandraConfig, ssl_context: ssl.SSLContext | None = None) -> Cluster:
-    local = (
-        DCAwareRoundRobinPolicy(local_dc=config.local_dc) if config.local_dc else RoundRobinPolicy()
-    )
-    policy = TokenAwarePolicy(local)
+    # Without local_dc the driver takes the datacentre of the contact point it
+    # first connects to as local (RoundRobinPolicy sent requests to every
+    # datacentre, where LOCAL_QUORUM is another DC's quorum).
+    policy = TokenAwarePolicy(DCAwareRoundRobinPolicy(local_dc=config.local_dc or ""))
     consistency = getattr(ConsistencyLevel, config.consistency)
     profile = ExecutionProfile(
         load_balancing_policy=policy,
