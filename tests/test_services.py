@@ -267,8 +267,24 @@ def test_schema_apply_twice_is_idempotent(cql: Session, keyspace: str) -> None:
 
     second = run_cli("schema", "apply")
     assert second.returncode == 0, second.stderr
+    assert "warning" not in second.stderr
     assert _tables(cql, keyspace) == tables  # same tables, same ids: nothing re-created
     assert _schema_snapshot(cql, keyspace) == before
+
+    # A config asking for more replicas than the keyspace was made with: it
+    # said "applied" and left the keyspace at one replica, without a word.
+    third = run_cli("schema", "apply", env=base_env(GATEWAY_CASSANDRA__REPLICATION_FACTOR="3"))
+    assert third.returncode == 0, third.stderr
+    assert _schema_snapshot(cql, keyspace) == before  # never altered by apply
+    assert (
+        f"schema: warning: keyspace {keyspace!r} has replication "
+        "{'class': 'SimpleStrategy', 'replication_factor': 1}, not the config's "
+        "{'class': 'SimpleStrategy', 'replication_factor': 3}"
+    ) in third.stderr, third.stderr
+    assert (
+        f"ALTER KEYSPACE {keyspace} WITH replication = "
+        "{'class': 'SimpleStrategy', 'replication_factor': 3};"
+    ) in third.stderr
 
 
 # --- 5. gateway check ---------------------------------------------------------------------

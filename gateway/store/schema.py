@@ -72,6 +72,56 @@ def replication_clause(config: CassandraConfig) -> str:
     return f"{{'class': 'NetworkTopologyStrategy', {dcs}}}"
 
 
+def _replication_of(found: dict[str, str]) -> dict[str, str | int]:
+    """A keyspace's replication map as system_schema holds it, in the form
+    the config's is compared in: the class's short name, factors as numbers."""
+    out: dict[str, str | int] = {}
+    for key, value in found.items():
+        if key == "class":
+            out[key] = value.rsplit(".", 1)[-1]
+        else:
+            out[key] = int(value) if value.isdigit() else value
+    return out
+
+
+def _wanted_replication(config: CassandraConfig) -> dict[str, str | int]:
+    if config.replication == "SimpleStrategy":
+        return {"class": "SimpleStrategy", "replication_factor": config.replication_factor}
+    return {"class": "NetworkTopologyStrategy", **config.datacenters}
+
+
+def _clause(replication: dict[str, str | int]) -> str:
+    rest = sorted((k, v) for k, v in replication.items() if k != "class")
+    parts = [f"'class': '{replication.get('class')}'"] + [f"'{k}': {v}" for k, v in rest]
+    return "{" + ", ".join(parts) + "}"
+
+
+async def replication_mismatch(db: Database) -> str | None:
+    """Why the keyspace's replication is not the config's, with the
+    statements that would change it; None when it is (or there is no
+    keyspace). ``schema apply`` creates a keyspace, never alters one: a
+    keyspace made with one replica stayed at one when the config said three,
+    and one node of three down then failed a third of the writes."""
+    rows = await db.execute(
+        "SELECT replication FROM system_schema.keyspaces WHERE keyspace_name = %s",
+        (db.keyspace,),
+    )
+    if not rows:
+        return None
+    have = _replication_of(dict(rows[0].replication))
+    want = _wanted_replication(db.config)
+    if have == want:
+        return None
+    ks = db.keyspace
+    return (
+        f"keyspace {ks!r} has replication {_clause(have)}, not the config's {_clause(want)} "
+        "(cassandra.replication, replication_factor, datacenters): `schema apply` creates a "
+        "keyspace, it never changes one. To change it, run in cqlsh: ALTER KEYSPACE "
+        f"{ks} WITH replication = {_clause(want)}; then `nodetool repair -full {ks}` on "
+        f"every node for more replicas, or `nodetool cleanup {ks}` for fewer"
+    )
+
+
 def statements(config: CassandraConfig, directory: Path | None = None) -> list[tuple[str, str]]:
     """(file name, statement) pairs in file order, placeholders filled in."""
     directory = directory or schema_dir()

@@ -833,9 +833,12 @@ async def _schema_migrate(config: Config, force: bool) -> int:
 async def _schema_apply(config: Config) -> int:
     async with connect(config.cassandra, keyspace=False) as db:
         count = await schema.apply(db)
+        mismatch = await schema.replication_mismatch(db)
     print(
         f"schema: {count} statements applied to keyspace {config.cassandra.keyspace!r} (idempotent)"
     )
+    if mismatch is not None:
+        print(f"schema: warning: {mismatch}", file=sys.stderr)
     return 0
 
 
