@@ -279,6 +279,62 @@ async def test_sigkill_mid_append_loses_no_committed_record(tmp_path: Path) -> N
     assert all(r.payload == b"p" * 100 for r in records)
 
 
+HOLDER = """
+import asyncio, sys
+from pathlib import Path
+from gateway.ingest.spool import Spool
+async def main():
+    async with Spool(Path(sys.argv[1]), 1000, 10**6) as spool:
+        await spool.append([(1, "t/1", None, b"1")])
+        print("open", flush=True)
+        sys.stdin.read()  # held until the test closes our stdin
+asyncio.run(main())
+"""
+
+
+async def _depth(path: Path) -> int:
+    async with Spool(path, 1000, 10**6) as spool:
+        return spool.depth
+
+
+@pytest.mark.parametrize("ends", ["exits", "is killed"])
+def test_a_spool_open_in_another_process_is_refused_until_it_ends(
+    tmp_path: Path, ends: str
+) -> None:
+    """Two gateways with one spool.path (two instances in one working
+    directory) shared the file without a word: each fed Cassandra from and
+    deleted the other's records, one's depth went negative (no bound any
+    more) and the other's grew until it called itself full and stopped
+    acknowledging. The second now refuses at once, naming spool.path, the
+    holder's pid and what to do; once the holder is gone (SIGKILL too) the
+    file opens, as it was."""
+    path = tmp_path / "spool.sqlite"
+    with subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as holder:
+        assert holder.stdin is not None
+        assert holder.stdout is not None
+        try:
+            assert holder.stdout.readline() == "open\n"
+            with pytest.raises(SpoolError) as refused:
+                asyncio.run(_depth(path))
+        finally:
+            if ends == "exits":
+                holder.stdin.close()
+            else:
+                holder.send_signal(signal.SIGKILL)
+            holder.wait(10)
+    said = str(refused.value)
+    assert said.startswith(f"spool {path}: "), said
+    assert f"another gateway process (pid {holder.pid}) has it open" in said, said
+    assert "give each gateway instance its own spool.path" in said, said
+    assert holder.returncode == (0 if ends == "exits" else -signal.SIGKILL)
+    assert asyncio.run(_depth(path)) == 1  # the holder's record, untouched
+
+
 async def test_gateway_keeps_acknowledging_while_cassandra_is_away(
     db: Database, tenant: str, tmp_path: Path
 ) -> None:

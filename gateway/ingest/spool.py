@@ -35,7 +35,11 @@ session, its metrics and its health answer; a restart loop would only add
 log noise and lose nothing more.
 
 The file is ours alone: one holding other tables, or a ``spool`` table of
-another shape, is refused at open, untouched. A spool file removed or
+another shape, is refused at open, untouched. So is one another process has
+open (two gateways given one ``spool.path``, say two instances in one working
+directory, fed Cassandra from and deleted each other's records, and their
+counts drifted apart): an open holds an exclusive lock on ``PATH-lock`` while
+it lasts (:meth:`Spool._lock`). A spool file removed or
 replaced while open (by hand, by a cleanup job) fails the next commit with a
 SpoolError, before anything of it is acknowledged: SQLite would go on
 writing to the removed file, and what it acknowledged would be gone at the
@@ -49,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import math
 import os
@@ -272,6 +277,11 @@ class Spool:
         self._inode = 0  # the file's, at open: another means it was removed or replaced
         self._wal_inode = 0  # its WAL's, once it exists: the same
         self.reserve = path.with_name(path.name + "-reserve")
+        # PATH-lock (beside the file SQLite opens, symlinks followed), its
+        # descriptor and inode while open (Spool._lock).
+        self.lock = path.with_name(path.name + "-lock")
+        self._lock_fd: int | None = None
+        self._lock_inode = 0
         self._reserved = False  # whether the reserve is on disk
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spool")
         self._room = asyncio.Event()
@@ -453,6 +463,59 @@ class Spool:
         if why is not None:
             raise SpoolError(f"spool {self.path}: {why}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock()  # before SQLite opens (or makes) the file
+        try:
+            self._connect()
+        except BaseException:
+            self._close()
+            raise
+
+    def _lock(self) -> None:
+        """Take ``PATH-lock`` for as long as this spool is open, or raise
+        SpoolError naming the process that has it (its pid is written in it).
+
+        Why flock on a file of its own, not on the database file: SQLite
+        locks the database (and its -shm) with POSIX fcntl locks, which a
+        process loses on closing *any* descriptor of that file, and which
+        flock is emulated with on NFS; a descriptor of ours on the database
+        could break SQLite's own locking. A lock file SQLite never touches
+        cannot, can be taken before the database exists (two starts on a new
+        path do not both make it), and stays put when the database is moved
+        aside. flock is released when the descriptor closes (Spool._close)
+        and when the process dies, SIGKILL included: a stale file is no lock.
+        The file is never removed (removing it would let a second process
+        lock a new file while the first still holds the old); one removed
+        while open fails the next commit, as the database does (_same_file).
+        A read-only look (peek: `gateway check`) takes no lock, so it works
+        beside a running gateway, as SQLite's WAL readers do."""
+        # Named after the file SQLite opens (it follows symlinks too): two
+        # paths to one spool get one lock.
+        self.lock = Path(os.path.realpath(self.path) + "-lock")
+        fd = os.open(self.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                pid = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            except OSError:
+                pid = ""
+            os.close(fd)
+            held_by = f" (pid {pid})" if pid.isdigit() else ""
+            raise SpoolError(
+                f"spool {self.path}: another gateway process{held_by} has it open (it holds "
+                f"{self.lock}); two gateways on one spool feed and delete each other's "
+                "messages, so this one does not open it: give each gateway instance its own "
+                "spool.path"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        self._lock_fd, self._lock_inode = fd, os.fstat(fd).st_ino
+        with contextlib.suppress(OSError):  # the pid only helps the message above
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+    def _connect(self) -> None:
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         try:
             self._check_ours(db)  # before anything is written to the file
@@ -496,9 +559,14 @@ class Spool:
     def _same_file(self) -> None:
         """The file and its WAL are the ones opened: what SQLite writes into a
         removed one is gone at the next start (a removed WAL takes every
-        commit since the last checkpoint with it)."""
+        commit since the last checkpoint with it). And its lock: without it
+        another process may open the spool too."""
         wal = Path(f"{self.path}-wal")
-        for what, known in ((self.path, self._inode), (wal, self._wal_inode)):
+        for what, known in (
+            (self.path, self._inode),
+            (wal, self._wal_inode),
+            (self.lock, self._lock_inode),
+        ):
             if not known:
                 continue
             try:
@@ -554,9 +622,14 @@ class Spool:
                 self.reserve.unlink()  # a part of one is no reserve; tried again later
 
     def _close(self) -> None:
-        if self._db is not None:
-            self._db.close()
-            self._db = None
+        try:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+        finally:
+            if self._lock_fd is not None:  # after the database: then another may open it
+                os.close(self._lock_fd)
+                self._lock_fd = None
 
     def _append(self, records: list[Appended]) -> list[int]:
         db = self._db
