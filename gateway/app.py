@@ -105,6 +105,7 @@ class Gateway:
 
     def health(self) -> tuple[bool, dict[str, object]]:
         connected = self._receiver.connected.is_set()
+        refused = self._receiver.refused
         failing = self._requests.failing_for
         details: dict[str, object] = {
             "mqtt": "connected" if connected else "disconnected",
@@ -122,7 +123,12 @@ class Gateway:
             # At the bound it acknowledges as fast as Cassandra drains (backpressure,
             # as without the spool); a full disk stops it until someone makes room.
             disk_full = spool.disk_full_since is not None
-        return connected and failing is None and not disk_full, details
+        if refused:
+            # Connected, but deaf to these filters' messages (an ACL, a broker
+            # without shared subscriptions): "ok" hid it.
+            details["mqtt_refused"] = refused
+        healthy = connected and not refused and failing is None and not disk_full
+        return healthy, details
 
     def _failing(self, seconds: float) -> str:
         if self._spool is not None:

@@ -39,6 +39,7 @@ from .helpers import (
     MQTT_PORT,
     device_row,
     free_port,
+    http_get,
     make_config,
     mosquitto_on,
     running_gateway,
@@ -384,6 +385,27 @@ async def test_a_refused_subscription_is_logged_and_counted(
         await wait_until(receiver.connected.is_set, 10, "connected")
     assert stats.subscriptions_refused == 1
     assert "denied/#: NOT_AUTHORIZED" in caplog.text
+    assert receiver.refused == ["denied/#: NOT_AUTHORIZED"]
+
+
+async def test_a_refused_subscription_makes_the_gateway_unhealthy() -> None:
+    """Connected but deaf to a filter's messages (an ACL, a broker without
+    shared subscriptions), the gateway answered /healthz 200 "ok". (A real
+    Mosquitto grants a subscription its ACL denies and drops the messages,
+    so the scripted broker refuses it.)"""
+    broker = ScriptedBroker(lambda w, s, n: None)
+    api_port = free_port()
+    async with broker.running():
+        config = make_config(
+            GATEWAY_MQTT__PORT=str(broker.port),
+            GATEWAY_API__PORT=str(api_port),
+            GATEWAY_TOPICS='[{template = "tenants/{tenant}/devices/{device_id}/events"}, '
+            '{template = "denied/{tenant}/{device_id}"}]',
+        )
+        async with running_gateway(config):
+            code, body = await asyncio.to_thread(http_get, api_port, "/healthz")
+    assert code == 503, body
+    assert orjson.loads(body)["checks"]["mqtt_refused"] == ["denied/+/+: NOT_AUTHORIZED"]
 
 
 async def test_a_subscription_granted_only_qos_0_is_logged_and_counted(

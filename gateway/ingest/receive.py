@@ -232,6 +232,9 @@ class Receiver:
         self._short_lived: deque[float] = deque(maxlen=TWIN_CLOSES)
         self._twin_said = -TWIN_WINDOW
         self.connected = asyncio.Event()
+        # The filters the broker refused in the last SUBACK, with the reason
+        # ("denied/#: NOT_AUTHORIZED"): what the gateway is deaf to (/healthz).
+        self.refused: list[str] = []
 
     def _options(self) -> ConnectOptions:
         cfg = self._config
@@ -398,6 +401,7 @@ class Receiver:
 
     def _granted(self, granted: Granted) -> None:
         cfg = self._config
+        self.refused = list(granted.refused)
         for reason in granted.refused:
             self._stats.subscriptions_refused += 1
             log.error("the broker refused the subscription %s", reason)
