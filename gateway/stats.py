@@ -160,6 +160,7 @@ class Stats:
     rollup_windows: int = 0  # 1-minute windows recomputed from their raw rows
     rollup_windows_kept: int = 0  # aggregates kept over a recompute from expired rows
     rollup_failures: int = 0  # roll-up worker passes that failed (retried; marks stay)
+    rollup_retries: int = 0  # roll-up reads and writes tried again after a transient error
     rollup_lag_s: float = 0.0  # how far the roll-up worker is behind its due minutes
     rollup_paced_s: float = 0.0  # time the worker waited to spread a minute (rollups.spread)
     metadata_writes: int = 0  # new metadata entries written (store/metadata.py)

@@ -37,6 +37,7 @@ from .helpers import (
     as_ms,
     base_env,
     make_config,
+    proxy,
     publish,
     run_cli,
     running_gateway,
@@ -518,6 +519,34 @@ async def test_a_retry_during_a_long_catch_up_stops_it_at_the_next_minute(
     await asyncio.sleep(1.1)  # a worker up for longer than the grace, no retry so far
     assert await w.catch_up() == 1  # ten minutes due; it stops after the first
     assert w.cursor_ms == first + MINUTE_MS
+
+
+async def test_a_crawling_link_mid_minute_costs_retries_not_the_minute() -> None:
+    """Each read and write of the worker is retried on a transient error. A
+    minute was all or nothing: one timeout among its requests failed the
+    pass, which started the minute over; over a flaky link a minute longer
+    than the gaps between timeouts never finished. Here the link crawls
+    (its first requests time out), then blinks and is well again."""
+    async with proxy() as link:
+        config = make_config(
+            GATEWAY_CASSANDRA__PORT=str(link.port), GATEWAY_CASSANDRA__REQUEST_TIMEOUT="1s"
+        )
+        async with open_write_session(config.cassandra) as session:
+            await session.plan_packing()
+            stats = Stats()
+            w = RollupWorker(session, config, stats, name=f"test-{uuid.uuid4().hex[:8]}")
+            await w.start()
+            tenant = f"t-{uuid.uuid4().hex[:8]}"
+            windows = {(tenant, f"d{i}", minute_now() - MINUTE_MS) for i in range(300)}
+            link.limit = 100  # bytes per second towards Cassandra: each request times out
+            task = asyncio.create_task(w.recompute(windows))
+            await asyncio.sleep(1.5)
+            link.limit = None
+            link.drop()  # the crawling connections; the driver opens new ones
+            async with asyncio.timeout(60):
+                await task  # raised the driver's timeout before
+            assert stats.rollup_retries > 0
+            assert stats.rollup_windows == 300
 
 
 @pytest.mark.asyncio(loop_scope="session")

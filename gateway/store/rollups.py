@@ -75,18 +75,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 import time
 import zlib
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from fractions import Fraction
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import orjson
 from mypy_extensions import mypyc_attr
 
-from ..aio import gather_all
+from ..aio import backoff, gather_all
 from ..config import MAX_BUCKET_SECONDS, Config
 from ..event import Event
 from ..lru import LRU
@@ -103,6 +105,17 @@ MARK_SHARDS = 16
 VALUE_METRIC = "value"
 PROGRESS = queries.ROLLUP_PROGRESS
 BEHIND_S = queries.ROLLUP_BEHIND_S
+# Each read and write of the worker is tried this often on a transient error
+# (a timeout, a node unavailable) before its pass fails, waiting between tries
+# from REQUEST_BACKOFF (doubling, with jitter) up to REQUEST_BACKOFF_MAX
+# seconds. A minute's work was all or nothing: over a flaky link, one timeout
+# among its thousands of requests started the whole minute over, and a minute
+# longer than the gaps between timeouts never finished.
+REQUEST_ATTEMPTS = 5
+REQUEST_BACKOFF = 0.5
+REQUEST_BACKOFF_MAX = 8.0
+
+T = TypeVar("T")
 # A cursor starts at the minute the first instance to write marks (or the
 # worker) started, never later: a compare-and-set, whoever comes first.
 INIT_CURSOR = "INSERT INTO {keyspace}.rollup_progress (name, minute) VALUES (?, ?) IF NOT EXISTS"
@@ -390,6 +403,26 @@ class RollupWorker:
         session = self._session
         return await session.execute(session.bind(prepared, values))
 
+    def _read(self, prepared: Prepared, values: tuple[Any, ...]) -> Awaitable[Rows]:
+        return self._again(lambda: self._session.read(prepared, values))
+
+    async def _again(self, request: Callable[[], Awaitable[T]]) -> T:
+        """``request()``, tried again on a transient error up to
+        REQUEST_ATTEMPTS times (each is idempotent: reads, and writes of whole
+        aggregates), then its error goes to the pass (``run``)."""
+        attempt = 0
+        while True:
+            try:
+                return await request()
+            except self._session.transient:
+                attempt += 1
+                if attempt >= REQUEST_ATTEMPTS:
+                    raise
+                self._stats.rollup_retries += 1
+            # Waited here, not in the except clause (requests.py says why).
+            delay = backoff(attempt, REQUEST_BACKOFF, REQUEST_BACKOFF_MAX)
+            await asyncio.sleep(delay * (0.5 + random.random() / 2))
+
     @property
     def cursor_ms(self) -> int:
         return self._cursor
@@ -437,7 +470,8 @@ class RollupWorker:
                 return done
             await self.process_minute(self._cursor, spread=self._pace(now_ms - due_at))
             self._cursor += MINUTE_MS
-            await self._execute(self._write_cursor, (self._name, self._cursor))
+            cursor = (self._name, self._cursor)
+            await self._again(partial(self._execute, self._write_cursor, cursor))
             done += 1
 
     def _say_lag(self, lag_s: float) -> None:
@@ -470,7 +504,7 @@ class RollupWorker:
         """Recompute every window marked in ``minute_ms``, then their hours,
         spread over ``spread`` seconds (:meth:`recompute`)."""
         parts = await asyncio.gather(
-            *(self._session.read(self._read_marks, (minute_ms, s)) for s in range(MARK_SHARDS))
+            *(self._read(self._read_marks, (minute_ms, s)) for s in range(MARK_SHARDS))
         )
         windows = {(r["tenant"], r["device_id"], r["window_ms"]) for rows in parts for r in rows}
         await self.recompute(windows, spread)
@@ -563,7 +597,7 @@ class RollupWorker:
             tenant, start_ms = key
             end_ms = start_ms + MINUTE_MS - 1
             low = start_ms - MAX_BUCKET_SECONDS * 1000
-            return self._session.read(self._read_index, (tenant, devices, end_ms, low))
+            return self._read(self._read_index, (tenant, devices, end_ms, low))
 
         # Per device, its partitions (bucket, shard) and their longest bucket.
         longest: dict[tuple[str, str], dict[tuple[int, int], int]] = {}
@@ -580,7 +614,7 @@ class RollupWorker:
         def read_raw(key: tuple[str, int, int, int], devices: list[str]) -> Any:
             tenant, bucket, shard, start_ms = key
             values = (tenant, devices, bucket, shard, start_ms, start_ms + MINUTE_MS - 1)
-            return self._session.read(self._read_raw, values)
+            return self._read(self._read_raw, values)
 
         out: dict[Window, RawRows] = {}
         for n, r in enumerate(await self._read_in(by_partition, read_raw), 1):
@@ -608,7 +642,7 @@ class RollupWorker:
             bucket = queries.rollup_bucket(hour_ms, 60)
             metrics = sorted(metrics_of[key])
             values = (tenant, devices, bucket, metrics, hour_ms, hour_ms + HOUR_MS)
-            return self._session.read(self._read_minutes, values)
+            return self._read(self._read_minutes, values)
 
         parts: dict[tuple[str, str, int], dict[str, list[Aggregate]]] = {}
         for n, r in enumerate(await self._read_in(by_hour, read_minutes), 1):
@@ -673,7 +707,7 @@ class RollupWorker:
             tenant, start = key
             bucket = queries.rollup_bucket(start, step)
             values = (tenant, devices, step, bucket, sorted(metrics_of[key]), start)
-            return self._session.read(self._read_counts, values)
+            return self._read(self._read_counts, values)
 
         for r in await self._read_in(by_start, read_counts):
             aggregates = old.get((r["tenant"], r["device_id"], r["start_ms"]), {})
@@ -750,7 +784,8 @@ class RollupWorker:
             batches.append(batch)
 
         async def send(statements: list[Any]) -> None:
+            batch = session.batch(statements)
             async with self._slots:
-                await session.execute(session.batch(statements))
+                await self._again(lambda: session.execute(batch))
 
         await asyncio.gather(*(send(batch) for batch in batches))

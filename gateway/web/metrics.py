@@ -242,6 +242,12 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
         "Roll-up worker passes that failed (retried; the marks stay in Cassandra).",
     ),
     (
+        "gateway_rollup_retries_total",
+        "rollup_retries",
+        "Roll-up worker reads and writes tried again after a timeout or an unavailable "
+        "node (each is idempotent; a minute's work is not started over for one).",
+    ),
+    (
         "gateway_spool_full_total",
         "spool_full_waits",
         "Times the spool reached spool.max_records or spool.max_bytes: acknowledgements "
