@@ -126,6 +126,14 @@ class Classifier:
         self._backfill_ms = int(config.sampling.backfill_after * 1000)
         self._filters = [tuple(f.split("/")) for f in self._matcher.subscriptions]
         self._stale_said = -STALE_SUBSCRIPTION_EVERY
+        # Per device, how many of its events are queued pending its quota
+        # (QUOTA_PENDING: the write loop decides them, Pipeline._settle_quota).
+        # A newer event of such a device is left pending behind them, so the
+        # sampler judges the device's events in the order they came. Decided
+        # at once, it was judged before them, and they, later, as late events
+        # against its newer state: a change back among them was taken for no
+        # change and sampled out. At most one entry per queued event.
+        self._pending: dict[tuple[str, str], int] = {}
 
     @property
     def sampler(self) -> Sampler:
@@ -211,13 +219,35 @@ class Classifier:
                 self._sampler.count_refused(tenant)
                 return self._over_quota(delivery, tenant, device)
             self._sampler.observe(tenant, device, event.state, event.write_ts)
-            return Item(delivery, event, None, _BACKFILL, admission is QUOTA_PENDING)
-        verdict = self._sampler.decide(
-            tenant, device, delivery.topic, event.state, event.metrics, event.write_ts, now
-        )
+            pending = admission is QUOTA_PENDING or (tenant, device) in self._pending
+            return self._queued(Item(delivery, event, None, _BACKFILL, pending))
+        if (tenant, device) in self._pending:
+            verdict = QUOTA_PENDING  # behind its events still pending, decided after them
+        else:
+            verdict = self._sampler.decide(
+                tenant, device, delivery.topic, event.state, event.metrics, event.write_ts, now
+            )
         if verdict is QUOTA_REFUSED:
             return self._over_quota(delivery, tenant, device)
-        return Item(delivery, event, None, verdict, verdict is QUOTA_PENDING)
+        return self._queued(Item(delivery, event, None, verdict, verdict is QUOTA_PENDING))
+
+    def _queued(self, item: Item) -> Item:
+        """Count an item pending its quota (see ``_pending``)."""
+        if item.quota_pending:
+            event = item.event
+            assert event is not None
+            key = (event.tenant, event.device_id)
+            self._pending[key] = self._pending.get(key, 0) + 1
+        return item
+
+    def settled(self, tenant: str, device_id: str) -> None:
+        """One pending event of the device was decided (Pipeline._settle_quota)."""
+        key = (tenant, device_id)
+        left = self._pending.get(key, 0) - 1
+        if left > 0:
+            self._pending[key] = left
+        else:
+            self._pending.pop(key, None)
 
     def _over_quota(self, delivery: Delivery, tenant: str, device: str) -> Item:
         """A device the quota refused within QUOTA_RECHECK: rejected, counted."""
@@ -249,6 +279,7 @@ class Pipeline:
         self._sampler = classifier.sampler
         self._max_states = config.pipeline.max_states_per_tenant
         self._classify = classifier.classify
+        self._classifier = classifier
         self._latest = latest
         self._rotation = rotation
         self._telemetry = telemetry
@@ -469,6 +500,7 @@ class Pipeline:
             event = item.event
             assert event is not None
             delivery = item.delivery
+            self._classifier.settled(event.tenant, event.device_id)
             if (event.tenant, event.device_id) in refused:
                 sampler.count_refused(event.tenant)
                 item.rejection = over_quota(delivery, event.tenant, event.device_id, self._stats)
