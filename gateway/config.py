@@ -827,6 +827,13 @@ class Config(_Model):
                 f"mqtt.receive_maximum ({self.mqtt.receive_maximum}): the broker may send "
                 "that many messages before the gateway acknowledges any"
             )
+        if self.mqtt.share_group is not None and self.sampling.enabled:
+            raise ValueError(
+                "mqtt.share_group needs sampling.enabled = false: each member of a share "
+                "group gets only part of a device's messages, so its sampler takes a change "
+                "back for no change (one member gets on, another off, the first on again) and "
+                "samples it out; in a share group noisy devices are stored whole"
+            )
         _no_partial_overlap(self.topics)
         longest = self.limits.max_topic_level_length
         for i, template in enumerate(self.topics):

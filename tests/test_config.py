@@ -762,13 +762,19 @@ def test_a_duration_too_large_for_a_float_is_a_config_error() -> None:
 
 
 def test_share_group(tmp_path: Path) -> None:
-    config = load_config(None, {"GATEWAY_MQTT__SHARE_GROUP": "gateways"})
+    config = load_config(
+        None, {"GATEWAY_MQTT__SHARE_GROUP": "gateways", "GATEWAY_SAMPLING__ENABLED": "false"}
+    )
     assert config.mqtt.subscription("a/+/b") == "$share/gateways/a/+/b"
     assert load_config(None, {}).mqtt.subscription("a/+/b") == "a/+/b"
     for bad in ("a/b", "a+", "#"):
         message = _error(env={"GATEWAY_MQTT__SHARE_GROUP": bad})
         assert "mqtt.share_group (from GATEWAY_MQTT__SHARE_GROUP)" in message
         assert "must not contain '/', '+' or '#'" in message
+    # Each member samples its share of a device's events alone: a change back
+    # another member saw the first half of looked like no change.
+    message = _error(env={"GATEWAY_MQTT__SHARE_GROUP": "gateways"})
+    assert "mqtt.share_group needs sampling.enabled = false" in message
 
 
 def test_no_topics_is_an_error(tmp_path: Path) -> None:

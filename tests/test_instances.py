@@ -170,7 +170,7 @@ async def test_share_group_members_leave_exact_state_counts(db: Database, tenant
     was in the same state skipped its deletes, not knowing the other had
     moved the device: /states counted all 21 in "alarm" as well as in "ok".
     In a share group every event writes its deletes."""
-    env = {"GATEWAY_MQTT__SHARE_GROUP": f"g{tenant}"}
+    env = {"GATEWAY_MQTT__SHARE_GROUP": f"g{tenant}", "GATEWAY_SAMPLING__ENABLED": "false"}
     devices = [f"d{i:02d}" for i in range(21)]
     t0 = 1_790_000_000_000
     async with (
@@ -221,6 +221,7 @@ async def test_a_late_event_in_a_share_group_loses_to_another_members_newer_writ
     members, so each message goes to the member the test means."""
     env = {
         "GATEWAY_MQTT__SHARE_GROUP": f"g{tenant}",
+        "GATEWAY_SAMPLING__ENABLED": "false",
         "GATEWAY_PIPELINE__ROTATE_AFTER_DELETES": "5",
         "GATEWAY_PIPELINE__ROTATION_WAIT": "0.5",
     }
@@ -288,7 +289,11 @@ async def test_an_untimed_redelivery_in_a_share_group_does_not_beat_another_memb
     Mosquitto deals a group's messages to its members in turn: a filler
     message tells whose turn it is, and a setup dealt otherwise is retried
     with another lamp."""
-    group = {"GATEWAY_MQTT__SHARE_GROUP": f"g{tenant}", "GATEWAY_TOPICS": _own_topics(tenant)}
+    group = {
+        "GATEWAY_MQTT__SHARE_GROUP": f"g{tenant}",
+        "GATEWAY_SAMPLING__ENABLED": "false",
+        "GATEWAY_TOPICS": _own_topics(tenant),
+    }
     a = gateway_process(**group)
     await asyncio.to_thread(a.start)
     t0 = int(time.time() * 1000) - 60_000
@@ -350,7 +355,10 @@ async def test_a_share_group_member_reads_its_devices_for_every_chunk_a_sole_wri
     device, a share-group member one per chunk."""
     devices = [f"d{i}" for i in range(5)]
     reads: list[int] = []
-    for env in ({}, {"GATEWAY_MQTT__SHARE_GROUP": f"g{tenant}"}):
+    for env in (
+        {},
+        {"GATEWAY_MQTT__SHARE_GROUP": f"g{tenant}", "GATEWAY_SAMPLING__ENABLED": "false"},
+    ):
         mine = f"{tenant}{len(reads)}"
         config = make_config(**env, GATEWAY_TOPICS=_own_topics(mine))
         async with running_gateway(config) as gw:

@@ -227,6 +227,45 @@ def test_state_changes_of_a_noisy_device_always_kept() -> None:
     assert changes > 100
 
 
+def test_a_late_event_within_bounds_does_not_hide_the_return_from_beyond() -> None:
+    """The rule's memory of "beyond" was overwritten by every event, a late
+    one too: a late value within bounds cleared it, and the newer, real
+    return within bounds was then sampled out as ordinary."""
+    clock = FakeClock()
+    sampler = _sampler(clock, important=[{"metric": "temperature", "above": 80.0}])
+    _make_noisy(sampler, clock, metrics={"temperature": 20.0})
+    base = 10**12
+
+    def send(ts: int, temperature: float) -> str:
+        clock.now += 0.004
+        topic = _topic(TENANT, "d1")
+        return sampler.decide(TENANT, "d1", topic, "on", {"temperature": temperature}, ts).reason
+
+    assert send(base + 100, 90.0) == "important"
+    assert send(base + 110, 91.0) == "important"
+    send(base + 50, 20.0)  # late: from before the crossing
+    assert send(base + 120, 20.0) == "important"  # the return within bounds
+    assert send(base + 130, 20.0) == "sampled"
+
+
+def test_an_important_rule_on_value_reads_the_events_value() -> None:
+    """A payload's numeric ``value`` is not among its metrics: a rule on
+    metric "value" was accepted and never matched."""
+    clock = FakeClock()
+    sampler = _sampler(clock, important=[{"metric": "value", "above": 80.0}])
+    _make_noisy(sampler, clock)
+
+    def send(top: float, metrics: dict[str, float] | None = None) -> str:
+        clock.now += 0.004
+        topic = _topic(TENANT, "d1")
+        return sampler.decide(TENANT, "d1", topic, "on", metrics or {}, None, None, top).reason
+
+    assert send(20.0) == "sampled"
+    assert send(99.0) == "important"
+    assert send(20.0) == "important"  # back within bounds
+    assert send(99.0, {"value": 10.0}) == "sampled"  # a metric of that name comes first
+
+
 def test_important_rules_keep_beyond_and_back() -> None:
     clock = FakeClock()
     rules = [{"metric": "temperature", "above": 80.0}, {"metric": "pressure", "below": 1.5}]

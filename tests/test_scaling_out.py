@@ -106,7 +106,11 @@ async def test_two_shards_one_killed_the_other_unaffected_nothing_lost(
 
 async def test_a_share_group_splits_the_messages_between_members(db: Database, tenant: str) -> None:
     """mqtt.share_group: each message reaches one member; together they get all."""
-    shard = {"GATEWAY_TOPICS": _shard(tenant), "GATEWAY_MQTT__SHARE_GROUP": f"g{tenant}"}
+    shard = {
+        "GATEWAY_TOPICS": _shard(tenant),
+        "GATEWAY_MQTT__SHARE_GROUP": f"g{tenant}",
+        "GATEWAY_SAMPLING__ENABLED": "false",
+    }
     count = 60
     messages = [
         (topic(tenant, f"d{i % DEVICES}"), orjson.dumps({"ts": 1_790_000_000_000 + i, "value": i}))

@@ -225,7 +225,14 @@ class Classifier:
             verdict = QUOTA_PENDING  # behind its events still pending, decided after them
         else:
             verdict = self._sampler.decide(
-                tenant, device, delivery.topic, event.state, event.metrics, event.write_ts, now
+                tenant,
+                device,
+                delivery.topic,
+                event.state,
+                event.metrics,
+                event.write_ts,
+                now,
+                event.value_num,
             )
         if verdict is QUOTA_REFUSED:
             return self._over_quota(delivery, tenant, device)
@@ -514,6 +521,7 @@ class Pipeline:
                     event.metrics,
                     event.write_ts,
                     delivery.received_ms / 1000,
+                    event.value_num,
                 )
 
     async def _write_chunk(self, chunk: list[Item]) -> None:

@@ -112,6 +112,9 @@ class NoisyDevice:
 _NORMAL = Verdict(True, True, "normal")
 _STATE_CHANGE = Verdict(True, True, "state_change")
 _TRANSITION = Verdict(True, True, "transition")
+# A payload's top-level numeric value, as a metric's name (store/rollups.py's
+# VALUE_METRIC; the roll-ups and metadata call it so too).
+VALUE = "value"
 _IMPORTANT = Verdict(True, True, "important")
 QUOTA_PENDING = Verdict(True, True, "quota_pending")
 QUOTA_REFUSED = Verdict(False, False, "quota")
@@ -359,6 +362,7 @@ class Sampler:
         metrics: Mapping[str, float],
         ts: int | None = None,
         now: float | None = None,
+        value: float | None = None,
     ) -> Verdict:
         """The verdict for one event of ``device_id``, published on ``topic``.
 
@@ -366,7 +370,10 @@ class Sampler:
         event older than the device's newest is late, cannot change the latest
         tables, and is never taken for a state change (None: events in arrival
         order). ``now`` is when the
-        message arrived (seconds); the clock's time when None.
+        message arrived (seconds); the clock's time when None. ``value`` is
+        the event's numeric ``value``: a rule on metric "value" reads it when
+        ``metrics`` has none of that name, as roll-ups do (a rule on it was
+        accepted, and never matched a device that sends only ``value``).
         """
         if now is None:
             now = self._clock()
@@ -471,15 +478,21 @@ class Sampler:
             old = dev.beyond
             new = 0
             for metric, above, below, bit in rules:
-                value = metrics.get(metric)
-                if value is None:
+                reading = metrics.get(metric)
+                if reading is None and metric == VALUE:
+                    reading = value
+                if reading is None:
                     new |= old & bit  # not reported: nothing crossed
-                elif value > above or value < below:
+                elif reading > above or reading < below:
                     new |= bit
                     important = True
                 elif old & bit:
                     important = True  # back within bounds: the crossing is kept too
-            dev.beyond = new
+            if not late:
+                # Only the newest event says where the device is now: a late
+                # one within bounds cleared the mark, and the real return,
+                # newer, was then sampled out as ordinary.
+                dev.beyond = new
 
         if transition:
             verdict = _TRANSITION
