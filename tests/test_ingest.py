@@ -555,7 +555,7 @@ def test_a_partition_index_entry_is_written_again_before_it_expires(
     TTL from that write: a gateway up longer than the TTL that wrote a late
     row into the same partition left that row unfindable (history and the
     roll-ups read partitions through the index; probe of the roll-ups). It is
-    written again once half the TTL has passed."""
+    written again for a row that comes a bucket or more after it."""
     clock = [1000.0]
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     config = make_config(GATEWAY_TENANTS__DEFAULT__ADAPTIVE_BUCKETS="false")  # one bucket size
@@ -571,10 +571,17 @@ def test_a_partition_index_entry_is_written_again_before_it_expires(
     ttl = config.tenant("t").ttl
     base = 1_790_000_000_000
     assert index_writes(base) == 1
-    clock[0] += ttl / 2 - 1
-    assert index_writes(base + 1) == 0  # remembered
+    bucket = config.tenant("t").telemetry_bucket  # 1 h, under half the TTL (15 days)
+    clock[0] += bucket - 1
+    assert index_writes(base + 1) == 0  # remembered: a live partition's rows
     clock[0] += 2
-    assert index_writes(base + 2) == 1  # half the TTL on: written again, with a fresh TTL
+    # A bucket on, a late row of that partition lives its TTL from now: the
+    # entry is written again for it (at half the TTL, it outlived its entry
+    # by up to 15 days, unfindable).
+    assert index_writes(base + 2) == 1
+    clock[0] += bucket + 1
+    assert index_writes(base + 3) == 1
+    assert ttl / 2 > 2 * bucket
 
 
 # Every cache app.py registers (their caches()), as named on /metrics.

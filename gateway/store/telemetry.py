@@ -22,8 +22,9 @@ partition and readers drop it: they de-duplicate by (ts, event_id)).
 The memory of already-indexed partitions is an LRU of
 ``pipeline.partition_cache_size`` entries (forgetting one costs one idempotent
 index write), each with the time its entry was written: an entry is written
-again once half the TTL has passed, so it never expires under rows written
-later; the shard counts are an LRU of the same size.
+again for a row that comes a bucket or more after it (or half the TTL, if
+that is less), so it never expires under rows written later; the shard
+counts are an LRU of the same size.
 """
 
 from __future__ import annotations
@@ -166,11 +167,15 @@ class Telemetry:
         indexed = (*key, bucket_seconds)
         written_at = self._indexed.get(indexed)
         now = time.monotonic()
-        if written_at is None or now - written_at >= ttl / 2:
+        if written_at is None or now - written_at >= min(bucket_seconds, ttl / 2):
             # The index entry outlives the data it points to by one bucket,
-            # counted from its own write: written again once half the TTL has
-            # passed, a late row into an old partition stays findable (it was
-            # written once per run, and expired under a gateway up longer).
+            # counted from its own write. A live partition's rows all come
+            # within that bucket; a row written later (back-fill, a late
+            # delivery) lives its TTL from its own write, so the entry is
+            # written again for it (without, that row outlived its entry by
+            # up to half the TTL, unfindable: history and the roll-ups read
+            # partitions through the index). Written once per run, it had
+            # expired under a gateway up longer than the TTL.
             out.append(
                 Write(
                     ("partitions", event.tenant, event.device_id),
