@@ -744,7 +744,9 @@ class SamplingConfig(_Model):
     # an outage): they bypass sampling and the tenant rate and are all kept
     # (within the device quota), so a burst of old events never makes a device
     # look noisy. The ingest stage applies it.
-    backfill_after: Seconds = 30.0
+    # At least 1 s: at 0 every event with a timestamp (all but the newest
+    # millisecond) was back-fill, so nothing was sampled nor held to max_rate.
+    backfill_after: Annotated[Seconds, Field(ge=1)] = 30.0
     max_devices: int = Field(default=100_000, ge=1, le=10_000_000)
     # Tenants without a section of their own that are tracked at once (LRU).
     max_tenants: int = Field(default=10_000, ge=1, le=10_000_000)

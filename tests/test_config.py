@@ -235,6 +235,11 @@ def test_a_tenant_section_changes_only_what_it_sets(tmp_path: Path) -> None:
             "expected a size such as 65536, '64KiB' or '1GiB'",
         ),
         (
+            {"GATEWAY_SAMPLING__BACKFILL_AFTER": "0s"},
+            "sampling.backfill_after (from GATEWAY_SAMPLING__BACKFILL_AFTER): must be at least "
+            "1s (got '0s')",
+        ),
+        (
             {"GATEWAY_PIPELINE__LINGER": "1500ms"},
             "pipeline.linger (from GATEWAY_PIPELINE__LINGER): must be at most 1s (got '1500ms')",
         ),
