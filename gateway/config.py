@@ -779,7 +779,8 @@ class SamplingConfig(_Model):
                     f"tenants.{name}.noisy_above ({section.noisy_above}) must be above "
                     f"quiet_below ({q})"
                 )
-            if section.burst is not None and section.max_rate is None:
+            if section.burst is not None and "max_rate" not in section.model_fields_set:
+                # A max_rate of 0 (off for this tenant) leaves an inherited burst unused.
                 raise ValueError(f"tenants.{name}.burst is set but max_rate is not")
         for i, override in enumerate(self.overrides):
             if override.noisy_above is not None and override.noisy_above <= q:

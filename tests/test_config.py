@@ -150,6 +150,9 @@ def test_a_tenant_section_changes_only_what_it_sets(tmp_path: Path) -> None:
     path = _write(
         tmp_path,
         "[sampling.tenants.default]\nmax_devices_per_tenant = 1000\nmax_rate = 50.0\n"
+        # A burst there too: 0 turned max_rate off for free, and the burst it
+        # inherited was refused ("burst is set but max_rate is not").
+        "burst = 200\n"
         '[sampling.tenants.acme]\nnoisy_for = "0s"\nmax_rate = 5.0\n'
         "[sampling.tenants.free]\nmax_devices_per_tenant = 0\nmax_rate = 0\n"
         '[tenants.default]\nttl = "90d"\nstate_buckets = 4\n'
