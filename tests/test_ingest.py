@@ -36,9 +36,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.config import LimitsConfig
 from gateway.identity import event_identity, state_bucket
 from gateway.ingest.decode import Decoder
+from gateway.lru import LRU
 from gateway.stats import Stats
 from gateway.store import telemetry as telemetry_module
 from gateway.store.database import Database
+from gateway.store.hot import HotPartitions
 from gateway.store.sink import Pending
 from gateway.store.write_session import Prepared
 
@@ -633,3 +635,40 @@ async def test_every_cache_shows_its_entries_bound_and_evictions_on_metrics(tena
     assert entries["latest_newest"] >= 150  # not forgotten: the default bound is 100,000
     for name in CACHES - {"sampler_quota_admitted"}:  # no tenant has a device quota
         assert 0 <= entries[name] <= capacity[name], name
+
+
+def test_a_device_split_in_two_stays_split_while_its_halves_are_warm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hot device is split over two shards; the window after, neither
+    half was over the threshold, so it was halved back to one, hot again,
+    split again: a new shard count and a warning every other window, and two
+    thirds of its rows in one shard. A split device now stays split while a
+    half is over half the threshold."""
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    config = make_config()
+    writer = telemetry_module.Telemetry(config)
+    hot = HotPartitions(
+        10.0,
+        100,
+        1000,
+        Stats(),
+        on_hot=writer.mark_hot,
+        on_window=writer.window_ended,
+    )
+    shards = writer.caches()["telemetry_shards"]
+    assert isinstance(shards, LRU)
+
+    def window(per_shard: list[int]) -> int | None:
+        """One window of writes to the device's shards; its shard count after."""
+        for shard, writes in enumerate(per_shard):
+            hot.count([("telemetry", "t", "d", 0, shard)] * writes)
+        clock[0] += 10.0
+        hot.count([])  # the next window begins
+        return shards.peek(("t", "d"))
+
+    assert window([150]) == 2  # hot: split
+    assert window([75, 75]) == 2  # each half over 50: it stays split
+    assert window([75, 75]) == 2
+    assert window([40, 40]) is None  # cool: one partition again

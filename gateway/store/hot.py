@@ -3,8 +3,10 @@
 The sink counts every write here. A partition over the threshold in a window
 is logged once, counted (``Stats.hot_partitions``, by table), and reported to
 ``on_hot``; at each window's end ``on_window`` gets the partitions that were
-hot in it (the raw-telemetry writer uses both to shard hot devices). Both
-callbacks are given at construction.
+warm in it, over half the threshold (the raw-telemetry writer uses both to
+shard hot devices: a device split in two whose halves are warm would be hot
+again in one, so it stays split; told only the hot ones, it was halved and
+split again every other window). Both callbacks are given at construction.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ class HotPartitions:
 
     A partition over ``threshold`` writes in a window is logged once for that
     window, counted, and reported to ``on_hot``; at the end of each window
-    ``on_window`` gets the set of partitions that were hot in it. At most
+    ``on_window`` gets the set of partitions over half the threshold in it. At most
     ``max_tracked`` partitions are counted per window; writes to others are
     counted in ``Stats.untracked_writes`` only.
     """
@@ -43,7 +45,6 @@ class HotPartitions:
         self._max = max_tracked
         self._stats = stats
         self._counts: dict[Hashable, int] = {}
-        self._hot: set[Hashable] = set()
         self._started = time.monotonic()
         self._on_hot = on_hot
         self._on_window = on_window
@@ -53,10 +54,11 @@ class HotPartitions:
         the sink counts a chunk's writes in one call."""
         now = time.monotonic()
         if now - self._started >= self._window:
-            hot, self._hot = self._hot, set()
+            half = self._threshold / 2
+            warm = {key for key, n in self._counts.items() if n > half}
             self._counts.clear()
             self._started = now
-            self._on_window(hot)
+            self._on_window(warm)
         counts = self._counts
         threshold, most = self._threshold, self._max
         for key in keys:
@@ -72,7 +74,6 @@ class HotPartitions:
                 self._went_hot(key)
 
     def _went_hot(self, key: Hashable) -> None:
-        self._hot.add(key)
         self._stats.hot_partitions += 1
         table = str(key[0]) if isinstance(key, tuple) else "?"
         self._stats.hot_by_table.add(table)

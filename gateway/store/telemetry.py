@@ -124,10 +124,12 @@ class Telemetry:
                 self._shards.put(device, shards)
                 log.info("device %s/%s: raw telemetry split over %d shards", *device, shards)
 
-    def window_ended(self, hot: set[Hashable]) -> None:
-        """Sink callback: devices that were not hot in the last window cool down."""
-        hot_devices = {(p[1], p[2]) for p in hot if isinstance(p, tuple) and p[0] == "telemetry"}
-        for device, shards in [(d, k) for d, k in self._shards.items() if d not in hot_devices]:
+    def window_ended(self, warm: set[Hashable]) -> None:
+        """Sink callback: devices none of whose partitions was warm (over half
+        the hot threshold) in the last window cool down: halving their shards
+        keeps each under it."""
+        warm_devices = {(p[1], p[2]) for p in warm if isinstance(p, tuple) and p[0] == "telemetry"}
+        for device, shards in [(d, k) for d, k in self._shards.items() if d not in warm_devices]:
             if shards > 2:
                 self._shards.put(device, shards // 2)
             else:
