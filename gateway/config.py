@@ -830,13 +830,25 @@ class Config(_Model):
                 f"mqtt.receive_maximum ({self.mqtt.receive_maximum}): the broker may send "
                 "that many messages before the gateway acknowledges any"
             )
-        if self.mqtt.share_group is not None and self.sampling.enabled:
-            raise ValueError(
-                "mqtt.share_group needs sampling.enabled = false: each member of a share "
-                "group gets only part of a device's messages, so its sampler takes a change "
-                "back for no change (one member gets on, another off, the first on again) and "
-                "samples it out; in a share group noisy devices are stored whole"
-            )
+        if self.mqtt.share_group is not None:
+            # Each member of a share group gets only part of a device's
+            # messages, so it takes a change back for no change (one member
+            # gets on, another off, the first on again): the sampler would
+            # sample it out, and a tenant's rate limit drop it.
+            if self.sampling.enabled:
+                raise ValueError(
+                    "mqtt.share_group needs sampling.enabled = false: a member sees only part "
+                    "of a device's messages, so it cannot tell a state change (on, off, on "
+                    "looked like no change to the member that got both ons) and sampled it "
+                    "out; in a share group noisy devices are stored whole"
+                )
+            limited = sorted(n for n, t in self.sampling.tenants.items() if t.max_rate)
+            if limited:
+                raise ValueError(
+                    f"mqtt.share_group cannot go with a tenant's max_rate (sampling.tenants."
+                    f"{limited[0]}.max_rate): a member sees only part of a device's messages, "
+                    "so it cannot tell a state change, and the rate limit would drop one"
+                )
         _no_partial_overlap(self.topics)
         longest = self.limits.max_topic_level_length
         for i, template in enumerate(self.topics):

@@ -783,6 +783,15 @@ def test_share_group(tmp_path: Path) -> None:
     # another member saw the first half of looked like no change.
     message = _error(env={"GATEWAY_MQTT__SHARE_GROUP": "gateways"})
     assert "mqtt.share_group needs sampling.enabled = false" in message
+    # A tenant's rate limit, inherited from the default section too, drops such a change.
+    message = _error(
+        env={
+            "GATEWAY_MQTT__SHARE_GROUP": "gateways",
+            "GATEWAY_SAMPLING__ENABLED": "false",
+            "GATEWAY_SAMPLING__TENANTS": "{default = {max_rate = 100}, acme = {noisy_for = 1}}",
+        }
+    )
+    assert "cannot go with a tenant's max_rate (sampling.tenants.acme.max_rate)" in message
 
 
 def test_no_topics_is_an_error(tmp_path: Path) -> None:

@@ -126,14 +126,15 @@ class Classifier:
         self._backfill_ms = int(config.sampling.backfill_after * 1000)
         self._filters = [tuple(f.split("/")) for f in self._matcher.subscriptions]
         self._stale_said = -STALE_SUBSCRIPTION_EVERY
-        # Per device, how many of its events are queued pending its quota
-        # (QUOTA_PENDING: the write loop decides them, Pipeline._settle_quota).
+        # Per device, its queued events pending its quota, in queue order
+        # (QUOTA_PENDING: the write loop settles the device when the first
+        # of them comes, and decides them all then: Pipeline._settle_quota).
         # A newer event of such a device is left pending behind them, so the
         # sampler judges the device's events in the order they came. Decided
         # at once, it was judged before them, and they, later, as late events
         # against its newer state: a change back among them was taken for no
-        # change and sampled out. At most one entry per queued event.
-        self._pending: dict[tuple[str, str], int] = {}
+        # change and sampled out. Holds only queued events.
+        self._pending: dict[tuple[str, str], list[Item]] = {}
 
     @property
     def sampler(self) -> Sampler:
@@ -219,9 +220,11 @@ class Classifier:
                 self._sampler.count_refused(tenant)
                 return self._over_quota(delivery, tenant, device)
             self._sampler.observe(tenant, device, event.state, event.write_ts)
-            pending = admission is QUOTA_PENDING or (tenant, device) in self._pending
-            return self._queued(Item(delivery, event, None, _BACKFILL, pending))
-        if (tenant, device) in self._pending:
+            behind = bool(self._pending) and (tenant, device) in self._pending
+            return self._queued(
+                Item(delivery, event, None, _BACKFILL, admission is QUOTA_PENDING or behind)
+            )
+        if self._pending and (tenant, device) in self._pending:
             verdict = QUOTA_PENDING  # behind its events still pending, decided after them
         else:
             verdict = self._sampler.decide(
@@ -239,22 +242,17 @@ class Classifier:
         return self._queued(Item(delivery, event, None, verdict, verdict is QUOTA_PENDING))
 
     def _queued(self, item: Item) -> Item:
-        """Count an item pending its quota (see ``_pending``)."""
+        """Keep an item pending its quota with its device's (``_pending``)."""
         if item.quota_pending:
             event = item.event
             assert event is not None
-            key = (event.tenant, event.device_id)
-            self._pending[key] = self._pending.get(key, 0) + 1
+            self._pending.setdefault((event.tenant, event.device_id), []).append(item)
         return item
 
-    def settled(self, tenant: str, device_id: str) -> None:
-        """One pending event of the device was decided (Pipeline._settle_quota)."""
-        key = (tenant, device_id)
-        left = self._pending.get(key, 0) - 1
-        if left > 0:
-            self._pending[key] = left
-        else:
-            self._pending.pop(key, None)
+    def take_pending(self, key: tuple[str, str]) -> list[Item]:
+        """The device's items pending its quota, oldest first, to be decided
+        now (Pipeline._settle_quota): its next events are decided as they come."""
+        return self._pending.pop(key, [])
 
     def _over_quota(self, delivery: Delivery, tenant: str, device: str) -> Item:
         """A device the quota refused within QUOTA_RECHECK: rejected, counted."""
@@ -503,26 +501,40 @@ class Pipeline:
             for key in wanted:
                 sampler.settled(*key, admitted=key not in settled)
             refused |= settled
+        # Every pending event of these devices, this chunk's and those still
+        # queued behind it, in order: left for their own chunks, they kept the
+        # devices' newer events pending too for as long as a backlog lasted,
+        # out of the cross-chunk coalescing (_note_queued).
+        in_chunk = {id(item) for item in pending}
+        keys: dict[tuple[str, str], None] = {}
         for item in pending:
             event = item.event
             assert event is not None
-            delivery = item.delivery
-            self._classifier.settled(event.tenant, event.device_id)
-            if (event.tenant, event.device_id) in refused:
-                sampler.count_refused(event.tenant)
-                item.rejection = over_quota(delivery, event.tenant, event.device_id, self._stats)
-                item.event = None
-            elif item.verdict is QUOTA_PENDING:  # back-fill keeps its own
-                item.verdict = sampler.decide(
-                    event.tenant,
-                    event.device_id,
-                    delivery.topic,
-                    event.state,
-                    event.metrics,
-                    event.write_ts,
-                    delivery.received_ms / 1000,
-                    event.value_num,
-                )
+            keys[(event.tenant, event.device_id)] = None
+        for key in keys:
+            for item in self._classifier.take_pending(key):
+                event = item.event
+                assert event is not None
+                delivery = item.delivery
+                item.quota_pending = False
+                if key in refused:
+                    sampler.count_refused(event.tenant)
+                    item.rejection = over_quota(delivery, *key, self._stats)
+                    item.event = None
+                    continue
+                if item.verdict is QUOTA_PENDING:  # back-fill keeps its own
+                    item.verdict = sampler.decide(
+                        event.tenant,
+                        event.device_id,
+                        delivery.topic,
+                        event.state,
+                        event.metrics,
+                        event.write_ts,
+                        delivery.received_ms / 1000,
+                        event.value_num,
+                    )
+                if id(item) not in in_chunk:
+                    self._note_queued(item)  # still queued: now a later event like any
 
     async def _write_chunk(self, chunk: list[Item]) -> None:
         await self._settle_quota(chunk)

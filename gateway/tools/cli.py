@@ -506,8 +506,9 @@ def _time_arg(name: str, text: str | None, default: datetime) -> datetime:
 
 
 # What `gateway init --edge` changes in the example config: the spool on
-# (README, "Running on an edge host": what it costs, and why it is worth it
-# there), and the spool and tokens in the service unit's StateDirectory.
+# (README, "Running on an edge host", why it is worth it there; what it costs:
+# bench/PERFORMANCE.md, "The edge spool: what it costs"), and the spool and
+# tokens in the service unit's StateDirectory.
 EDGE_HEADER = (
     "# Edge profile (`gateway init --edge`): the example config with the spool on\n"
     "# and the state in /var/lib/gateway (deploy/systemd/gateway.service).\n"
