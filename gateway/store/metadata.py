@@ -328,6 +328,7 @@ class Metadata:
         """The rows of the event's entries that ``chunk`` (the decisions) lets in."""
         out: list[Write] = []
         seen, stats = self._seen, self._stats
+        decided = True
         for entry in entries(event):
             verdict = chunk.get(entry)
             if verdict is None:
@@ -341,8 +342,14 @@ class Metadata:
             else:
                 stats.metadata_capped += 1
                 stats.metadata_capped_by_tenant.add(entry[1])
-                self._say_capped(entry[1])
-        self._remember_shape(event)
+                if self._at_cap(entry[1]):
+                    self._say_capped(entry[1])
+                else:
+                    # Not the cap: reservations lost to other instances, every
+                    # try (Reservations.MAX_ATTEMPTS). Tried again next time.
+                    decided = False
+        if decided:
+            self._remember_shape(event)
         return out
 
     def _say_capped(self, tenant: str) -> None:
