@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from gateway.aio import backoff
+from gateway.aio import all_or_none, backoff
 from gateway.errors import GatewayError
 from gateway.stats import Stats
 from gateway.store import rotate
@@ -113,3 +113,30 @@ async def test_a_failing_rotation_announcement_backs_off_off_the_write_path() ->
         assert len(calls) == 3, calls
     finally:
         runner.cancel()
+
+
+async def test_all_or_none_cancels_the_others_at_the_first_failure() -> None:
+    """The roll-up worker's requests, each retried with backoff: with gather,
+    when one gave up the others went on retrying after the pass had failed,
+    overlapping the next pass. The first failure is raised as itself."""
+    cancelled: list[int] = []
+
+    async def request(n: int) -> int:
+        try:
+            await asyncio.sleep(0.01 if n == 0 else 10)
+        except asyncio.CancelledError:
+            cancelled.append(n)
+            raise
+        raise TimeoutError(f"request {n} timed out")
+
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="request 0 timed out"):
+        await all_or_none([request(n) for n in range(3)])
+    assert sorted(cancelled) == [1, 2]
+    assert time.monotonic() - started < 5
+
+    async def value(n: int) -> int:
+        await asyncio.sleep(0.01 * (3 - n))
+        return n
+
+    assert await all_or_none([value(n) for n in range(3)]) == [0, 1, 2]

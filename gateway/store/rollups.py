@@ -78,7 +78,7 @@ import math
 import random
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from fractions import Fraction
@@ -88,7 +88,7 @@ from typing import Any, TypeVar
 import orjson
 from mypy_extensions import mypyc_attr
 
-from ..aio import backoff, gather_all
+from ..aio import all_or_none, backoff, gather_all
 from ..config import MAX_BUCKET_SECONDS, Config
 from ..event import Event
 from ..lru import LRU
@@ -403,7 +403,7 @@ class RollupWorker:
         session = self._session
         return await session.execute(session.bind(prepared, values))
 
-    def _read(self, prepared: Prepared, values: tuple[Any, ...]) -> Awaitable[Rows]:
+    def _read(self, prepared: Prepared, values: tuple[Any, ...]) -> Coroutine[Any, Any, Rows]:
         return self._again(lambda: self._session.read(prepared, values))
 
     async def _again(self, request: Callable[[], Awaitable[T]]) -> T:
@@ -503,8 +503,8 @@ class RollupWorker:
     async def process_minute(self, minute_ms: int, spread: float = 0.0) -> None:
         """Recompute every window marked in ``minute_ms``, then their hours,
         spread over ``spread`` seconds (:meth:`recompute`)."""
-        parts = await asyncio.gather(
-            *(self._read(self._read_marks, (minute_ms, s)) for s in range(MARK_SHARDS))
+        parts = await all_or_none(
+            [self._read(self._read_marks, (minute_ms, s)) for s in range(MARK_SHARDS)]
         )
         windows = {(r["tenant"], r["device_id"], r["window_ms"]) for rows in parts for r in rows}
         await self.recompute(windows, spread)
@@ -582,7 +582,7 @@ class RollupWorker:
             for key, devices in groups.items()
             for first in range(0, len(devices), READ_IN)
         ]
-        answers = await asyncio.gather(*reads)
+        answers = await all_or_none(reads)
         return [row for rows in answers for row in rows]
 
     async def _raw(self, windows: list[Window]) -> dict[Window, RawRows]:
@@ -788,4 +788,4 @@ class RollupWorker:
             async with self._slots:
                 await self._again(lambda: session.execute(batch))
 
-        await asyncio.gather(*(send(batch) for batch in batches))
+        await all_or_none([send(batch) for batch in batches])
