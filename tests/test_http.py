@@ -12,6 +12,7 @@ import gc
 import json
 import logging
 import math
+import re
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
@@ -27,10 +28,14 @@ from gateway.stats import LabelledCounts, Stats
 from gateway.web.metrics import (
     METRICS_CONTENT_TYPE,
     SERIES_DROPPED,
+    HttpCollector,
+    HttpStats,
     NoisyRate,
     gateway_registry,
 )
 from gateway.web.server import AddRoutes, Limits, Listening, build_app, http_log, serve
+
+from .helpers import ROOT
 
 HOST = "127.0.0.1"
 WAIT = 5.0  # upper bound for any single wait in these tests
@@ -836,3 +841,31 @@ async def test_a_token_in_a_bad_header_line_never_reaches_the_log(
         http_log.error("Error handling request %s", id(error), exc_info=error)
     assert "gwt_c93019ae_..." in caplog.text  # logged, naming the token's public id
     assert "S3cr3t" not in caplog.text
+
+
+class _QuietSpool:
+    depth = 0
+    bytes = 0
+    deleted = 0
+    disk_full_since: float | None = None
+    full = False
+
+    def oldest_age(self) -> float:
+        return 0.0
+
+
+def test_the_readmes_metrics_reference_lists_every_family() -> None:
+    """The README's table of /metrics against what the gateway registers (a
+    name gone or added without the table following fails here)."""
+    registry = gateway_registry(Stats(), noisy=list, spool=_QuietSpool())
+    families = [*registry.collect(), *HttpCollector(HttpStats()).collect()]
+    served = {
+        f.name + ("_total" if f.type == "counter" else "")
+        for f in families
+        if not f.name.startswith(("process_", "python_"))
+    }
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("## Metrics reference", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `(gateway_[a-z0-9_]+)` \|", table, re.MULTILINE))
+    assert served - listed == set(), "registered, not in the README's table"
+    assert listed - served == set(), "in the README's table, not registered"
