@@ -260,6 +260,40 @@ async def test_two_instances_on_one_tenant_stay_within_its_cap(db: Database, ten
     assert written - 2 <= await _stored(db, tenant, 2 * n) <= written
 
 
+async def test_a_drifted_entry_count_is_recounted_from_the_tables(
+    db: Database, tenant: str
+) -> None:
+    """The count only ever errs high (a compare-and-set retried after a
+    timeout it had applied, a crash between the count and the rows), and a
+    tenant then reached its cap with fewer entries than it: there was no way
+    back but CQL by hand. `gateway meta count --recount` sets it to what the
+    tables hold."""
+    messages = [(topic(tenant, f"d{i}"), event({"floor": str(i)})) for i in range(3)]
+    async with running_gateway(make_config(GATEWAY_TOPICS=TOPICS)) as gw:
+        await publish(messages)
+        await gw.wait_handled(len(messages))
+    # value, floor, 3 values of floor, 3 (value, device) pairs
+    assert await queries.meta_entry_count(db, tenant) == 8
+    await db.execute(
+        f"UPDATE {db.keyspace}.meta_entry_counts SET reserved = 20 WHERE tenant = %s", (tenant,)
+    )
+    result = run_cli("meta", "count", "--tenant", tenant, "--recount", "--json")
+    assert result.returncode == 0, result.stderr
+    assert orjson.loads(result.stdout) == {
+        "tenant": tenant,
+        "recounted": {"before": 20, "after": 8},
+        "entries": 8,
+        "cap": 10_000,
+    }
+    assert "meta count: 3 of 3 tag values counted" in result.stderr
+    assert await queries.meta_entry_count(db, tenant) == 8
+    # Its row deleted by hand: raised to the entries again.
+    await db.execute(f"DELETE FROM {db.keyspace}.meta_entry_counts WHERE tenant = %s", (tenant,))
+    result = run_cli("meta", "count", "--tenant", tenant, "--recount")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("recounted: 0 -> 8\n8 of 10000"), result.stdout
+
+
 async def test_past_the_cache_bound_an_entry_is_read_again_not_written_or_counted(
     db: Database, tenant: str
 ) -> None:

@@ -20,7 +20,7 @@ import itertools
 import logging
 import re
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
@@ -936,6 +936,42 @@ async def quota_listed(db: Database, tenant: str, buckets: int) -> int | None:
     except (OperationTimedOut, ReadTimeout):
         return None
     return sum(int(rows[0].n) for rows in answers)
+
+
+# Partitions of meta_tag_devices counted at once by meta_entries.
+COUNT_AT_ONCE = 32
+
+
+async def meta_entries(db: Database, tenant: str, progress: Callable[[int, int], None]) -> int:
+    """The tenant's metadata entries as the four tables hold them: metric
+    names, tag keys, tag values, and (tag value, device) pairs. One read per
+    table and tag key, one per tag value (COUNT_AT_ONCE at once);
+    ``progress(done, of)`` is told as tag values are counted."""
+    ks = db.keyspace
+    metrics = await db.prepared(f"SELECT COUNT(*) AS n FROM {ks}.meta_metrics WHERE tenant = ?")
+    keys = await db.prepared(f"SELECT tag_key FROM {ks}.meta_tag_keys WHERE tenant = ?")
+    values = await db.prepared(
+        f"SELECT tag_value FROM {ks}.meta_tag_values WHERE tenant = ? AND tag_key = ?"
+    )
+    devices = await db.prepared(
+        f"SELECT COUNT(*) AS n FROM {ks}.meta_tag_devices "
+        "WHERE tenant = ? AND tag_key = ? AND tag_value = ?"
+    )
+    total = int((await db.execute(metrics, (tenant,)))[0].n)
+    tag_keys = [r.tag_key for r in await db.execute(keys, (tenant,))]
+    pairs = [
+        (key, r.tag_value) for key in tag_keys for r in await db.execute(values, (tenant, key))
+    ]
+    total += len(tag_keys) + len(pairs)
+    done = 0
+    progress(done, len(pairs))
+    for first in range(0, len(pairs), COUNT_AT_ONCE):
+        group = pairs[first : first + COUNT_AT_ONCE]
+        counts = await asyncio.gather(*(db.execute(devices, (tenant, k, v)) for k, v in group))
+        total += sum(int(rows[0].n) for rows in counts)
+        done += len(group)
+        progress(done, len(pairs))
+    return total
 
 
 async def meta_capped(db: Database, tenant: str, config: Config) -> bool:

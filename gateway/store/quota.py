@@ -55,8 +55,8 @@ from ..errors import GatewayError
 from ..identity import state_bucket
 from ..lru import LRU
 from ..stats import Cache, Stats
-from . import queries
-from .database import DICT_ROWS, Database
+from . import queries, reservations
+from .database import Database
 from .requests import Requests
 from .reservations import MAX_ATTEMPTS, MAX_TENANTS, Reservations, Reserved
 from .write_session import Prepared, WriteSession
@@ -270,7 +270,9 @@ async def release(db: Database, tenant: str, devices: list[str]) -> Released:
     for _ in range(MAX_ATTEMPTS):
         before = after
         after = max(0, before - len(present))
-        if after == before or await _move_count(db, tenant, before, after):
+        if after == before or await reservations.move_count(
+            db, "quota_counts", "admitted", tenant, before, after
+        ):
             break
         after = await queries.quota_admitted(db, tenant)  # a gateway moved it meanwhile
     else:
@@ -297,33 +299,12 @@ async def recount(db: Database, tenant: str) -> tuple[int, int]:
     before, count after.) Run it while no gateway admits new devices of the
     tenant: one between its compare-and-set and its rows at that moment
     would put the tenant that many devices over its quota."""
-    for _ in range(MAX_ATTEMPTS):
-        before = await queries.quota_admitted(db, tenant)
-        listed = await queries.quota_listed(db, tenant, QUOTA_BUCKETS)
-        if listed is None:
-            raise GatewayError(
-                f"could not count the devices listed for tenant {tenant!r} in time; try again"
-            )
-        if before == listed or await _move_count(db, tenant, before, listed):
-            return before, listed
-    raise GatewayError(
-        f"the device count of tenant {tenant!r} kept moving (gateways admitting devices): "
-        "nothing was recounted; try again when they are quiet"
+    return await reservations.recount(
+        db,
+        "quota_counts",
+        "admitted",
+        tenant,
+        lambda: queries.quota_admitted(db, tenant),
+        lambda: queries.quota_listed(db, tenant, QUOTA_BUCKETS),
+        "devices listed",
     )
-
-
-async def _move_count(db: Database, tenant: str, before: int, after: int) -> bool:
-    """The tenant's count from ``before`` to ``after`` by compare-and-set (a
-    count of 0 may be no row yet: then it is made); whether it applied."""
-    ks = db.keyspace
-    move = await db.prepared(
-        f"UPDATE {ks}.quota_counts SET admitted = ? WHERE tenant = ? IF admitted = ?"
-    )
-    rows = await db.execute(move, (after, tenant, before), profile=DICT_ROWS)
-    if rows[0]["[applied]"] or before or "admitted" in rows[0]:
-        return bool(rows[0]["[applied]"])
-    first = await db.prepared(
-        f"INSERT INTO {ks}.quota_counts (tenant, admitted) VALUES (?, ?) IF NOT EXISTS"
-    )
-    rows = await db.execute(first, (tenant, after), profile=DICT_ROWS)
-    return bool(rows[0]["[applied]"])

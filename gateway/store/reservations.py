@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
+from ..errors import GatewayError
 from ..lru import LRU
+from .database import DICT_ROWS, Database
 from .requests import Requests
 from .write_session import Prepared, WriteSession
 
@@ -149,3 +151,52 @@ class Reservations:
                 self._remember(tenant, after)
                 return
         # Others kept moving it: the count stays high, fewer items, never more.
+
+
+async def recount(
+    db: Database,
+    table: str,
+    column: str,
+    tenant: str,
+    read: Callable[[], Awaitable[int]],
+    counted: Callable[[], Awaitable[int | None]],
+    what: str,
+) -> tuple[int, int]:
+    """Set a tenant's count (``table``.``column``, as ``read()`` gives it) to
+    what ``counted()`` finds the tables hold, by compare-and-set: counted
+    slots never written are given back, and a count below the rows (its row
+    deleted by hand) is raised to them. (count before, count after.) Tried
+    again while gateways move the count meanwhile, up to MAX_ATTEMPTS times;
+    ``what`` names the count in the errors."""
+    for _ in range(MAX_ATTEMPTS):
+        before = await read()
+        found = await counted()
+        if found is None:
+            raise GatewayError(
+                f"could not count the {what} of tenant {tenant!r} in time; try again"
+            )
+        if before == found or await move_count(db, table, column, tenant, before, found):
+            return before, found
+    raise GatewayError(
+        f"the {what} count of tenant {tenant!r} kept moving (gateways adding to it): "
+        "nothing was recounted; try again when they are quiet"
+    )
+
+
+async def move_count(
+    db: Database, table: str, column: str, tenant: str, before: int, after: int
+) -> bool:
+    """The tenant's count from ``before`` to ``after`` by compare-and-set (a
+    count of 0 may be no row yet: then it is made); whether it applied."""
+    ks = db.keyspace
+    move = await db.prepared(
+        f"UPDATE {ks}.{table} SET {column} = ? WHERE tenant = ? IF {column} = ?"
+    )
+    rows = await db.execute(move, (after, tenant, before), profile=DICT_ROWS)
+    if rows[0]["[applied]"] or before or column in rows[0]:
+        return bool(rows[0]["[applied]"])
+    first = await db.prepared(
+        f"INSERT INTO {ks}.{table} (tenant, {column}) VALUES (?, ?) IF NOT EXISTS"
+    )
+    rows = await db.execute(first, (tenant, after), profile=DICT_ROWS)
+    return bool(rows[0]["[applied]"])

@@ -371,6 +371,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     counted.add_argument("--tenant", type=_tenant, required=True, help=TENANT_HELP)
     counted.add_argument("--json", action="store_true", help="print JSON")
+    counted.add_argument(
+        "--recount",
+        action="store_true",
+        help="set the count to the entries the tables hold (entries counted and never "
+        "written, after a crash or a retried compare-and-set, are given back); one read per "
+        "tag value, with progress on stderr. Run it while no gateway adds entries for the tenant",
+    )
 
     quo = _command(
         sub,
@@ -1017,11 +1024,18 @@ async def _meta(config: Config, args: argparse.Namespace) -> int:
             raise UsageError(f"KEY=VALUE{str(exc).removeprefix('tag')}") from None
     async with connect(config.cassandra) as db:
         if what == "count":
-            count = await queries.meta_entry_count(db, args.tenant)
             cap = config.metadata.max_per_tenant
-            if args.json:
-                _print_json({"tenant": args.tenant, "entries": count, "cap": cap})
+            out: dict[str, Any] = {"tenant": args.tenant}
+            if args.recount:
+                before, count = await _recount_metadata(db, args.tenant)
+                out["recounted"] = {"before": before, "after": count}
             else:
+                count = await queries.meta_entry_count(db, args.tenant)
+            if args.json:
+                _print_json(out | {"entries": count, "cap": cap})
+            else:
+                if args.recount:
+                    print(f"recounted: {before} -> {count}")
                 print(f"{count} of {cap} (metadata.max_per_tenant) for tenant {args.tenant!r}")
             return 0
         if what == "metrics":
@@ -1050,6 +1064,34 @@ async def _meta(config: Config, args: argparse.Namespace) -> int:
         more = f"; the list is longer, cut at {queries.MAX_META:,}" if cut else ""
         print(f"({len(found)} for tenant {args.tenant!r}{more}{hint})", file=sys.stderr)
     return 0
+
+
+async def _recount_metadata(db: Database, tenant: str) -> tuple[int, int]:
+    """The tenant's metadata entry count set to what the tables hold, by
+    compare-and-set (store/reservations.py), with progress on stderr."""
+    from ..store import reservations
+
+    said = False
+
+    def progress(done: int, of: int) -> None:
+        nonlocal said
+        if of:
+            said = True
+            print(f"\rmeta count: {done} of {of} tag values counted", end="", file=sys.stderr)
+
+    try:
+        return await reservations.recount(
+            db,
+            "meta_entry_counts",
+            "reserved",
+            tenant,
+            lambda: queries.meta_entry_count(db, tenant),
+            lambda: queries.meta_entries(db, tenant, progress),
+            "metadata entries",
+        )
+    finally:
+        if said:
+            print(file=sys.stderr, flush=True)  # after the progress line
 
 
 async def _empty_meta_hint(db: Database, tenant: str, key: str | None, config: Config) -> str:
