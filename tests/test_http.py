@@ -163,18 +163,19 @@ def test_every_stats_total_is_mirrored_under_its_name() -> None:
     assert scrape.value("gateway_messages_rejected_total", reason="bad_json") == 2
 
 
+@dataclass
+class FakeSpool:
+    depth: int = 4
+    bytes: int = 1000
+    deleted: int = 9
+    full: bool = True
+    disk_full_since: float | None = None
+
+    def oldest_age(self) -> float:
+        return 2.5
+
+
 def test_histograms_labelled_counters_noisy_and_spool() -> None:
-    @dataclass
-    class FakeSpool:
-        depth: int = 4
-        bytes: int = 1000
-        deleted: int = 9
-        full: bool = True
-        disk_full_since: float | None = None
-
-        def oldest_age(self) -> float:
-            return 2.5
-
     stats = Stats()
     stats.write_latency.observe(0.004)
     stats.write_latency.observe(120)
@@ -843,21 +844,10 @@ async def test_a_token_in_a_bad_header_line_never_reaches_the_log(
     assert "S3cr3t" not in caplog.text
 
 
-class _QuietSpool:
-    depth = 0
-    bytes = 0
-    deleted = 0
-    disk_full_since: float | None = None
-    full = False
-
-    def oldest_age(self) -> float:
-        return 0.0
-
-
 def test_the_readmes_metrics_reference_lists_every_family() -> None:
     """The README's table of /metrics against what the gateway registers (a
     name gone or added without the table following fails here)."""
-    registry = gateway_registry(Stats(), noisy=list, spool=_QuietSpool())
+    registry = gateway_registry(Stats(), noisy=list, spool=FakeSpool())
     families = [*registry.collect(), *HttpCollector(HttpStats()).collect()]
     served = {
         f.name + ("_total" if f.type == "counter" else "")

@@ -277,9 +277,10 @@ class Spool:
         self._inode = 0  # the file's, at open: another means it was removed or replaced
         self._wal_inode = 0  # its WAL's, once it exists: the same
         self.reserve = path.with_name(path.name + "-reserve")
-        # PATH-lock (beside the file SQLite opens, symlinks followed), its
-        # descriptor and inode while open (Spool._lock).
-        self.lock = path.with_name(path.name + "-lock")
+        # PATH-lock, its descriptor and inode while open (Spool._lock). Named
+        # after the file SQLite opens (it follows symlinks too): two paths to
+        # one spool get one lock.
+        self.lock = Path(os.path.realpath(path) + "-lock")
         self._lock_fd: int | None = None
         self._lock_inode = 0
         self._reserved = False  # whether the reserve is on disk
@@ -488,9 +489,6 @@ class Spool:
         while open fails the next commit, as the database does (_same_file).
         A read-only look (peek: `gateway check`) takes no lock, so it works
         beside a running gateway, as SQLite's WAL readers do."""
-        # Named after the file SQLite opens (it follows symlinks too): two
-        # paths to one spool get one lock.
-        self.lock = Path(os.path.realpath(self.path) + "-lock")
         fd = os.open(self.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

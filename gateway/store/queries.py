@@ -938,14 +938,10 @@ async def quota_listed(db: Database, tenant: str, buckets: int) -> int | None:
     return sum(int(rows[0].n) for rows in answers)
 
 
-# Partitions of meta_tag_devices counted at once by meta_entries.
-COUNT_AT_ONCE = 32
-
-
 async def meta_entries(db: Database, tenant: str, progress: Callable[[int, int], None]) -> int:
     """The tenant's metadata entries as the four tables hold them: metric
     names, tag keys, tag values, and (tag value, device) pairs. One read per
-    table and tag key, one per tag value (COUNT_AT_ONCE at once);
+    table and tag key, one per tag value (COUNT_READS at once);
     ``progress(done, of)`` is told as tag values are counted."""
     ks = db.keyspace
     metrics = await db.prepared(f"SELECT COUNT(*) AS n FROM {ks}.meta_metrics WHERE tenant = ?")
@@ -965,8 +961,8 @@ async def meta_entries(db: Database, tenant: str, progress: Callable[[int, int],
     total += len(tag_keys) + len(pairs)
     done = 0
     progress(done, len(pairs))
-    for first in range(0, len(pairs), COUNT_AT_ONCE):
-        group = pairs[first : first + COUNT_AT_ONCE]
+    for first in range(0, len(pairs), COUNT_READS):
+        group = pairs[first : first + COUNT_READS]
         counts = await asyncio.gather(*(db.execute(devices, (tenant, k, v)) for k, v in group))
         total += sum(int(rows[0].n) for rows in counts)
         done += len(group)
