@@ -123,6 +123,8 @@ class Gateway:
             # At the bound it acknowledges as fast as Cassandra drains (backpressure,
             # as without the spool); a full disk stops it until someone makes room.
             disk_full = spool.disk_full_since is not None
+        if self._rollups is not None:
+            details["rollup_worker"] = self._rollups.role
         if refused:
             # Connected, but deaf to these filters' messages (an ACL, a broker
             # without shared subscriptions): "ok" hid it.

@@ -577,9 +577,15 @@ class RollupsConfig(_Model):
     # A minute's dirty marks are read this long after the minute ends: time for
     # the raw writes sent with them to land (and for other instances' clocks).
     grace: Annotated[float, BeforeValidator(parse_duration), Field(ge=1, le=3600)] = 30.0
-    # Run the worker in this process. With several gateway instances one
-    # worker is enough (more only repeat the work); marks are written either way.
+    # Run the worker in this process. With several gateway instances, those
+    # with it on take turns: one holds a lease in Cassandra and works, the
+    # others stand by and take over once it stops (gateway/store/lease.py).
+    # Marks are written either way.
     worker: bool = True
+    # How long the worker's lease lasts without a renewal (renewed every
+    # third of it): a standby takes over this long after the worker's
+    # instance died or lost its link to Cassandra; at once after a stop.
+    lease: Annotated[float, BeforeValidator(parse_duration), Field(ge=3, le=3600)] = 30.0
     # How often the worker looks for minutes that came due.
     interval: Annotated[float, BeforeValidator(parse_duration), Field(gt=0, le=600)] = 5.0
     # A minute that comes due is recomputed over this long, its groups of 100

@@ -163,6 +163,9 @@ class Stats:
     rollup_retries: int = 0  # roll-up reads and writes tried again after a transient error
     rollup_lag_s: float = 0.0  # how far the roll-up worker is behind its due minutes
     rollup_paced_s: float = 0.0  # time the worker waited to spread a minute (rollups.spread)
+    rollup_lease_held: int = 0  # 1 while this instance holds the roll-up worker's lease
+    rollup_lease_taken: int = 0  # times this instance took the roll-up worker's lease
+    rollup_lease_lost: int = 0  # times it lost it while working (another holder, no renewal)
     metadata_writes: int = 0  # new metadata entries written (store/metadata.py)
     metadata_capped: int = 0  # new entries not written: tenant at metadata.max_per_tenant
     metadata_reads: int = 0  # metadata entries not in the LRU, looked up in Cassandra

@@ -497,5 +497,5 @@ def test_cluster_gateways_have_their_own_sessions_and_disjoint_shards(
             "condition": "service_completed_successfully"
         }
         assert service["depends_on"]["mosquitto"] == {"condition": "service_started"}
-    # One roll-up worker in the cluster (more only repeat the work).
-    assert sum(c.rollups.worker for c in configs.values()) == 1
+    # Both may run the roll-up worker: one holds its lease, the other stands by.
+    assert all(c.rollups.worker for c in configs.values())

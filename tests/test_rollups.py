@@ -868,21 +868,27 @@ async def test_rollup_lag_grows_while_the_worker_waits_out_write_retries(
     assert re.match(r"roll-ups: 1[34] min behind", said[0]), said  # 810 s + into this minute
 
 
-def test_a_rollup_answer_says_how_far_the_worker_has_got() -> None:
+def test_a_rollup_answer_says_how_far_the_worker_has_got_and_where_it_runs() -> None:
     now = datetime(2026, 11, 28, 12, 0, 30, tzinfo=UTC)
     done = datetime(2026, 11, 28, 11, 59, tzinfo=UTC)
-    assert rollup_progress(None, now, now, 30) == (
-        "; no roll-up worker has run in this keyspace (rollups.worker on one gateway)",
+    assert rollup_progress(None, now, now, 30, None) == (
+        "; no roll-up worker has run in this keyspace (rollups.worker on a gateway)",
         True,
     )
-    assert rollup_progress(done, now, now, 30) == (
+    assert rollup_progress(done, now, now, 30, "gw-a") == (
         "; done up to 2026-11-28T11:59:00.000Z, each minute about 2 min after it began",
         False,
     )
-    assert rollup_progress(done, done - timedelta(hours=1), now, 30) == ("", False)
-    text, stalled = rollup_progress(done - timedelta(minutes=30), now, now, 30)
+    assert rollup_progress(done, done - timedelta(hours=1), now, 30, "gw-a") == ("", False)
+    text, stalled = rollup_progress(done - timedelta(minutes=30), now, now, 30, "gw-a")
     assert stalled
-    assert text.startswith("; the roll-up worker is 30 min behind, done up to 2026-11-28T11:29")
+    assert text == (
+        "; the roll-up worker is 30 min behind, done up to 2026-11-28T11:29:00.000Z; "
+        "it runs on 'gw-a': gateway_rollup_lag_seconds and the log there"
+    )
+    text, stalled = rollup_progress(done - timedelta(minutes=30), now, now, 30, None)
+    assert stalled
+    assert text.endswith("; no gateway runs it: is one with rollups.worker = true running?")
 
 
 async def test_one_tag_parser_for_states_and_metadata(

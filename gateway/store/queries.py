@@ -845,6 +845,14 @@ async def rollups_done_until(db: Database) -> datetime | None:
     return datetime.fromtimestamp(rows[0].minute_ms / 1000, UTC) if rows else None
 
 
+async def rollup_worker(db: Database) -> str | None:
+    """Which instance runs the roll-up worker (the MQTT client id holding its
+    lease, store/lease.py); None when none does."""
+    stmt = await db.prepared(f"SELECT holder FROM {db.keyspace}.worker_leases WHERE name = ?")
+    rows = await db.execute(stmt, (ROLLUP_PROGRESS,))
+    return rows[0].holder if rows else None
+
+
 async def rollups(
     db: Database,
     tenant: str,

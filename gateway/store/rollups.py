@@ -25,7 +25,9 @@ How, and why this way (the tsdb-cassandra README's "re-write the window"):
   read), they expire after 7 days.
 * **One worker** (:class:`RollupWorker`, a task of the application object,
   on a write session of its own: the write path's driver, so acsylla where
-  it is installed) keeps a cursor in ``rollup_progress``: the first writing minute it has not
+  it is installed) at a time, of the instances with ``rollups.worker`` on:
+  the one holding the lease (lease.py), the others standing by. It keeps a
+  cursor in ``rollup_progress``: the first writing minute it has not
   finished. Once that minute is over plus ``rollups.grace`` it reads the
   minute's mark partitions, recomputes each marked 1-minute window, then each
   touched hour from its 1-minute rows (a merge: counts and sums add, min and
@@ -94,6 +96,7 @@ from ..event import Event
 from ..lru import LRU
 from ..stats import Cache, Stats
 from . import queries
+from .lease import Lease, LeaseLost
 from .sink import Pending, Write
 from .write_session import PACK_BYTES, YIELD_ROWS, Prepared, Rows, WriteSession
 
@@ -301,6 +304,7 @@ class RollupWorker:
         stats: Stats,
         *,
         name: str = PROGRESS,
+        holder: str | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._session = session
@@ -316,7 +320,9 @@ class RollupWorker:
         self._retries_seen = stats.retries
         self._quiet_since = time.monotonic()
         self._behind = False  # said to be BEHIND_S behind, not yet caught up
+        self._failing = False  # a pass failed and none has worked since
         self._ready = False
+        self._lease = Lease(session, name, holder or config.mqtt.client_id, config.rollups.lease)
 
     async def start(self, first_minute_ms: int | None = None) -> None:
         """Prepare, and read the cursor (a new one starts at this minute, or at
@@ -387,16 +393,13 @@ class RollupWorker:
                 timestamps=(3, 5, 11),
             ),
         )
+        await self._lease.prepare()
         now_ms = int(self._clock() * 1000)
         first = first_minute_ms if first_minute_ms is not None else now_ms - now_ms % MINUTE_MS
         await self._execute(self._init_cursor, (self._name, first))
         rows = await self._session.read(self._read_cursor, (self._name,))
         self._cursor = rows[0]["minute_ms"]
         self._ready = True
-        log.info(
-            "roll-ups: marks from %s on still to do",
-            queries.iso(datetime.fromtimestamp(self._cursor / 1000, UTC)),
-        )
 
     async def _execute(self, prepared: Prepared, values: tuple[Any, ...]) -> Rows:
         """One write (its rows, for a lightweight transaction)."""
@@ -427,22 +430,60 @@ class RollupWorker:
     def cursor_ms(self) -> int:
         return self._cursor
 
+    @property
+    def role(self) -> str:
+        """For /healthz: whether this instance works or stands by, and for whom."""
+        lease = self._lease
+        if lease.held:
+            return "working"
+        return f"standing by for {lease.other!r}" if lease.other else "standing by"
+
     async def run(self) -> None:
-        """Catch up every ``rollups.interval`` until cancelled. A failing pass
+        """Work while this instance holds the worker's lease (lease.py), and
+        stand by while another does, until cancelled."""
+        await self._lease.hold(self._passes, self._lost)
+
+    def _lost(self, exc: LeaseLost) -> None:
+        self._stats.rollup_lease_lost += 1
+        log.warning("roll-ups: stopped working, standing by: %s", exc)
+
+    async def _passes(self) -> None:
+        """While the lease is held: read the cursor (the previous holder moved
+        it on), then catch up every ``rollups.interval``. A failing pass
         (Cassandra away) is logged, counted and tried again; the cursor stays."""
-        failing = False
-        while True:
-            try:
-                await self.catch_up()
-                if failing:
-                    log.warning("roll-ups: the worker works again")
-                failing = False
-            except Exception as exc:
-                self._stats.rollup_failures += 1
-                if not failing:
-                    log.warning("roll-ups: a pass failed, retrying: %s", exc)
-                failing = True
-            await asyncio.sleep(self._interval)
+        stats = self._stats
+        stats.rollup_lease_taken += 1
+        stats.rollup_lease_held = 1
+        try:
+            fresh = False
+            while True:
+                try:
+                    if not fresh:
+                        rows = await self._read(self._read_cursor, (self._name,))
+                        self._cursor = rows[0]["minute_ms"]
+                        fresh = True
+                        log.info(
+                            "roll-ups: this instance (%r) runs the worker; marks from %s on "
+                            "still to do",
+                            self._lease.holder,
+                            queries.iso(datetime.fromtimestamp(self._cursor / 1000, UTC)),
+                        )
+                    await self.catch_up()
+                    if self._failing:
+                        log.warning("roll-ups: the worker works again")
+                    self._failing = False
+                except Exception as exc:
+                    self._fail(exc)
+                await asyncio.sleep(self._interval)
+        finally:
+            stats.rollup_lease_held = 0
+            stats.rollup_lag_s = 0.0
+
+    def _fail(self, exc: Exception) -> None:
+        self._stats.rollup_failures += 1
+        if not self._failing:
+            log.warning("roll-ups: a pass failed, retrying: %s", exc)
+        self._failing = True
 
     async def catch_up(self) -> int:
         """Finish every minute of marks that is due; returns how many."""

@@ -41,6 +41,7 @@ REQUIRED_TABLES = (
     "rollups",
     "rollup_marks",
     "rollup_progress",
+    "worker_leases",
     "meta_metrics",
     "meta_tag_keys",
     "meta_tag_values",

@@ -972,9 +972,10 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
             hint = f": tenant {args.tenant!r} has no metrics recorded; a misspelt --tenant?"
         elif not rows and await queries.latest_event(db, args.tenant, args.device_id) is None:
             hint = _no_device_hint(args.tenant, args.device_id)
-        progress, stalled = rollup_progress(
-            await queries.rollups_done_until(db), until, now, config.rollups.grace
+        done, worker = await asyncio.gather(
+            queries.rollups_done_until(db), queries.rollup_worker(db)
         )
+        progress, stalled = rollup_progress(done, until, now, config.rollups.grace, worker)
     summary = f"({_count(len(rows), 'window')} of {args.step} for {args.metric!r}{hint}{progress})"
     if args.json:
         if hint or stalled:
@@ -994,19 +995,24 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
 
 
 def rollup_progress(
-    done: datetime | None, until: datetime, now: datetime, grace: float
+    done: datetime | None, until: datetime, now: datetime, grace: float, worker: str | None
 ) -> tuple[str, bool]:
     """What a roll-up answer should say about the worker's progress, and
     whether that is trouble (no worker, or one far behind): windows after its
-    cursor are not there yet, which an answer without them did not say."""
+    cursor are not there yet, which an answer without them did not say.
+    ``worker``: the instance holding the worker's lease, if any."""
     if done is None:
-        return "; no roll-up worker has run in this keyspace (rollups.worker on one gateway)", True
+        return "; no roll-up worker has run in this keyspace (rollups.worker on a gateway)", True
     behind = (now - done).total_seconds() - 60 - grace
     if behind >= queries.ROLLUP_BEHIND_S:
+        where = (
+            f"it runs on {worker!r}: gateway_rollup_lag_seconds and the log there"
+            if worker
+            else "no gateway runs it: is one with rollups.worker = true running?"
+        )
         return (
             f"; the roll-up worker is {int(behind // 60)} min behind, done up to "
-            f"{queries.iso(done)}: is a gateway with rollups.worker = true running? "
-            "(gateway_rollup_lag_seconds on it)",
+            f"{queries.iso(done)}; {where}",
             True,
         )
     if until > done:

@@ -248,6 +248,18 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
         "node (each is idempotent; a minute's work is not started over for one).",
     ),
     (
+        "gateway_rollup_lease_taken_total",
+        "rollup_lease_taken",
+        "Times this instance took the roll-up worker's lease and began to work "
+        "(rollups.worker; the other instances with it stand by).",
+    ),
+    (
+        "gateway_rollup_lease_lost_total",
+        "rollup_lease_lost",
+        "Times this instance stopped working because its roll-up lease was another "
+        "instance's or could not be renewed within rollups.lease.",
+    ),
+    (
         "gateway_spool_full_total",
         "spool_full_waits",
         "Times the spool reached spool.max_records or spool.max_bytes: acknowledgements "
@@ -458,6 +470,11 @@ class GatewayCollector(Collector):
             "gateway_rollup_lag_seconds",
             "How far the roll-up worker is behind the minutes that are due.",
             value=stats.rollup_lag_s,
+        )
+        yield GaugeMetricFamily(
+            "gateway_rollup_lease_held",
+            "1 while this instance holds the roll-up worker's lease and works, else 0.",
+            value=stats.rollup_lease_held,
         )
         yield from _cache_families(stats.caches)
         yield GaugeMetricFamily(

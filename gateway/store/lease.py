@@ -1,0 +1,215 @@
+"""A lease in Cassandra: one holder at a time for a named job.
+
+With several gateway instances, each may run the roll-up worker
+(``rollups.worker``), and one at a time does: the one that holds the job's
+row in ``worker_leases``. The others stand by and take the row over once it
+is released (a stop) or has expired (a crash, a lost link), so roll-ups go on
+when the instance that ran them goes away, without a person moving
+``rollups.worker`` to another one.
+
+How:
+
+* **Taken** by ``INSERT ... IF NOT EXISTS USING TTL`` (a lightweight
+  transaction), **renewed** every third of ``ttl`` by ``UPDATE ... USING TTL
+  ... IF holder = me``, **released** by ``DELETE ... IF holder = me``. The row
+  expires by its TTL when its holder stops renewing it.
+* **The holder is the instance's MQTT client id**, unique per instance by
+  necessity (two sessions with one id end each other). A restarted instance
+  finds its own row and holds it at once, rather than waiting out the TTL of
+  the lease its previous process left; a transaction retried after a timeout
+  that had in fact applied finds its own row too, and is held.
+* **Given up before it can have expired.** A holder that could not renew
+  (Cassandra unreachable from it) counts itself out ``ttl`` after its last
+  renewal was sent, though the row may still live on a little: the job must
+  be one that two holders may do at once (the roll-up worker's writes are
+  idempotent, the later read wins), so the lease saves repeated work and
+  never carries correctness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from asyncio import FIRST_COMPLETED
+from collections.abc import Callable, Coroutine
+from datetime import UTC, datetime
+from typing import Any
+
+from ..aio import gather_all
+from .write_session import Prepared, WriteSession
+
+log = logging.getLogger(__name__)
+
+
+class LeaseLost(Exception):
+    """The lease is another holder's now, or could not be renewed in time."""
+
+
+class Lease:
+    """The lease on ``name`` for ``holder`` (module docstring)."""
+
+    def __init__(
+        self,
+        session: WriteSession,
+        name: str,
+        holder: str,
+        ttl: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._session = session
+        self.name = name
+        self.holder = holder
+        self.ttl = ttl
+        self._clock = clock
+        self._valid_until = 0.0  # by clock(): held until then at the latest
+        self._since_ms = 0
+        self.other: str | None = None  # the holder found last time it was not ours
+        self._failing = False  # taking it failed, and has not worked since
+
+    async def prepare(self) -> None:
+        prepare = self._session.prepare
+        self._take, self._renew, self._release = await gather_all(
+            prepare(
+                "INSERT INTO {keyspace}.worker_leases (name, holder, since) VALUES (?, ?, ?) "
+                "IF NOT EXISTS USING TTL ?",
+                timestamps=(2,),
+            ),
+            prepare(
+                "UPDATE {keyspace}.worker_leases USING TTL ? SET holder = ?, since = ? "
+                "WHERE name = ? IF holder = ?",
+                timestamps=(2,),
+            ),
+            prepare("DELETE FROM {keyspace}.worker_leases WHERE name = ? IF holder = ?"),
+        )
+
+    async def hold(
+        self, work: Callable[[], Coroutine[Any, Any, None]], lost: Callable[[LeaseLost], None]
+    ) -> None:
+        """Until cancelled: take the lease when it is free and run ``work()``
+        while it is renewed; stand by while another holder has it. A lost
+        lease cancels ``work()`` (``lost`` is told why) and it stands by
+        again; cancelled, it releases the lease, so that a standby takes it
+        at its next try. Here, not in the compiled worker: an ``await`` in a
+        ``finally`` of a mypyc-compiled coroutine swallowed its cancellation
+        (the worker went on working after its stop)."""
+        try:
+            while True:
+                if await self._try_take():
+                    working = asyncio.create_task(work())
+                    keeping = asyncio.create_task(self._keep())
+                    try:
+                        await asyncio.wait({working, keeping}, return_when=FIRST_COMPLETED)
+                    finally:
+                        for task in (working, keeping):
+                            task.cancel()
+                        await asyncio.gather(working, keeping, return_exceptions=True)
+                    if not working.cancelled() and working.exception() is not None:
+                        raise working.exception()  # type: ignore[misc]
+                    failed = keeping.exception()
+                    if isinstance(failed, LeaseLost):
+                        lost(failed)
+                    elif failed is not None:
+                        raise failed
+                await asyncio.sleep(self.renew_every)
+        finally:
+            if self.held:
+                await self.release()
+
+    async def _try_take(self) -> bool:
+        """:meth:`take` once; an error is logged (once while it lasts) and
+        means not taken."""
+        other = self.other
+        try:
+            taken = await self.take()
+        except Exception as exc:
+            if not self._failing:
+                log.warning("lease %r: could not be taken, trying again: %s", self.name, exc)
+            self._failing = True
+            return False
+        self._failing = False
+        if not taken and self.other != other:
+            log.info("lease %r: standing by; %r holds it", self.name, self.other)
+        return taken
+
+    async def _keep(self) -> None:
+        """Renew every third of the TTL until the lease is lost: another
+        holder has it, or it went unrenewed for its TTL (LeaseLost)."""
+        while True:
+            await asyncio.sleep(self.renew_every)
+            try:
+                await self.renew()
+            except LeaseLost:
+                raise
+            except Exception as exc:
+                if not self.held:
+                    raise LeaseLost(f"not renewed for {self.ttl:.0f} s: {exc}") from exc
+                log.info("lease %r: not renewed, trying again: %s", self.name, exc)
+
+    @property
+    def held(self) -> bool:
+        return self._clock() < self._valid_until
+
+    @property
+    def renew_every(self) -> float:
+        return self.ttl / 3
+
+    async def _lwt(self, prepared: Prepared, values: tuple[object, ...]) -> dict[str, object]:
+        session = self._session
+        rows = await session.execute(session.bind(prepared, values))
+        return rows[0]
+
+    async def take(self) -> bool:
+        """Try once to hold the lease (a transient error propagates); whether
+        it is ours now."""
+        sent = self._clock()
+        now_ms = int(time.time() * 1000)
+        row = await self._lwt(self._take, (self.name, self.holder, now_ms, self._ttl_s))
+        self._since_ms = now_ms
+        if not row["[applied]"]:
+            if row.get("holder") != self.holder:
+                self.other = str(row.get("holder"))
+                return False
+            # Ours already: a previous process of this instance, or this
+            # insert retried after a timeout that had applied it.
+            if not await self._renewed(sent):
+                return False
+        self._valid_until = sent + self.ttl
+        self.other = None
+        return True
+
+    async def renew(self) -> None:
+        """Renew the lease; LeaseLost when it is another holder's now. A
+        transient error propagates (the caller goes on trying until
+        :attr:`held` turns false)."""
+        if not await self._renewed(self._clock()):
+            raise LeaseLost(f"the lease on {self.name!r} is held by {self.other!r} now")
+
+    async def _renewed(self, sent: float) -> bool:
+        row = await self._lwt(
+            self._renew, (self._ttl_s, self.holder, self._since_ms, self.name, self.holder)
+        )
+        if not row["[applied]"]:
+            self._valid_until = 0.0
+            self.other = None if row.get("holder") is None else str(row.get("holder"))
+            return False
+        self._valid_until = sent + self.ttl
+        return True
+
+    async def release(self) -> None:
+        """Give the lease up, so that a standby takes it at its next try
+        rather than after the TTL (a stop); no error escapes."""
+        self._valid_until = 0.0
+        try:
+            await self._lwt(self._release, (self.name, self.holder))
+        except Exception as exc:  # the TTL ends it anyway
+            log.info("lease %r not released (it expires in %.0f s): %s", self.name, self.ttl, exc)
+
+    @property
+    def _ttl_s(self) -> int:
+        return max(1, round(self.ttl))
+
+    @property
+    def since(self) -> datetime:
+        return datetime.fromtimestamp(self._since_ms / 1000, UTC)
