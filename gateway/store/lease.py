@@ -56,12 +56,14 @@ class Lease:
         holder: str,
         ttl: float,
         *,
+        what: str = "the job",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._session = session
         self.name = name
         self.holder = holder
         self.ttl = ttl
+        self.what = what  # for the log: "roll-ups: standing by; ..."
         self._clock = clock
         self._valid_until = 0.0  # by clock(): held until then at the latest
         self._since_ms = 0
@@ -125,12 +127,12 @@ class Lease:
             taken = await self.take()
         except Exception as exc:
             if not self._failing:
-                log.warning("lease %r: could not be taken, trying again: %s", self.name, exc)
+                log.warning("%s: its lease could not be taken, trying again: %s", self.what, exc)
             self._failing = True
             return False
         self._failing = False
         if not taken and self.other != other:
-            log.info("lease %r: standing by; %r holds it", self.name, self.other)
+            log.info("%s: standing by; %r holds the lease", self.what, self.other)
         return taken
 
     async def _keep(self) -> None:
@@ -145,7 +147,7 @@ class Lease:
             except Exception as exc:
                 if not self.held:
                     raise LeaseLost(f"not renewed for {self.ttl:.0f} s: {exc}") from exc
-                log.info("lease %r: not renewed, trying again: %s", self.name, exc)
+                log.info("%s: lease not renewed, trying again: %s", self.what, exc)
 
     @property
     def held(self) -> bool:
@@ -184,7 +186,7 @@ class Lease:
         transient error propagates (the caller goes on trying until
         :attr:`held` turns false)."""
         if not await self._renewed(self._clock()):
-            raise LeaseLost(f"the lease on {self.name!r} is held by {self.other!r} now")
+            raise LeaseLost(f"{self.other!r} holds the lease now")
 
     async def _renewed(self, sent: float) -> bool:
         row = await self._lwt(
@@ -204,7 +206,7 @@ class Lease:
         try:
             await self._lwt(self._release, (self.name, self.holder))
         except Exception as exc:  # the TTL ends it anyway
-            log.info("lease %r not released (it expires in %.0f s): %s", self.name, self.ttl, exc)
+            log.info("%s: lease not released (it expires in %.0f s): %s", self.what, self.ttl, exc)
 
     @property
     def _ttl_s(self) -> int:

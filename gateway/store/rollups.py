@@ -322,7 +322,9 @@ class RollupWorker:
         self._behind = False  # said to be BEHIND_S behind, not yet caught up
         self._failing = False  # a pass failed and none has worked since
         self._ready = False
-        self._lease = Lease(session, name, holder or config.mqtt.client_id, config.rollups.lease)
+        self._lease = Lease(
+            session, name, holder or config.mqtt.client_id, config.rollups.lease, what="roll-ups"
+        )
 
     async def start(self, first_minute_ms: int | None = None) -> None:
         """Prepare, and read the cursor (a new one starts at this minute, or at
