@@ -583,8 +583,9 @@ class RollupsConfig(_Model):
     # Marks are written either way.
     worker: bool = True
     # How long the worker's lease lasts without a renewal (renewed every
-    # third of it): a standby takes over this long after the worker's
-    # instance died or lost its link to Cassandra; at once after a stop.
+    # third of it; a standby tries every third of it): a standby takes over
+    # within 4/3 of it once the worker's instance died or lost its link to
+    # Cassandra, and within a third of it after a stop.
     lease: Annotated[float, BeforeValidator(parse_duration), Field(ge=3, le=3600)] = 30.0
     # How often the worker looks for minutes that came due.
     interval: Annotated[float, BeforeValidator(parse_duration), Field(gt=0, le=600)] = 5.0

@@ -18,21 +18,25 @@ How:
   finds its own row and holds it at once, rather than waiting out the TTL of
   the lease its previous process left; a transaction retried after a timeout
   that had in fact applied finds its own row too, and is held.
-* **Given up before it can have expired.** A holder that could not renew
-  (Cassandra unreachable from it) counts itself out ``ttl`` after its last
-  renewal was sent, though the row may still live on a little: the job must
-  be one that two holders may do at once (the roll-up worker's writes are
-  idempotent, the later read wins), so the lease saves repeated work and
-  never carries correctness.
+* **Given up before it can have expired.** A holder counts the lease as
+  its own until ``ttl`` less a second (MARGIN: a TTL is counted in whole
+  seconds) after its last renewal was sent; a renewal still unanswered then
+  counts as failed, and a holder that could not renew (Cassandra
+  unreachable from it) stops working. The job must still be one that two
+  holders may do at once (the roll-up worker's writes are idempotent, the
+  later read wins: a holder that stalls, a pause of its process, may go on
+  for a moment after a standby took over), so the lease saves repeated work
+  and never carries correctness.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from asyncio import FIRST_COMPLETED
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Any
 
@@ -40,6 +44,9 @@ from ..aio import gather_all
 from .write_session import Prepared, WriteSession
 
 log = logging.getLogger(__name__)
+
+# Seconds a lease is counted as ours for less than its TTL (Lease._valid).
+MARGIN = 1.0
 
 
 class LeaseLost(Exception):
@@ -69,6 +76,7 @@ class Lease:
         self._since_ms = 0
         self.other: str | None = None  # the holder found last time it was not ours
         self._failing = False  # taking it failed, and has not worked since
+        self._asked = False  # a take was sent and not yet answered
 
     async def prepare(self) -> None:
         prepare = self._session.prepare
@@ -87,15 +95,19 @@ class Lease:
         )
 
     async def hold(
-        self, work: Callable[[], Coroutine[Any, Any, None]], lost: Callable[[LeaseLost], None]
+        self,
+        work: Callable[[], Coroutine[Any, Any, None]],
+        lost: Callable[[LeaseLost], None],
+        standing_by: Callable[[], Awaitable[None]],
     ) -> None:
         """Until cancelled: take the lease when it is free and run ``work()``
-        while it is renewed; stand by while another holder has it. A lost
-        lease cancels ``work()`` (``lost`` is told why) and it stands by
-        again; cancelled, it releases the lease, so that a standby takes it
-        at its next try. Here, not in the compiled worker: an ``await`` in a
-        ``finally`` of a mypyc-compiled coroutine swallowed its cancellation
-        (the worker went on working after its stop)."""
+        while it is renewed; stand by while another holder has it, awaiting
+        ``standing_by()`` after each try. A lost lease cancels ``work()``
+        (``lost`` is told why) and it stands by again. Cancelled, or once
+        ``work()`` has returned, it releases the lease, so that a standby takes
+        it at its next try. Here, not in the compiled worker: an ``await`` in a
+        ``finally`` of a mypyc-compiled coroutine loses its cancellation
+        (tests/test_compiled.py)."""
         try:
             while True:
                 if await self._try_take():
@@ -107,16 +119,19 @@ class Lease:
                         for task in (working, keeping):
                             task.cancel()
                         await asyncio.gather(working, keeping, return_exceptions=True)
-                    if not working.cancelled() and working.exception() is not None:
-                        raise working.exception()  # type: ignore[misc]
-                    failed = keeping.exception()
+                    if not working.cancelled():
+                        working.result()  # raises what work() raised
+                        return  # work() is done: released below
+                    failed = None if keeping.cancelled() else keeping.exception()
                     if isinstance(failed, LeaseLost):
                         lost(failed)
                     elif failed is not None:
                         raise failed
+                else:
+                    await standing_by()
                 await asyncio.sleep(self.renew_every)
         finally:
-            if self.held:
+            if self.held or self._asked:
                 await self.release()
 
     async def _try_take(self) -> bool:
@@ -129,6 +144,7 @@ class Lease:
             if not self._failing:
                 log.warning("%s: its lease could not be taken, trying again: %s", self.what, exc)
             self._failing = True
+            self.other = None  # not known any more
             return False
         self._failing = False
         if not taken and self.other != other:
@@ -141,13 +157,17 @@ class Lease:
         while True:
             await asyncio.sleep(self.renew_every)
             try:
-                await self.renew()
+                # A renewal still unanswered when the lease may have expired
+                # is a failed one: the request could take longer than the TTL.
+                async with asyncio.timeout(max(0.0, self._valid_until - self._clock())):
+                    await self.renew()
             except LeaseLost:
                 raise
             except Exception as exc:
+                why = str(exc) or type(exc).__name__
                 if not self.held:
-                    raise LeaseLost(f"not renewed for {self.ttl:.0f} s: {exc}") from exc
-                log.info("%s: lease not renewed, trying again: %s", self.what, exc)
+                    raise LeaseLost(f"not renewed within rollups.lease: {why}") from exc
+                log.info("%s: lease not renewed, trying again: %s", self.what, why)
 
     @property
     def held(self) -> bool:
@@ -167,17 +187,21 @@ class Lease:
         it is ours now."""
         sent = self._clock()
         now_ms = int(time.time() * 1000)
+        self._asked = True  # cancelled before the answer, it may be ours: released
         row = await self._lwt(self._take, (self.name, self.holder, now_ms, self._ttl_s))
         self._since_ms = now_ms
         if not row["[applied]"]:
             if row.get("holder") != self.holder:
+                self._asked = False
                 self.other = str(row.get("holder"))
                 return False
             # Ours already: a previous process of this instance, or this
             # insert retried after a timeout that had applied it.
             if not await self._renewed(sent):
+                self._asked = False
                 return False
-        self._valid_until = sent + self.ttl
+        self._valid(sent)
+        self._asked = False
         self.other = None
         return True
 
@@ -186,7 +210,11 @@ class Lease:
         transient error propagates (the caller goes on trying until
         :attr:`held` turns false)."""
         if not await self._renewed(self._clock()):
-            raise LeaseLost(f"{self.other!r} holds the lease now")
+            raise LeaseLost(
+                "the lease expired before it was renewed"
+                if self.other is None
+                else f"{self.other!r} holds the lease now"
+            )
 
     async def _renewed(self, sent: float) -> bool:
         row = await self._lwt(
@@ -196,13 +224,21 @@ class Lease:
             self._valid_until = 0.0
             self.other = None if row.get("holder") is None else str(row.get("holder"))
             return False
-        self._valid_until = sent + self.ttl
+        self._valid(sent)
         return True
+
+    def _valid(self, sent: float) -> None:
+        """Held until ``ttl`` after the request was sent, less MARGIN:
+        Cassandra counts a TTL in whole seconds, so the row may expire up to
+        a second early."""
+        self._valid_until = sent + self.ttl - MARGIN
 
     async def release(self) -> None:
         """Give the lease up, so that a standby takes it at its next try
-        rather than after the TTL (a stop); no error escapes."""
+        rather than after the TTL (a stop); no error escapes. Only our own
+        row is deleted (``IF holder = me``)."""
         self._valid_until = 0.0
+        self._asked = False
         try:
             await self._lwt(self._release, (self.name, self.holder))
         except Exception as exc:  # the TTL ends it anyway
@@ -210,7 +246,7 @@ class Lease:
 
     @property
     def _ttl_s(self) -> int:
-        return max(1, round(self.ttl))
+        return math.ceil(self.ttl)
 
     @property
     def since(self) -> datetime:

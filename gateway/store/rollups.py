@@ -39,7 +39,8 @@ How, and why this way (the tsdb-cassandra README's "re-write the window"):
   spread over what is left before the next minute comes due, if that is
   less; once the next minute is due too (an outage), the worker goes at full
   speed. ``rollup_paced_seconds_total`` counts the waiting.
-  A crash in between repeats the minute at the next start; recomputing twice
+  A crash (or a lost lease) in between repeats the minute when a worker
+  next takes the lease, here or on another instance; recomputing twice
   writes the same rows. Marks left by an earlier run are picked up from the
   cursor.
 * **Raw before mark.** The raw row and its mark are sent together; the
@@ -328,7 +329,8 @@ class RollupWorker:
 
     async def start(self, first_minute_ms: int | None = None) -> None:
         """Prepare, and read the cursor (a new one starts at this minute, or at
-        ``first_minute_ms``; no mark can be older than that). An instance that
+        ``first_minute_ms``; no mark can be older than that); it is read again
+        each time this instance takes the worker's lease (run). An instance that
         writes marks starts it too (RollupMarks.prepare), so the worker of one
         instance started after another finds the other's first marks."""
         prepare = self._session.prepare
@@ -443,7 +445,21 @@ class RollupWorker:
     async def run(self) -> None:
         """Work while this instance holds the worker's lease (lease.py), and
         stand by while another does, until cancelled."""
-        await self._lease.hold(self._passes, self._lost)
+        await self._lease.hold(self._passes, self._lost, self._watch)
+
+    async def _watch(self) -> None:
+        """On a standby: how far the worker (another instance's) is behind,
+        from the cursor in Cassandra, so that gateway_rollup_lag_seconds shows
+        a stalled worker on every instance that could take over, not only on
+        one that is gone."""
+        try:
+            rows = await self._session.read(self._read_cursor, (self._name,))
+        except Exception as exc:
+            log.debug("roll-ups: the cursor could not be read: %s", exc)
+            return
+        now_ms = int(self._clock() * 1000)
+        due_at = rows[0]["minute_ms"] + MINUTE_MS + self._grace_ms
+        self._stats.rollup_lag_s = max(0.0, (now_ms - due_at) / 1000)
 
     def _lost(self, exc: LeaseLost) -> None:
         self._stats.rollup_lease_lost += 1
@@ -479,7 +495,6 @@ class RollupWorker:
                 await asyncio.sleep(self._interval)
         finally:
             stats.rollup_lease_held = 0
-            stats.rollup_lag_s = 0.0
 
     def _fail(self, exc: Exception) -> None:
         self._stats.rollup_failures += 1

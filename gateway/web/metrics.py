@@ -468,7 +468,8 @@ class GatewayCollector(Collector):
         )
         yield GaugeMetricFamily(
             "gateway_rollup_lag_seconds",
-            "How far the roll-up worker is behind the minutes that are due.",
+            "How far the roll-up worker is behind the minutes that are due "
+            "(on a standby: read from the cursor at each try).",
             value=stats.rollup_lag_s,
         )
         yield GaugeMetricFamily(
