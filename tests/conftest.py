@@ -58,6 +58,7 @@ LONGEST_FIRST = (
     "test_page_static.py",  # 45
     "test_read_api.py",  # 37
     "test_rollups.py",  # 34
+    "test_rollup_lease.py",  # 30 (2026-11-28, by itself)
     "test_signals.py",  # 34
     "test_quota.py",  # 31
     "test_noisy.py",  # 24
