@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
+import pytest
 import pytest_asyncio
 
 from gateway.stats import Stats
@@ -21,7 +22,7 @@ from gateway.store.database import Database
 from gateway.store.rollups import MINUTE_MS, RollupWorker
 from gateway.store.write_session import WriteSession, open_write_session
 
-from .helpers import make_config, wait_until
+from .helpers import make_config, proxy, wait_until
 
 # Renewed every 2 s and counted as held for 5 s after each renewal: one slow
 # transaction on a busy CI box does not lose it.
@@ -173,3 +174,36 @@ async def test_a_worker_whose_lease_another_instance_took_stops_working(
         await asyncio.sleep(LEASE_S / 3 * 2)
         assert a.role == "standing by for 'gw-b'", "A took a lease that is not free"
         assert len(a.minutes) == passes
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_worker_whose_link_crawls_stops_before_its_lease_can_have_expired(
+    session: WriteSession,
+) -> None:
+    """A's link to Cassandra crawls: its renewal gets no answer, and the
+    driver's request timeout (30 s here) is longer than the lease. A stops
+    working within the lease (it used to wait for the request to time out,
+    working on while B had taken over), B takes over, and once the link is
+    well again A stands by for B."""
+    name = f"lease-{uuid.uuid4().hex[:8]}"
+    async with proxy() as link:
+        config = make_config(
+            GATEWAY_CASSANDRA__PORT=str(link.port), GATEWAY_CASSANDRA__REQUEST_TIMEOUT="30s"
+        )
+        async with open_write_session(config.cassandra) as crawling:
+            a_stats = Stats()
+            a = await started(crawling, name, "gw-a", minutes_ago(0), a_stats)
+            b = await started(session, name, "gw-b", minutes_ago(0))
+            async with running(a), running(b):
+                await wait_until(role(a, "working"), 10, "A holds the lease")
+                await wait_until(role(b, "standing by for 'gw-a'"), 10, "B stands by")
+                link.limit = 1  # bytes per second towards Cassandra: no answer comes
+                await wait_until(
+                    lambda: a_stats.rollup_lease_lost == 1 and a_stats.rollup_lease_held == 0,
+                    LEASE_S,
+                    "A stops within its lease",
+                )
+                await wait_until(role(b, "working"), LEASE_S + LEASE_S / 3 + 2, "B takes over")
+                link.limit = None
+                link.drop()  # the crawling connections; the driver opens new ones
+                await wait_until(role(a, "standing by for 'gw-b'"), 20, "A stands by for B")
