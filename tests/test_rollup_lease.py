@@ -194,16 +194,17 @@ async def test_a_worker_whose_link_crawls_stops_before_its_lease_can_have_expire
             a_stats = Stats()
             a = await started(crawling, name, "gw-a", minutes_ago(0), a_stats)
             b = await started(session, name, "gw-b", minutes_ago(0))
-            async with running(a), running(b):
+            async with running(a):
                 await wait_until(role(a, "working"), 10, "A holds the lease")
-                await wait_until(role(b, "standing by for 'gw-a'"), 10, "B stands by")
-                link.limit = 1  # bytes per second towards Cassandra: no answer comes
-                await wait_until(
-                    lambda: a_stats.rollup_lease_lost == 1 and a_stats.rollup_lease_held == 0,
-                    LEASE_S,
-                    "A stops within its lease",
-                )
-                await wait_until(role(b, "working"), LEASE_S + LEASE_S / 3 + 2, "B takes over")
-                link.limit = None
-                link.drop()  # the crawling connections; the driver opens new ones
-                await wait_until(role(a, "standing by for 'gw-b'"), 20, "A stands by for B")
+                async with running(b):
+                    await wait_until(role(b, "standing by for 'gw-a'"), 10, "B stands by")
+                    link.limit = 1  # bytes per second towards Cassandra: no answer comes
+                    await wait_until(
+                        lambda: a_stats.rollup_lease_lost == 1 and a_stats.rollup_lease_held == 0,
+                        LEASE_S,
+                        "A stops within its lease",
+                    )
+                    await wait_until(role(b, "working"), LEASE_S + LEASE_S / 3 + 2, "B takes over")
+                    link.limit = None
+                    link.drop()  # the crawling connections; the driver opens new ones
+                    await wait_until(role(a, "standing by for 'gw-b'"), 20, "A stands by for B")
