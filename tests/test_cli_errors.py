@@ -12,6 +12,7 @@ import contextlib
 import gc
 import logging
 import os
+import re
 import socket
 import threading
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from gateway import app
 from gateway.config import Config, load_config
 from gateway.errors import CassandraUnreachable
 from gateway.stats import Stats
-from gateway.tools.cli import _run, main
+from gateway.tools.cli import _parser, _run, main
 
 from .helpers import base_env, free_port, run_cli
 
@@ -424,3 +425,29 @@ def test_noisy_with_no_gateway_running_says_connection_refused(gateway: Run) -> 
     assert code == 1, err
     assert "/noisy?tenant=t: connection refused; is `gateway run` up" in err, err
     assert "URLError" not in err
+
+
+def _commands(capsys: pytest.CaptureFixture[str], words: tuple[str, ...] = ()) -> set[str]:
+    """Every command a user types, from ``--help`` (the subcommands a help
+    lists, 4 spaces in, under "positional arguments"), followed down."""
+    with pytest.raises(SystemExit):
+        _parser().parse_args([*words, "--help"])
+    names = re.findall(r"^    ([a-z][a-z-]*)(?:\s|$)", capsys.readouterr().out, re.MULTILINE)
+    found: set[str] = set()
+    for name in names:
+        found |= _commands(capsys, (*words, name)) or {" ".join(("gateway", *words, name))}
+    return found
+
+
+def test_the_readmes_command_reference_lists_every_command(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The README's table of commands against the CLI's parser (a command
+    added or gone without the table following fails here)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("## Command reference", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `(gateway [a-z -]+)` \|", table, re.MULTILINE))
+    commands = _commands(capsys)
+    assert {"gateway run", "gateway meta devices", "gateway token add"} <= commands
+    assert commands - listed == set(), "in the CLI, not in the README's table"
+    assert listed - commands == set(), "in the README's table, not in the CLI"
