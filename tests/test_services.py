@@ -299,6 +299,22 @@ def test_check_ok(keyspace: str) -> None:
     assert keyspace in result.stdout
 
 
+def test_check_says_where_the_rollup_worker_runs(keyspace: str) -> None:
+    """An instance holding the worker's lease, or none (the suite's gateways
+    come and go), and how far it has got; nothing with roll-ups off."""
+    result = run_cli("check", timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(
+        r"^roll-ups: (the worker runs on '[^']+'|no gateway runs the worker now "
+        r"\(one with rollups\.worker = true will\)), done up to \d{4}-\d\d-\d\dT\d\d:\d\d:00\.000Z",
+        result.stdout,
+        re.MULTILINE,
+    ), result.stdout
+    off = run_cli("check", env=base_env(GATEWAY_ROLLUPS__ENABLED="false"), timeout=60)
+    assert off.returncode == 0, off.stdout + off.stderr
+    assert "roll-ups" not in off.stdout
+
+
 def test_check_fails_when_broker_unreachable(keyspace: str) -> None:
     result = run_cli("check", env=base_env(GATEWAY_MQTT__PORT="1"), timeout=60)
     assert result.returncode != 0, result.stdout

@@ -15,9 +15,11 @@ import re
 import shutil
 import sqlite3
 import time
+from datetime import UTC, datetime
 
 import aiomqtt
 
+from ..aio import gather_all
 from ..config import Config
 from ..errors import ConfigError, SinkError
 from ..ingest.spool import (
@@ -29,8 +31,9 @@ from ..ingest.spool import (
     unwritable,
     what_to_do_with_damaged,
 )
+from ..store.queries import ROLLUP_BEHIND_S, ROLLUP_PROGRESS, iso
 from ..store.schema import missing_from
-from ..store.write_session import open_write_session
+from ..store.write_session import WriteSession, open_write_session
 from .mqtt_client import mqtt_client
 
 # (ok, the check's line, and when it failed the one sentence that says what is wrong)
@@ -55,29 +58,62 @@ async def _broker(config: Config) -> Result:
         )
 
 
-async def _cassandra(config: Config) -> Result:
+async def _cassandra(config: Config) -> list[Result]:
+    """Cassandra's check, then (schema complete, roll-ups on) where the
+    roll-up worker runs and how far it has got: said, never a failure (before
+    the first `gateway run` none has run)."""
     hosts = ",".join(f"{h}:{config.cassandra.port}" for h in config.cassandra.contact_points)
+    rollups: list[Result] = []
     try:
         # Through the driver `gateway run` will write with (cassandra.driver).
         async with open_write_session(config.cassandra) as session:
             missing = missing_from(session.keyspace, await session.tables())
             driver = session.name
+            if not missing and config.rollups.enabled:
+                rollups.append((True, await _rollup_worker(session, config.rollups.grace), ""))
     except (SinkError, ConfigError) as exc:
-        return False, f"cassandra: {exc}", str(exc)
+        return [(False, f"cassandra: {exc}", str(exc))]
     if missing:
-        return (
-            False,
-            f"cassandra: reachable ({hosts}) but the schema is missing "
-            f"{', '.join(missing)}: run `gateway schema apply`",
-            f"Cassandra at {hosts} answers but the schema is incomplete "
-            f"(missing {', '.join(missing)}): run `gateway schema apply`",
-        )
-    return (
-        True,
+        return [
+            (
+                False,
+                f"cassandra: reachable ({hosts}) but the schema is missing "
+                f"{', '.join(missing)}: run `gateway schema apply`",
+                f"Cassandra at {hosts} answers but the schema is incomplete "
+                f"(missing {', '.join(missing)}): run `gateway schema apply`",
+            )
+        ]
+    ok = (
         f"cassandra: ok ({hosts}, keyspace {config.cassandra.keyspace}, schema complete, "
-        f"writes through {driver})",
-        "",
+        f"writes through {driver})"
     )
+    return [(True, ok, ""), *rollups]
+
+
+async def _rollup_worker(session: WriteSession, grace: float) -> str:
+    """Which instance holds the roll-up worker's lease (store/lease.py), and
+    its cursor."""
+    cursor, lease = await gather_all(
+        session.prepare(
+            "SELECT toUnixTimestamp(minute) AS minute_ms FROM {keyspace}.rollup_progress "
+            "WHERE name = ?"
+        ),
+        session.prepare("SELECT holder FROM {keyspace}.worker_leases WHERE name = ?"),
+    )
+    done, holder = await gather_all(
+        session.read(cursor, (ROLLUP_PROGRESS,)), session.read(lease, (ROLLUP_PROGRESS,))
+    )
+    if not done:
+        return "roll-ups: no worker has run in this keyspace yet"
+    done_ms = done[0]["minute_ms"]
+    behind = time.time() - done_ms / 1000 - 60 - grace
+    where = (
+        f"the worker runs on {holder[0]['holder']!r}"
+        if holder
+        else "no gateway runs the worker now (one with rollups.worker = true will)"
+    )
+    late = f", {behind // 60:.0f} min behind" if behind >= ROLLUP_BEHIND_S else ""
+    return f"roll-ups: {where}, done up to {iso(datetime.fromtimestamp(done_ms / 1000, UTC))}{late}"
 
 
 def _spool(config: Config) -> Result:
@@ -149,7 +185,7 @@ def _spool_off(config: Config) -> Result | None:
 
 async def run(config: Config) -> int:
     """Print what is wrong first, in one line, then one line per check."""
-    results = [await _broker(config), await _cassandra(config)]
+    results = [await _broker(config), *await _cassandra(config)]
     if config.spool.enabled:
         results.append(_spool(config))
     elif (left := _spool_off(config)) is not None:
