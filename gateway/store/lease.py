@@ -119,14 +119,14 @@ class Lease:
                         for task in (working, keeping):
                             task.cancel()
                         await asyncio.gather(working, keeping, return_exceptions=True)
-                    if not working.cancelled():
-                        working.result()  # raises what work() raised
-                        return  # work() is done: released below
                     failed = None if keeping.cancelled() else keeping.exception()
                     if isinstance(failed, LeaseLost):
-                        lost(failed)
+                        lost(failed)  # whatever work() did when cancelled
                     elif failed is not None:
                         raise failed
+                    elif not working.cancelled():
+                        working.result()  # raises what work() raised
+                        return  # work() is done: released below
                 else:
                     await standing_by()
                 await asyncio.sleep(self.renew_every)
@@ -155,7 +155,11 @@ class Lease:
         """Renew every third of the TTL until the lease is lost: another
         holder has it, or it went unrenewed for its TTL (LeaseLost)."""
         while True:
-            await asyncio.sleep(self.renew_every)
+            # Not past the lease, when renewals fail fast (an unavailable
+            # replica) and the next try would come after it.
+            await asyncio.sleep(min(self.renew_every, self._valid_until - self._clock()))
+            if not self.held:
+                raise LeaseLost("not renewed within rollups.lease")
             try:
                 # A renewal still unanswered when the lease may have expired
                 # is a failed one: the request could take longer than the TTL.

@@ -973,7 +973,7 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
         elif not rows and await queries.latest_event(db, args.tenant, args.device_id) is None:
             hint = _no_device_hint(args.tenant, args.device_id)
         done, worker = await asyncio.gather(
-            queries.rollups_done_until(db), queries.rollup_worker(db)
+            queries.rollups_done_until(db), _rollup_worker_or_none(db)
         )
         progress, stalled = rollup_progress(done, until, now, config.rollups.grace, worker)
     summary = f"({_count(len(rows), 'window')} of {args.step} for {args.metric!r}{hint}{progress})"
@@ -992,6 +992,16 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
             )
         print(summary, file=sys.stderr)
     return 0
+
+
+async def _rollup_worker_or_none(db: Database) -> str | None:
+    """The worker's holder for the hint, or None when it cannot be read (a
+    keyspace from before `worker_leases`): the hint never fails the answer."""
+    try:
+        return await queries.rollup_worker(db)
+    except Exception as exc:
+        log.debug("the roll-up worker's lease could not be read: %s", exc)
+        return None
 
 
 def rollup_progress(
