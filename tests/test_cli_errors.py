@@ -451,3 +451,25 @@ def test_the_readmes_command_reference_lists_every_command(
     assert {"gateway run", "gateway meta devices", "gateway token add"} <= commands
     assert commands - listed == set(), "in the CLI, not in the README's table"
     assert listed - commands == set(), "in the README's table, not in the CLI"
+
+
+def test_the_readmes_command_reference_names_only_options_the_commands_take(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Each row's options (``--name``) against that command's usage line: an
+    option renamed or gone without the table following fails here."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("## Command reference", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `gateway ([a-z -]+)` \|.*\|\s*([^|]*?)\s*\|$", table, re.MULTILINE)
+    assert len(rows) > 20
+    wrong = []
+    for command, options in rows:
+        with pytest.raises(SystemExit):
+            _parser().parse_args([*command.split(), "--help"])
+        usage = capsys.readouterr().out.split("\n\n", 1)[0]  # the usage lines
+        wrong += [
+            f"gateway {command}: {option}"
+            for option in re.findall(r"`(--[a-z-]+)`", options)
+            if not re.search(rf"{re.escape(option)}(?![a-z-])", usage)
+        ]
+    assert wrong == []
