@@ -12,7 +12,10 @@ from pathlib import Path
 import orjson
 from playwright.async_api import Page, expect
 
+from gateway.stats import Stats
 from gateway.store.database import Database
+from gateway.store.rollups import MINUTE_MS, RollupWorker
+from gateway.store.write_session import open_write_session
 from gateway.web.api import SLOW_COUNTS_TTL
 from gateway.web.tokens import TokenStore
 
@@ -158,3 +161,49 @@ async def test_a_cut_link_to_cassandra_shows_on_the_page_and_heals(
             await expect(page.locator("#error")).to_be_hidden()
             assert await page.evaluate("() => window.sameDocument === true")
             await screenshot(page, "live-healed")
+
+
+async def test_a_week_of_a_busy_device_is_charted_from_its_rollups(
+    db: Database, page: Page, screenshot: Shot, tmp_path: Path
+) -> None:
+    """600 readings over six days: the history answers the newest 500, which
+    covered the last day or so of "7 days". The value is charted from the
+    hourly roll-ups over the whole week (the worker's own recompute, from
+    the stored rows), the states from the newest events; "1 hour", whose
+    events all fit, is charted from the events as before."""
+    tenant, port, tokens_file, token = _reader(tmp_path)
+    config = make_config(
+        GATEWAY_API__PORT=str(port),
+        GATEWAY_API__TOKENS_FILE=str(tokens_file),
+        GATEWAY_SAMPLING__ENABLED="false",
+    )
+    step_s = 6 * 86_400 // 600
+    events = [
+        _event(tenant, "boiler", i * step_s + 30, "on" if (i // 50) % 2 else "off", 60 + i % 7)
+        for i in range(600)
+    ]
+    async with running_gateway(config) as gw:
+        await publish(events)
+        await gw.wait_handled(600, deadline=60)
+        windows = {
+            (tenant, "boiler", ms - ms % MINUTE_MS)
+            for ms in (orjson.loads(payload)["ts"] for _, payload in events)
+        }
+        async with open_write_session(config.cassandra) as session:
+            worker = RollupWorker(session, config, Stats(), name=f"test-{uuid.uuid4().hex[:8]}")
+            await worker.start()
+            await worker.recompute(windows)
+        url = await _log_in(page, port, token)
+        await page.goto(f"{url}#/t/{tenant}/d/boiler?range=7d")
+        chart = page.locator('[data-testid="chart-svg"]')
+        await expect(chart).to_have_attribute("data-series", "rollups-1h")
+        await expect(chart.locator("path.band")).to_have_count(1)
+        caption = page.locator("#chart figcaption")
+        await expect(caption).to_contain_text("the average of each hour with readings")
+        await expect(caption).to_contain_text("between 60 and 66")
+        await expect(page.locator('[data-testid="chart-limit"]')).to_contain_text(
+            "The value covers the whole range"
+        )
+        await screenshot(page, "live-week-from-rollups")
+        await page.goto(f"{url}#/t/{tenant}/d/boiler?range=1h")
+        await expect(chart).to_have_attribute("data-series", "events")

@@ -27,6 +27,10 @@
   const REQUEST_MS = 20000;
   const PAGE_SIZE = 100;
   const HISTORY_LIMIT = 500; // the API's cap: the chart shows up to this many events
+  // When a range holds more events than that, the value is charted from the
+  // roll-ups of the whole range instead: 1-minute windows for a day, 1-hour
+  // ones for a week (the newest events alone covered minutes of "7 days").
+  const ROLLUP_STEPS = { "24h": "1m", "7d": "1h" };
   const HISTORY_ROWS = 50; // rows of the history table
   // Durations "ago", which the API takes for since=: the URL (and so its
   // ETag) stays the same from one poll to the next.
@@ -1185,6 +1189,7 @@
   }
 
   let lastHistory = null; // for redrawing the chart on resize
+  let lastRollups = null; // { step, rows }: the value's windows, when charted from them
 
   function deviceView(r) {
     showView("device");
@@ -1196,6 +1201,7 @@
     $("history-rows").replaceChildren();
     $("history-meta").textContent = "";
     lastHistory = null;
+    lastRollups = null;
     let stateCrumb = null;
     let shown = null; // "missing" or "found": a missing device is drawn once, not every poll
     const devicePath = pathOf("tenants", r.tenant, "devices", r.device);
@@ -1229,8 +1235,17 @@
             setCrumbs(crumbs());
           }
         }
-        if (hist.changed || latestChanged || !lastHistory) {
+        const step = hist.data.next_cursor ? ROLLUP_STEPS[r.range] : undefined;
+        // Without them (an error, a gateway with roll-ups off) the events alone are charted.
+        const windows = step ? await api(`${devicePath}/rollups`,
+          { metric: "value", step, since: r.range }, signal).catch((err) => {
+          if (signal && signal.aborted) throw err;
+          return null;
+        }) : null;
+        if (hist.changed || latestChanged || !lastHistory || (windows && windows.changed)
+            || (lastRollups !== null) !== (windows !== null)) {
           lastHistory = hist.data;
+          lastRollups = windows ? { step, rows: windows.data.rollups || [] } : null;
           renderHistory(hist.data);
         }
       },
@@ -1271,7 +1286,7 @@
 
   function renderHistory(data) {
     const events = data.events || [];
-    renderChart($("chart"), events, Boolean(data.next_cursor));
+    renderChart($("chart"), events, Boolean(data.next_cursor), lastRollups);
     $("history-rows").replaceChildren(...events.slice(0, HISTORY_ROWS).map((e) => {
       const state = h("span", { class: "dot-label", text: e.state == null ? "—" : e.state });
       state.style.setProperty("--state-color", stateColor(e.state));
@@ -1282,7 +1297,9 @@
         h("td", { "data-label": "Value", class: "value", text: formatValue(e.value) }),
         h("td", { class: "metrics-cell", text: metrics.join(", ") || "—" }));
     }));
-    const more = data.next_cursor ? " (the range holds older events, not shown)" : "";
+    const more = !data.next_cursor ? ""
+      : lastRollups ? " (the range holds older events: the value line covers them, the table not)"
+        : " (the range holds older events, not shown)";
     $("history-meta").textContent = events.length
       ? `${events.length} events in the chart, newest ${Math.min(events.length, HISTORY_ROWS)} listed${more}.`
       : "No events in this range.";
@@ -1292,14 +1309,23 @@
   // the state over time beneath it, and a line at every change of state.
   // `more`: the range holds older events than these (the API gives at most
   // HISTORY_LIMIT a page), so the chart says how far back it really goes.
-  function renderChart(figure, events, more) {
+  // `rollups` ({ step, rows }, when the range holds more events than these):
+  // the value is drawn from its windows over the whole range, each window's
+  // average as the line and its min to max shaded; the state strip still
+  // comes from the events, the newest of the range.
+  function renderChart(figure, events, more, rollups) {
     const evs = events.map((e) => ({ ...e, ms: tsMillis(e.ts) })).filter((e) => e.ms != null)
       .sort((a, b) => a.ms - b.ms);
     if (!evs.length) {
       figure.replaceChildren(h("p", { class: "hint", text: "No events to chart." }));
       return;
     }
-    const numeric = evs.filter((e) => isNumber(e.value));
+    const windows = rollups ? rollups.rows
+      .map((w) => ({ ms: tsMillis(w.start), value: w.sum == null ? null : w.sum / w.count,
+        min: w.min, max: w.max, count: w.count }))
+      .filter((w) => w.ms != null && isNumber(w.value)).sort((a, b) => a.ms - b.ms) : [];
+    const fromRollups = windows.length > 0;
+    const numeric = fromRollups ? windows : evs.filter((e) => isNumber(e.value));
     const W = Math.max(280, Math.floor(figure.clientWidth || 600));
     const padL = numeric.length ? 48 : 8;
     const padR = 10;
@@ -1313,7 +1339,7 @@
     // The newest state holds until now, the end of the chosen range: the
     // strip reaches it however long ago the last event was (it used to stop
     // a minute after a lone event, and the caption read "from 1:08 to 1:08").
-    let t0 = evs[0].ms;
+    let t0 = fromRollups ? Math.min(evs[0].ms, windows[0].ms) : evs[0].ms;
     const t1 = Math.max(now, last);
     const untilNow = t1 === now;
     if (t1 - t0 < 60e3) t0 = t1 - 60e3;
@@ -1325,7 +1351,14 @@
     const heldFrom = changes.length ? changes[changes.length - 1].ms : evs[0].ms;
     const held = `${newest == null ? "—" : newest} since ${formatTime(heldFrom)}`;
     const changeCount = changes.length === 1 ? "1 change of state" : `${changes.length} changes of state`;
-    const summary = numeric.length
+    const per = rollups && rollups.step === "1h" ? "hour" : "minute";
+    const summary = fromRollups
+      ? `Value from ${formatTime(t0)} to ${end}: the average of each ${per} with readings `
+        + `(${numeric.length} ${per}s, shaded from lowest to highest), between `
+        + `${formatValue(Math.min(...numeric.map((w) => w.min)))} and `
+        + `${formatValue(Math.max(...numeric.map((w) => w.max)))}; states from `
+        + `${formatTime(evs[0].ms)}: ${changes.length ? changeCount : "no change of state"}; ${held}.`
+      : numeric.length
       ? `Value from ${formatTime(evs[0].ms)} to ${end}: ${numeric.length} `
         + `${numeric.length === 1 ? "reading" : "readings"} between `
         + `${formatValue(Math.min(...numeric.map((e) => e.value)))} and `
@@ -1335,11 +1368,12 @@
         ? `State from ${formatTime(evs[0].ms)} to ${end}: ${changeCount}; ${held}.`
         : `State ${held}: no change of state in this range.`;
     const svg = s("svg", { viewBox: `0 0 ${W} ${H}`, width: W, height: H, role: "img",
-      "aria-label": summary, "data-testid": "chart-svg", "data-numeric": numeric.length > 0 });
+      "aria-label": summary, "data-testid": "chart-svg", "data-numeric": numeric.length > 0,
+      "data-series": fromRollups ? `rollups-${rollups.step}` : "events" });
 
     if (numeric.length) {
-      let lo = Math.min(...numeric.map((e) => e.value));
-      let hi = Math.max(...numeric.map((e) => e.value));
+      let lo = Math.min(...numeric.map((e) => (fromRollups ? e.min : e.value)));
+      let hi = Math.max(...numeric.map((e) => (fromRollups ? e.max : e.value)));
       if (hi === lo) {
         lo -= 1;
         hi += 1;
@@ -1354,9 +1388,16 @@
           text: formatValue(hi - pad) }),
         s("text", { class: "axis", x: padL - 4, y: plotTop + plotH, "text-anchor": "end",
           text: formatValue(lo + pad) }));
+      if (fromRollups) {
+        // Lowest to highest of each window: along the maxima, back along the minima.
+        const top = numeric.map((w, i) => `${i ? "L" : "M"}${x(w.ms).toFixed(1)},${y(w.max).toFixed(1)}`);
+        const bottom = numeric.slice().reverse()
+          .map((w) => `L${x(w.ms).toFixed(1)},${y(w.min).toFixed(1)}`);
+        svg.append(s("path", { class: "band", d: `${top.join(" ")} ${bottom.join(" ")} Z` }));
+      }
       const d = numeric.map((e, i) => `${i ? "L" : "M"}${x(e.ms).toFixed(1)},${y(e.value).toFixed(1)}`);
       svg.append(s("path", { class: "line", d: d.join(" ") }));
-      if (numeric.length <= 200) {
+      if (!fromRollups && numeric.length <= 200) {
         for (const e of numeric) {
           svg.append(s("circle", { class: "point", cx: x(e.ms).toFixed(1), cy: y(e.value).toFixed(1),
             r: 3.5, fill: stateColor(e.state) },
@@ -1407,8 +1448,11 @@
       return item;
     }));
     const limit = more ? h("p", { class: "chart-limit", "data-testid": "chart-limit",
-      text: `Showing the newest ${evs.length} events, back to ${formatTime(evs[0].ms)}: `
-        + "older events in this range are not shown." }) : null;
+      text: fromRollups
+        ? `The value covers the whole range, a point per ${per}; the states, the newest `
+          + `${evs.length} events, back to ${formatTime(evs[0].ms)}.`
+        : `Showing the newest ${evs.length} events, back to ${formatTime(evs[0].ms)}: `
+          + "older events in this range are not shown." }) : null;
     figure.replaceChildren(...[limit, svg, h("figcaption", { class: "hint", text: summary }), legend]
       .filter(Boolean));
   }
@@ -1418,7 +1462,8 @@
     clearTimeout(resizeTimer);
     resizeTimer = setTimeout(() => {
       if (lastHistory && current && current.route && current.route.name === "device") {
-        renderChart($("chart"), lastHistory.events || [], Boolean(lastHistory.next_cursor));
+        renderChart($("chart"), lastHistory.events || [], Boolean(lastHistory.next_cursor),
+          lastRollups);
       }
     }, 150);
   });
