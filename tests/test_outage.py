@@ -179,7 +179,9 @@ async def test_the_c_driver_still_reports_after_its_session_was_replaced(
     monkeypatch.setattr(write_session, "_forward_log", forward)
     clusters = len(write_session._clusters)
     async with _a_host_given_up(tenant, 2, rollup_worker=True) as (gw, _, link):
-        await gw.wait_for(lambda s: s.cassandra_sessions_renewed == 1, deadline=60)
+        # The roll-up worker's session may be replaced too (its lease is
+        # renewed through the same cut link): one renewal or two.
+        await gw.wait_for(lambda s: s.cassandra_sessions_renewed >= 1, deadline=60)
         await gw.wait_handled(2, deadline=30)
         # The write path, the roll-up worker and the replacement: one cluster.
         assert len(write_session._clusters) == clusters + 1
