@@ -37,7 +37,6 @@ import math
 import time
 from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable, Coroutine
-from datetime import UTC, datetime
 from typing import Any
 
 from ..aio import gather_all
@@ -63,17 +62,15 @@ class Lease:
         holder: str,
         ttl: float,
         *,
-        what: str = "the job",
-        clock: Callable[[], float] = time.monotonic,
+        what: str,
     ) -> None:
         self._session = session
         self.name = name
         self.holder = holder
         self.ttl = ttl
         self.what = what  # for the log: "roll-ups: standing by; ..."
-        self._clock = clock
-        self._valid_until = 0.0  # by clock(): held until then at the latest
-        self._since_ms = 0
+        self._valid_until = 0.0  # by time.monotonic(): held until then at the latest
+        self._since_ms = 0  # when this holder took it (the row's since)
         self.other: str | None = None  # the holder found last time it was not ours
         self._failing = False  # taking it failed, and has not worked since
         self._asked = False  # a take was sent and not yet answered
@@ -157,13 +154,13 @@ class Lease:
         while True:
             # Not past the lease, when renewals fail fast (an unavailable
             # replica) and the next try would come after it.
-            await asyncio.sleep(min(self.renew_every, self._valid_until - self._clock()))
+            await asyncio.sleep(min(self.renew_every, self._valid_until - time.monotonic()))
             if not self.held:
                 raise LeaseLost("not renewed within rollups.lease")
             try:
                 # A renewal still unanswered when the lease may have expired
                 # is a failed one: the request could take longer than the TTL.
-                async with asyncio.timeout(max(0.0, self._valid_until - self._clock())):
+                async with asyncio.timeout(max(0.0, self._valid_until - time.monotonic())):
                     await self.renew()
             except LeaseLost:
                 raise
@@ -175,7 +172,7 @@ class Lease:
 
     @property
     def held(self) -> bool:
-        return self._clock() < self._valid_until
+        return time.monotonic() < self._valid_until
 
     @property
     def renew_every(self) -> float:
@@ -189,7 +186,7 @@ class Lease:
     async def take(self) -> bool:
         """Try once to hold the lease (a transient error propagates); whether
         it is ours now."""
-        sent = self._clock()
+        sent = time.monotonic()
         now_ms = int(time.time() * 1000)
         self._asked = True  # cancelled before the answer, it may be ours: released
         row = await self._lwt(self._take, (self.name, self.holder, now_ms, self._ttl_s))
@@ -201,10 +198,11 @@ class Lease:
                 return False
             # Ours already: a previous process of this instance, or this
             # insert retried after a timeout that had applied it.
-            if not await self._renewed(sent):
+            if not await self._renewed(sent):  # held until a TTL from now if so
                 self._asked = False
                 return False
-        self._valid(sent)
+        else:
+            self._valid(sent)
         self._asked = False
         self.other = None
         return True
@@ -213,7 +211,7 @@ class Lease:
         """Renew the lease; LeaseLost when it is another holder's now. A
         transient error propagates (the caller goes on trying until
         :attr:`held` turns false)."""
-        if not await self._renewed(self._clock()):
+        if not await self._renewed(time.monotonic()):
             raise LeaseLost(
                 "the lease expired before it was renewed"
                 if self.other is None
@@ -251,7 +249,3 @@ class Lease:
     @property
     def _ttl_s(self) -> int:
         return math.ceil(self.ttl)
-
-    @property
-    def since(self) -> datetime:
-        return datetime.fromtimestamp(self._since_ms / 1000, UTC)

@@ -831,16 +831,25 @@ ROLLUP_PROGRESS = "default"
 # A worker this far behind is said to be, by itself in the log and by the
 # roll-up answers.
 ROLLUP_BEHIND_S = 600.0
+# The cursor and the lease's holder, as the worker, the answers and `gateway
+# check` read them ({keyspace} filled in by the caller).
+ROLLUP_CURSOR_CQL = (
+    "SELECT toUnixTimestamp(minute) AS minute_ms FROM {keyspace}.rollup_progress WHERE name = ?"
+)
+ROLLUP_HOLDER_CQL = "SELECT holder FROM {keyspace}.worker_leases WHERE name = ?"
+
+
+def rollup_behind_s(cursor_ms: float, now_ms: float, grace_s: float) -> float:
+    """How long ago the worker's next minute (``cursor_ms``) came due: a
+    minute after it began, plus the grace (negative: not due yet)."""
+    return (now_ms - cursor_ms) / 1000 - 60 - grace_s
 
 
 async def rollups_done_until(db: Database) -> datetime | None:
     """The roll-up worker's cursor: the first minute of writes it has not
     finished, so windows before it are done (a late event marks its window
     again); None when no gateway has started one in this keyspace."""
-    stmt = await db.prepared(
-        f"SELECT toUnixTimestamp(minute) AS minute_ms FROM {db.keyspace}.rollup_progress "
-        "WHERE name = ?"
-    )
+    stmt = await db.prepared(ROLLUP_CURSOR_CQL.format(keyspace=db.keyspace))
     rows = await db.execute(stmt, (ROLLUP_PROGRESS,))
     return datetime.fromtimestamp(rows[0].minute_ms / 1000, UTC) if rows else None
 
@@ -848,7 +857,7 @@ async def rollups_done_until(db: Database) -> datetime | None:
 async def rollup_worker(db: Database) -> str | None:
     """Which instance runs the roll-up worker (the MQTT client id holding its
     lease, store/lease.py); None when none does."""
-    stmt = await db.prepared(f"SELECT holder FROM {db.keyspace}.worker_leases WHERE name = ?")
+    stmt = await db.prepared(ROLLUP_HOLDER_CQL.format(keyspace=db.keyspace))
     rows = await db.execute(stmt, (ROLLUP_PROGRESS,))
     return rows[0].holder if rows else None
 

@@ -346,10 +346,7 @@ class RollupWorker:
             self._read_counts,
             self._write,
         ) = await gather_all(
-            prepare(
-                "SELECT toUnixTimestamp(minute) AS minute_ms FROM {keyspace}.rollup_progress "
-                "WHERE name = ?"
-            ),
+            prepare(queries.ROLLUP_CURSOR_CQL),
             prepare(INIT_CURSOR, timestamps=(1,)),
             prepare(
                 "INSERT INTO {keyspace}.rollup_progress (name, minute) VALUES (?, ?)",
@@ -457,9 +454,10 @@ class RollupWorker:
         except Exception as exc:
             log.debug("roll-ups: the cursor could not be read: %s", exc)
             return
-        now_ms = int(self._clock() * 1000)
-        due_at = rows[0]["minute_ms"] + MINUTE_MS + self._grace_ms
-        self._stats.rollup_lag_s = max(0.0, (now_ms - due_at) / 1000)
+        behind = queries.rollup_behind_s(
+            rows[0]["minute_ms"], self._clock() * 1000, self._config.rollups.grace
+        )
+        self._stats.rollup_lag_s = max(0.0, behind)
 
     def _lost(self, exc: LeaseLost) -> None:
         self._stats.rollup_lease_lost += 1

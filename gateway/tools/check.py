@@ -31,7 +31,14 @@ from ..ingest.spool import (
     unwritable,
     what_to_do_with_damaged,
 )
-from ..store.queries import ROLLUP_BEHIND_S, ROLLUP_PROGRESS, iso
+from ..store.queries import (
+    ROLLUP_BEHIND_S,
+    ROLLUP_CURSOR_CQL,
+    ROLLUP_HOLDER_CQL,
+    ROLLUP_PROGRESS,
+    iso,
+    rollup_behind_s,
+)
 from ..store.schema import missing_from
 from ..store.write_session import WriteSession, open_write_session
 from .mqtt_client import mqtt_client
@@ -98,11 +105,7 @@ async def _rollup_worker(session: WriteSession, grace: float) -> str:
     """Which instance holds the roll-up worker's lease (store/lease.py), and
     its cursor."""
     cursor, lease = await gather_all(
-        session.prepare(
-            "SELECT toUnixTimestamp(minute) AS minute_ms FROM {keyspace}.rollup_progress "
-            "WHERE name = ?"
-        ),
-        session.prepare("SELECT holder FROM {keyspace}.worker_leases WHERE name = ?"),
+        session.prepare(ROLLUP_CURSOR_CQL), session.prepare(ROLLUP_HOLDER_CQL)
     )
     done, holder = await gather_all(
         session.read(cursor, (ROLLUP_PROGRESS,)), session.read(lease, (ROLLUP_PROGRESS,))
@@ -110,7 +113,7 @@ async def _rollup_worker(session: WriteSession, grace: float) -> str:
     if not done:
         return "roll-ups: no worker has run in this keyspace yet"
     done_ms = done[0]["minute_ms"]
-    behind = time.time() - done_ms / 1000 - 60 - grace
+    behind = rollup_behind_s(done_ms, time.time() * 1000, grace)
     where = (
         f"the worker runs on {holder[0]['holder']!r}"
         if holder

@@ -1013,7 +1013,7 @@ def rollup_progress(
     ``worker``: the instance holding the worker's lease, if any."""
     if done is None:
         return "; no roll-up worker has run in this keyspace (rollups.worker on a gateway)", True
-    behind = (now - done).total_seconds() - 60 - grace
+    behind = queries.rollup_behind_s(done.timestamp() * 1000, now.timestamp() * 1000, grace)
     if behind >= queries.ROLLUP_BEHIND_S:
         where = (
             f"it runs on {worker!r}: gateway_rollup_lag_seconds and the log there"
