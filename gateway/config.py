@@ -37,12 +37,13 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from .errors import ConfigError
-from .topic_filters import covers, filter_levels, is_topic_level, overlap
+from .topic_filters import covers, filter_levels, is_topic_level, meets, overlap
 from .units import duration_text, parse_duration, parse_size, parse_whole_seconds, size_text
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,16 @@ Bytes = Annotated[int, BeforeValidator(parse_size)]
 class _Model(BaseModel):
     # coerce_numbers_to_str: GATEWAY_MQTT__PASSWORD=123456 is a string, not an error.
     model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode takes true for 1: "queue_size = true" loaded as a
+        # queue of one message, "target_rate = true" as 1 msg/s.
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, bool) and field is not None and _is_number(field.annotation):
+            raise ValueError(f"expected a number, got {str(value).lower()}")
+        return value
 
 
 def _read_secret_file(path: Path, key: str) -> SecretStr:
@@ -857,6 +868,7 @@ class Config(_Model):
                     "so it cannot tell a state change, and the rate limit would drop one"
                 )
         _no_partial_overlap(self.topics)
+        _overrides_match_topics(self.sampling.overrides, self.topics)
         longest = self.limits.max_topic_level_length
         for i, template in enumerate(self.topics):
             fixed = [template.tenant] if template.tenant is not None else []
@@ -913,6 +925,21 @@ def _no_partial_overlap(topics: list[TopicTemplate]) -> None:
                 f"topics such as {topic!r}: the broker would deliver each such message "
                 "twice. Make one template cover the other, or tell them apart by a "
                 "fixed word"
+            )
+
+
+def _overrides_match_topics(overrides: list[Override], topics: list[TopicTemplate]) -> None:
+    """An override whose filter no subscribed topic can match never applies:
+    a typo in it (``tenant/`` for ``tenants/``) left the device unthrottled
+    and said nothing."""
+    subscribed = [levels for template in topics for levels in _levels(template)]
+    for i, override in enumerate(overrides):
+        levels = filter_levels(override.topic_filter)
+        if not any(meets(levels, topic) for topic in subscribed):
+            raise ValueError(
+                f"sampling.overrides[{i}].topic_filter {override.topic_filter!r} matches no "
+                f"topic the gateway subscribes to ({', '.join(t.template for t in topics)}), "
+                "so it would never apply"
             )
 
 
@@ -1146,6 +1173,15 @@ def _nearest_key(loc: tuple[str, ...], source: str) -> str:
     if near:
         return f"; did you mean {'.'.join((*loc[:-1], near[0]))}?"
     return ""
+
+
+def _is_number(annotation: Any) -> bool:
+    """Whether a field holds a number (an int or float, optional or not)."""
+    if get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    if get_origin(annotation) in (Union, UnionType):
+        return any(_is_number(a) for a in get_args(annotation) if a is not NoneType)
+    return annotation in (int, float)
 
 
 def _model_of(annotation: Any) -> tuple[type[BaseModel] | None, bool]:

@@ -52,6 +52,15 @@ def overlap(a: tuple[str, ...], b: tuple[str, ...]) -> str | None:
     return "/".join(y if x == "+" else x for x, y in zip(a, b, strict=True)).replace("+", "x")
 
 
+def meets(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+    """Whether some topic matches both the filter ``a`` (which may end in
+    '#') and ``b`` (which has no '#')."""
+    if a and a[-1] == "#":
+        head = a[:-1]  # '#' also matches its parent level: a/# matches a
+        return len(b) >= len(head) and overlap(head, b[: len(head)]) is not None
+    return overlap(a, b) is not None
+
+
 def is_topic_level(name: str) -> bool:
     """Whether ``name`` can be one level of a topic, as a tenant named in
     config or a token must: not empty, no '/', '+' or '#', no control character."""

@@ -246,6 +246,27 @@ def test_a_tenant_section_changes_only_what_it_sets(tmp_path: Path) -> None:
             {"GATEWAY_PIPELINE__LINGER": "1500ms"},
             "pipeline.linger (from GATEWAY_PIPELINE__LINGER): must be at most 1s (got '1500ms')",
         ),
+        (
+            {"GATEWAY_PIPELINE__QUEUE_SIZE": "true"},
+            "pipeline.queue_size (from GATEWAY_PIPELINE__QUEUE_SIZE): expected a number, got true",
+        ),
+        (
+            {"GATEWAY_SAMPLING__TENANTS__ACME__MAX_RATE": "false"},
+            "sampling.tenants.acme.max_rate (from GATEWAY_SAMPLING__TENANTS__ACME__MAX_RATE): "
+            "expected a number, got false",
+        ),
+        (
+            {"GATEWAY_SAMPLING__OVERRIDES": '[{topic_filter = "a/#", noisy_above = 8}]'},
+            "sampling.overrides[0].topic_filter 'a/#' matches no topic the gateway subscribes "
+            "to (tenants/{tenant}/devices/{device_id}/events), so it would never apply",
+        ),
+        (
+            {
+                "GATEWAY_SAMPLING__OVERRIDES": '[{topic_filter = "tenants/acme/#", '
+                'noisy_above = 8}, {topic_filter = "tenant/acme/+/+/events", noisy_above = 8}]'
+            },
+            "sampling.overrides[1].topic_filter 'tenant/acme/+/+/events' matches no topic",
+        ),
     ],
 )
 def test_a_value_that_cannot_work_is_refused_naming_its_key(env: dict[str, str], said: str) -> None:
@@ -253,7 +274,8 @@ def test_a_value_that_cannot_work_is_refused_naming_its_key(env: dict[str, str],
     an empty spool.path crashed spool mode with a traceback, a broken list
     became hosts named '["10.0.0.5"', reconnect waits went above
     reconnect_max, a replication factor of 0 or a quote reached the CQL, and
-    a range error said "less than or equal to 2678400" for "40d"."""
+    a range error said "less than or equal to 2678400" for "40d", true was
+    taken for 1, and an override that no topic could match never applied."""
     with pytest.raises(ConfigError) as caught:
         load_config(None, env)
     assert said in str(caught.value), caught.value

@@ -493,6 +493,27 @@ async def test_the_worker_waits_while_writes_are_being_retried(session: WriteSes
 
 
 @pytest.mark.asyncio(loop_scope="session")  # the module's session lives on that loop
+async def test_a_grace_within_the_request_timeout_is_warned_of(
+    session: WriteSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A mark answered after the grace lands behind the worker's cursor and its
+    window is never recomputed: nothing said so when the grace was set below
+    the request timeout."""
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    for grace, warned in (("10s", True), ("11s", False)):
+        caplog.clear()
+        config = make_config(GATEWAY_ROLLUPS__GRACE=grace, GATEWAY_CASSANDRA__REQUEST_TIMEOUT="10s")
+        with caplog.at_level(logging.WARNING, logger="gateway.store.rollups"):
+            await RollupWorker(session, config, Stats(), name=name).start()
+        said = [r.getMessage() for r in caplog.records if "request_timeout" in r.getMessage()]
+        if warned:
+            assert len(said) == 1, said
+            assert "rollups.grace (10s) is not above cassandra.request_timeout (10s)" in said[0]
+        else:
+            assert not said, said
+
+
+@pytest.mark.asyncio(loop_scope="session")  # the module's session lives on that loop
 async def test_a_retry_during_a_long_catch_up_stops_it_at_the_next_minute(
     session: WriteSession,
 ) -> None:

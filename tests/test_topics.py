@@ -12,6 +12,7 @@ from gateway.config import DEFAULT_TEMPLATE, Config, LimitsConfig, TopicTemplate
 from gateway.errors import DecodeError
 from gateway.ingest.topics import TopicMatcher
 from gateway.store.database import Database
+from gateway.topic_filters import filter_levels, meets
 
 from .helpers import (
     clear_session,
@@ -323,3 +324,25 @@ async def test_a_tenant_moved_off_an_instance_loses_nothing_its_session_held(
     finally:
         await clear_session(client_id)
     assert (await device_row(db, tenant, "d1")).state == "off"
+
+
+@pytest.mark.parametrize(
+    ("override", "subscribed", "meets_it"),
+    [
+        ("#", "a/+/b", True),
+        ("a/#", "a/+/b", True),
+        ("a/x/#", "a/+/b", True),
+        ("a/x/b/#", "a/+/b", True),  # '#' matches its parent level too
+        ("a/x/b/c/#", "a/+/b", False),
+        ("b/#", "a/+/b", False),
+        ("+/+/+", "a/+/b", True),
+        ("+/+", "a/+/b", False),
+        ("a/+/c", "a/+/b", False),
+        ("a/x/b", "a/+/b", True),
+    ],
+)
+def test_an_override_filter_meets_a_subscription(
+    override: str, subscribed: str, meets_it: bool
+) -> None:
+    """What config's check of sampling.overrides asks: can any topic match both?"""
+    assert meets(filter_levels(override), tuple(subscribed.split("/"))) is meets_it

@@ -96,6 +96,7 @@ from ..config import MAX_BUCKET_SECONDS, Config
 from ..event import Event
 from ..lru import LRU
 from ..stats import Cache, Stats
+from ..units import duration_text
 from . import queries
 from .lease import Lease, LeaseLost
 from .sink import Pending, Write
@@ -333,6 +334,15 @@ class RollupWorker:
         each time this instance takes the worker's lease (run). An instance that
         writes marks starts it too (RollupMarks.prepare), so the worker of one
         instance started after another finds the other's first marks."""
+        grace, timeout = self._config.rollups.grace, self._config.cassandra.request_timeout
+        if grace <= timeout:
+            log.warning(
+                "roll-ups: rollups.grace (%s) is not above cassandra.request_timeout (%s): a "
+                "mark answered later than the grace lands behind the worker, and its window "
+                "is never recomputed; set the grace above the timeout",
+                duration_text(grace),
+                duration_text(timeout),
+            )
         prepare = self._session.prepare
         # Together: each is a round trip, a second or more over a slow link.
         (
