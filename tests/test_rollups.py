@@ -470,6 +470,15 @@ async def test_cli_and_api_serve_the_rollups(
         status, body, _ = await api.get(f"/api/v1/tenants/{tenant}/devices/m1/rollups?step=2m")
         assert status == 400
         assert body["detail"].startswith("step:")
+        # A range of too many windows names the end the user gave: until
+        # alone was blamed on since, 24 h ago by default.
+        for query, blamed in (
+            ("until=2099-01-01T00:00:00Z", "until"),
+            ("since=2000-01-01", "since"),
+        ):
+            status, body, _ = await api.get(f"{path}&{query}")
+            assert status == 400, body
+            assert body["detail"].startswith(f"{blamed}: the range holds more than"), body
         status, body, _ = await api.get("/api/v1/tenants/other/devices/m1/rollups")
         assert status == 403
 

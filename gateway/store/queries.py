@@ -806,23 +806,27 @@ def check_order(since: datetime, until: datetime, *, since_given: bool, flag: st
     raise bad_parameter(f"{flag}until", f"must be after {flag}since, 24 h ago unless given")
 
 
-def check_rollup_range(step: int, since: datetime, until: datetime) -> tuple[int, int]:
+def check_rollup_range(
+    step: int, since: datetime, until: datetime, *, since_given: bool = True
+) -> tuple[int, int]:
     """The epoch ms of the first window of [since, until) and of its end, or
-    the QueryError that names the bad parameter (checked before any read)."""
+    the QueryError that names the bad parameter (checked before any read):
+    ``since`` when it was given, else ``until`` (``since`` is then the
+    default, 24 h ago, which the user never gave)."""
     since_ms, until_ms = epoch_ms(since), epoch_ms(until)
     if since_ms >= until_ms:
         raise bad_parameter("since", "must be before until")
     step_ms = step * 1000
     first = since_ms - since_ms % step_ms
     if (until_ms - first) // step_ms > MAX_ROLLUP_WINDOWS:
-        # Named by since (the API's contract), but either end may be the one
-        # to move: say both.
-        raise bad_parameter(
-            "since",
-            f"the range holds more than {MAX_ROLLUP_WINDOWS} windows of {step} s "
-            f"(from {iso(since)} to {iso(until)}): move since later or until earlier, "
-            "or take a longer step",
-        )
+        span = f"the range holds more than {MAX_ROLLUP_WINDOWS} windows of {step} s "
+        span += f"(from {iso(since)} to {iso(until)})"
+        if since_given:
+            # Either end may be the one to move: say both.
+            move = "move since later or until earlier"
+            raise bad_parameter("since", f"{span}: {move}, or take a longer step")
+        move = "move until earlier (since is 24 h ago unless given)"
+        raise bad_parameter("until", f"{span}: {move}, or take a longer step")
     return first, until_ms
 
 

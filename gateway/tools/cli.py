@@ -953,7 +953,7 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
     except QueryError as exc:
         raise UsageError(f"--{exc}") from None
     try:
-        queries.check_rollup_range(step, since, until)
+        queries.check_rollup_range(step, since, until, since_given=bool(args.since))
     except QueryError as exc:
         raise UsageError(f"--{exc}") from None
     async with connect(config.cassandra) as db:

@@ -352,6 +352,7 @@ class ReadApi:
         since, until = _day_range(query, 0)
         step_text = query.get("step") or DEFAULT_STEP
         step = queries.parse_step(step_text)
+        queries.check_rollup_range(step, since, until, since_given=bool(query.get("since")))
         metric = query.get("metric") or DEFAULT_METRIC
 
         async def compute() -> tuple[Any, float]:
