@@ -669,6 +669,14 @@ async def test_an_unchanged_answer_is_a_304_and_a_change_shows(
             status, body, _ = await api.get(path, **{"If-None-Match": etag})
             assert status == 304
             assert body is None
+            # "*" matches any current answer (RFC 9110 13.1.2); it was a 200.
+            status, body, _ = await api.get(path, **{"If-None-Match": "*"})
+            assert (status, body) == (304, None)
+            # ... but not an error: a device that is not there is still its 404.
+            status, body, _ = await api.get(
+                f"/api/v1/tenants/{tenant}/devices/nobody", **{"If-None-Match": "*"}
+            )
+            assert status == 404, body
             # D2 turns on: the next poll after the cache's half second shows it.
             await publish(
                 [(topic(tenant, D2), orjson.dumps({"ts": "2022-01-01T00:00:00Z", "state": "on"}))]

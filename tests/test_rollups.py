@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import orjson
 import pytest
@@ -944,6 +945,50 @@ async def test_one_tag_parser_for_states_and_metadata(
     for bad in ("=x", ":x", "x"):
         with pytest.raises(QueryError, match="expected KEY:VALUE or KEY=VALUE"):
             queries.parse_tag(bad)
+
+
+async def test_a_tag_key_with_a_separator_and_a_long_value_can_be_filtered_on(
+    db: Database, tenant: str, gateway: RunningGateway, tmp_path: Path
+) -> None:
+    """A key that holds ':' or '=' could not be filtered on (the parameter
+    split at the first of them); a value of 513 to 1,024 characters was over
+    the parameter's 512; and 1,024 characters of '€' percent-encode to 9,216
+    bytes, over aiohttp's 8,190-byte request line: a plain-text 400."""
+    long = "€" * 1024
+    tags = {"a:b": "1", "k=v": "2", "back\\slash": "3", "long": long}
+    await publish_and_wait(
+        gateway,
+        [(topic(tenant, "odd"), orjson.dumps({"state": "on", "value": 1, "tags": tags}))],
+    )
+    tokens = TokenStore(tmp_path / "tokens.jsonl")
+    spellings = [
+        ("a\\:b:1", "a:b"),
+        ("a\\:b=1", "a:b"),
+        ("k\\=v:2", "k=v"),
+        ("back\\\\slash=3", "back\\slash"),
+        (f"long:{long}", "long"),
+    ]
+    async with client(db, make_config(), tokens, tenant) as api:
+        for spelling, key in spellings:
+            assert queries.parse_tag(spelling) == (key, tags[key])
+            tag = quote(spelling, safe="")
+            status, meta, _ = await api.get(f"/api/v1/tenants/{tenant}/meta/devices?tag={tag}")
+            assert status == 200, meta
+            assert meta["devices"] == ["odd"], (spelling, meta)
+            status, listed, _ = await api.get(
+                f"/api/v1/tenants/{tenant}/states/on/devices?tag={tag}"
+            )
+            assert status == 200, listed
+            assert [d["device_id"] for d in listed["devices"]] == ["odd"], (spelling, listed)
+        # The unescaped key splits where it always did: key "a", value "b:1".
+        status, meta, _ = await api.get(f"/api/v1/tenants/{tenant}/meta/devices?tag=a:b:1")
+        assert (status, meta["devices"]) == (200, []), meta
+        status, body, _ = await api.get(f"/api/v1/tenants/{tenant}/meta/devices?tag=k:{'x' * 4095}")
+        assert status == 400, body
+        assert body["detail"] == "tag: longer than 4096 characters", body
+    cli = run_cli("meta", "devices", "--tenant", tenant, "a\\:b=1")
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout.split() == ["odd"], cli.stdout
 
 
 async def _expire_raw(db: Database, tenant: str, device: str) -> None:

@@ -165,16 +165,31 @@ def decode_cursor(cursor: str, buckets: int, query: int) -> tuple[int, Position]
 
 
 def parse_tag(tag: str) -> tuple[str, str]:
-    """``KEY:VALUE`` or ``KEY=VALUE``, split at the first ``:`` or ``=``: the
-    value may hold either (``site:v=1``, ``at=12:30``), a key neither. One
-    parser for every ``tag`` parameter and the CLI's KEY=VALUE (the metadata
-    endpoint split at '=' first, the states one at ':' first)."""
-    cut = min((i for i in (tag.find(":"), tag.find("=")) if i >= 0), default=-1)
-    if cut <= 0:
-        raise bad_parameter(
-            "tag", f"expected KEY:VALUE or KEY=VALUE, e.g. floor:3 or floor=3 (got {tag!r})"
-        )
-    return tag[:cut], tag[cut + 1 :]
+    """``KEY:VALUE`` or ``KEY=VALUE``, split at the first ``:`` or ``=`` of the
+    key: the value may hold either (``site:v=1``, ``at=12:30``). A key that
+    holds ``:``, ``=`` or ``\\`` writes them ``\\:``, ``\\=`` and ``\\\\``
+    (``a\\:b:1`` is key ``a:b``, value ``1``); the value is taken as written.
+    One parser for every ``tag`` parameter and the CLI's KEY=VALUE (the
+    metadata endpoint split at '=' first, the states one at ':' first)."""
+    key: list[str] = []
+    i = 0
+    while i < len(tag):
+        ch = tag[i]
+        if ch == "\\" and i + 1 < len(tag):
+            key.append(tag[i + 1])
+            i += 2
+            continue
+        if ch in ":=":
+            if key:
+                return "".join(key), tag[i + 1 :]
+            break
+        key.append(ch)
+        i += 1
+    raise bad_parameter(
+        "tag",
+        "expected KEY:VALUE or KEY=VALUE, e.g. floor:3 or floor=3; a key that holds : = "
+        f"or \\ writes them \\: \\= \\\\ (got {tag!r})",
+    )
 
 
 async def state_generations(db: Database, tenant: str, state: str) -> dict[int, int]:

@@ -360,7 +360,12 @@ def _parser() -> argparse.ArgumentParser:
     tagged = meta_sub.add_parser(
         "devices", parents=[common], help="devices that carry a tag value (KEY=VALUE)"
     )
-    tagged.add_argument("tag", type=_name, metavar="KEY=VALUE")
+    tagged.add_argument(
+        "tag",
+        type=_name,
+        metavar="KEY=VALUE",
+        help="KEY=VALUE or KEY:VALUE; a key that holds : = or \\ writes them \\: \\= \\\\",
+    )
     tagged.set_defaults(usage_parser=tagged)
     tagged.add_argument("--tenant", type=_tenant, required=True, help=TENANT_HELP)
     tagged.add_argument("--json", action="store_true", help="print JSON")

@@ -70,11 +70,10 @@ from .routes import (
     DEFAULT_LIMIT,
     DEFAULT_METRIC,
     DEFAULT_STEP,
-    MAX_CURSOR,
     MAX_LIMIT,
-    MAX_PARAM,
     PREFIX,
     ROUTES,
+    max_length,
 )
 from .server import AddRoutes, error_response, once_per
 from .tokens import Grant, TokenStore, token_from_header
@@ -170,7 +169,7 @@ class ReadApi:
                     request, 503, detail, code="unavailable", headers=[("Retry-After", "2")]
                 )
             caching = {"ETag": answer.etag, "Cache-Control": "no-cache"}
-            if answer.etag in _etags(request.headers.get("If-None-Match", "")):
+            if _not_modified(request.headers.get("If-None-Match", ""), answer):
                 return web.Response(status=304, headers=caching)
             return web.Response(
                 status=answer.status,
@@ -464,8 +463,12 @@ def _without_as_of(body: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in body.items() if name != "as_of"}
 
 
-def _etags(header: str) -> set[str]:
-    return {t.strip().removeprefix("W/") for t in header.split(",") if t.strip()}
+def _not_modified(if_none_match: str, answer: _Cached) -> bool:
+    """Whether If-None-Match names the answer's ETag (weakly, as a GET
+    compares), or is ``*``, which any current answer matches (RFC 9110
+    13.1.2): an error answer is not one."""
+    tags = {t.strip().removeprefix("W/") for t in if_none_match.split(",") if t.strip()}
+    return answer.etag in tags or ("*" in tags and answer.status == 200)
 
 
 def _check_params(query: Mapping[str, str], allowed: frozenset[str]) -> None:
@@ -478,7 +481,7 @@ def _check_params(query: Mapping[str, str], allowed: frozenset[str]) -> None:
         if name in seen:
             raise queries.bad_parameter(name, "given more than once")
         seen.add(name)
-        most = MAX_CURSOR if name == "cursor" else MAX_PARAM
+        most = max_length(name)
         if len(value) > most:
             raise queries.bad_parameter(name, f"longer than {most} characters")
 

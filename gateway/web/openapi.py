@@ -9,14 +9,24 @@ import re
 from typing import Any
 
 from ..store import queries
-from .routes import MAX_CURSOR, MAX_LIMIT, MAX_PARAM, PREFIX, ROUTES, Param, Route
+from .routes import (
+    MAX_CURSOR,
+    MAX_LIMIT,
+    MAX_PARAM,
+    MAX_TAG,
+    PREFIX,
+    ROUTES,
+    Param,
+    Route,
+    max_length,
+)
 
 
 def _query_parameter(param: Param) -> dict[str, Any]:
     schema = dict(param.schema)
     if schema.get("type") == "string":
         # As _check_params bounds them.
-        schema["maxLength"] = MAX_CURSOR if param.name == "cursor" else MAX_PARAM
+        schema["maxLength"] = max_length(param.name)
     out: dict[str, Any] = {
         "name": param.name,
         "in": "query",
@@ -251,7 +261,8 @@ OPENAPI: dict[str, Any] = {
             "carries an ETag; send it back in If-None-Match and an unchanged answer is "
             'a 304 with no body (poll with it). Errors are {"error", "detail"}. A '
             "query parameter a route does not take, or one given twice, is a 400; "
-            f"a parameter may be {MAX_PARAM} characters long, a cursor {MAX_CURSOR}."
+            f"a parameter may be {MAX_PARAM} characters long, a tag {MAX_TAG}, a cursor "
+            f"{MAX_CURSOR}."
         ),
     },
     "components": {

@@ -22,6 +22,15 @@ MAX_PARAM = 512  # characters in any query parameter but a cursor
 # A cursor the server gave out: a device cursor holds a device id (up to
 # limits.max_topic_level_length characters, 3 bytes each in UTF-8, then base64).
 MAX_CURSOR = 6000
+# A tag filter: a key (limits.max_key_length, 64; its ':' '=' '\\' escaped)
+# and a value (limits.max_text_length, 1,024), with room to spare: a value
+# of 513 to 1,024 characters was over MAX_PARAM, so no filter could find it.
+MAX_TAG = 4096
+
+
+def max_length(name: str) -> int:
+    """How many characters the query parameter ``name`` may hold."""
+    return MAX_CURSOR if name == "cursor" else MAX_TAG if name == "tag" else MAX_PARAM
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +93,8 @@ LIST_PARAMS = (
     Param(
         "tag",
         "Only devices whose latest event carries this tag value: KEY:VALUE or KEY=VALUE "
-        "(split at the first : or =).",
+        "(split at the first : or = of the key; a key that holds : = or \\ writes them "
+        "\\: \\= \\\\).",
         {"type": "string"},
         example="floor:3",
     ),
@@ -109,7 +119,8 @@ ROLLUP_PARAMS = (
 META_DEVICES_PARAMS = (
     Param(
         "tag",
-        "The tag value: KEY=VALUE or KEY:VALUE (split at the first : or =).",
+        "The tag value: KEY=VALUE or KEY:VALUE (split at the first : or = of the key; a "
+        "key that holds : = or \\ writes them \\: \\= \\\\).",
         {"type": "string"},
         required=True,
         example="floor=3",

@@ -116,6 +116,45 @@ async def test_a_building_manager_watches_a_device_change_state(
         await screenshot(page, "live-after-400")
 
 
+async def test_a_tag_chip_whose_key_holds_a_colon_filters_on_that_key(
+    db: Database, page: Page, screenshot: Shot, tmp_path: Path
+) -> None:
+    """A chip for key "zone:a", value "east", filtered on "zone:a:east": the
+    API split it at the first ':', key "zone", value "a:east", and listed
+    another device (or none). The chip now escapes its key ("zone\\:a:east")."""
+    tenant, port, tokens_file, token = _reader(tmp_path)
+    config = make_config(
+        GATEWAY_API__PORT=str(port),
+        GATEWAY_API__TOKENS_FILE=str(tokens_file),
+        GATEWAY_SAMPLING__ENABLED="false",
+    )
+    tagged = {"lamp-1": {"zone:a": "east"}, "lamp-2": {"zone": "a:east"}, "lamp-3": {}}
+    async with running_gateway(config) as gw:
+        await publish(
+            [
+                (topic(tenant, device), orjson.dumps({"state": "on", "value": 1, "tags": tags}))
+                for device, tags in tagged.items()
+            ]
+        )
+        await gw.wait_handled(3)
+        url = await _log_in(page, port, token)
+        await page.goto(f"{url}#/t/{tenant}/s/on")
+        rows = page.locator("#device-rows tr")
+        await expect(rows).to_have_count(3)
+        chip = page.locator('[data-device="lamp-1"] button.tag')
+        await expect(chip).to_have_text("zone:a:east")  # shown as sent
+        await chip.click()
+        await expect(page.locator("#tag")).to_have_value("zone\\:a:east")
+        await expect(rows).to_have_count(1)
+        await expect(page.locator('[data-device="lamp-1"]')).to_have_count(1)
+        # The other device's chip, typed by hand, finds the other device.
+        await page.locator("#tag").fill("zone:a:east")
+        await page.locator("#tag").press("Enter")
+        await expect(page.locator('[data-device="lamp-2"]')).to_have_count(1)
+        await expect(rows).to_have_count(1)
+        await screenshot(page, "live-tag-escaped")
+
+
 async def test_a_cut_link_to_cassandra_shows_on_the_page_and_heals(
     db: Database, page: Page, screenshot: Shot, tmp_path: Path
 ) -> None:

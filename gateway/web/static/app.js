@@ -187,11 +187,12 @@
     if (!entries.length) return h("span", { class: "hint", text: "—" });
     return h("ul", { class: "tags" }, entries.map(([k, v]) => {
       const text = `${k}:${formatValue(v)}`;
+      const filter = tagFilter(k, formatValue(v));
       return h("li", null, onPick
-        ? h("button", { type: "button", class: "tag", "data-tag": text,
+        ? h("button", { type: "button", class: "tag", "data-tag": filter,
           title: `Show only devices tagged ${text}`, text, onclick: (e) => {
             e.stopPropagation();
-            onPick(text);
+            onPick(filter);
           } })
         : h("span", { class: "tag", text }));
     }));
@@ -1152,13 +1153,21 @@
   }
 
   // A tag filter as the API takes it: KEY:VALUE, or KEY=VALUE as the CLI
-  // writes it, with spaces around the separator dropped. "" for no filter,
-  // null for text that is not (yet) a tag: "floor" while typing "floor:3".
+  // writes it, with spaces around the separator dropped. A key that holds
+  // ":", "=" or "\\" writes them "\\:", "\\=", "\\\\" (queries.parse_tag). ""
+  // for no filter, null for text that is not (yet) a tag: "floor" while
+  // typing "floor:3".
   function normalizeTag(raw) {
     const text = raw.trim();
     if (!text) return "";
-    const m = /^([^:=]*?)\s*[:=]\s*(.*)$/s.exec(text);
+    const m = /^((?:\\.|[^\\:=])*?)\s*[:=]\s*(.*)$/s.exec(text);
     return m && m[1] && m[2] ? `${m[1]}:${m[2]}` : null;
+  }
+
+  // The filter for one tag, its key escaped: a chip for key "a:b" filtered
+  // on key "a", value "b:...".
+  function tagFilter(key, value) {
+    return `${key.replace(/[\\:=]/g, "\\$&")}:${value}`;
   }
 
   // Say under the field what is missing, instead of asking the API.
