@@ -41,6 +41,7 @@ from .ingest.spool import Spool, SpoolSource, stranded
 from .sd_notify import Notifier
 from .spooling import schema_missing, spool_until_reachable, unreachable_since
 from .stats import Cache, Stats
+from .store.clock import ClockWatch
 from .store.database import Database, cannot_connect, connect
 from .store.hot import HotPartitions
 from .store.latest import LatestState
@@ -88,6 +89,7 @@ class Gateway:
         spool: SpoolSource | None,
         shutdown_deadline: float,
         rollups: RollupWorker | None = None,
+        clock: ClockWatch | None = None,
     ) -> None:
         self.config = config
         self.stats = stats
@@ -100,6 +102,7 @@ class Gateway:
         self._spool = spool
         self._shutdown_deadline = shutdown_deadline
         self._rollups = rollups
+        self._clock = clock
 
     # -- answers for the HTTP side -------------------------------------------
 
@@ -125,6 +128,9 @@ class Gateway:
             disk_full = spool.disk_full_since is not None
         if self._rollups is not None:
             details["rollup_worker"] = self._rollups.role
+        if self.stats.clock_offset_s is not None:
+            # Cassandra's clock minus this host's (store/clock.py).
+            details["clock_offset_s"] = round(self.stats.clock_offset_s, 3)
         if refused:
             # Connected, but deaf to these filters' messages (an ACL, a broker
             # without shared subscriptions): "ok" hid it.
@@ -191,6 +197,8 @@ class Gateway:
             tasks.create_task(self._until_stop(self._watch_link(), stop))
             if self._rollups is not None:
                 tasks.create_task(self._until_stop(self._rollups.run(), stop))
+            if self._clock is not None:
+                tasks.create_task(self._until_stop(self._clock.run(), stop))
             tasks.create_task(self._signal_ready(stop, ready))
         log.info("stopped: %s", self.stats.summary())
         return self.stats
@@ -413,11 +421,13 @@ async def open_gateway(
             worker = RollupWorker(rollup_session, config, stats)
         # Together: each statement is a round trip, and over a slow link (1 s)
         # one after another they took over a minute before READY.
+        clock = ClockWatch(session, stats)
         writers = (latest, rotation, telemetry, rejects, marks, metadata, quota)
         await opening(
             asyncio.gather(
                 requests.prepare_probe(),
                 *(w.prepare(session) for w in writers if w is not None),
+                clock.prepare(),
                 *(() if worker is None else (worker.start(),)),
             )
         )
@@ -481,6 +491,7 @@ async def open_gateway(
             spool=source,
             shutdown_deadline=shutdown_deadline,
             rollups=worker,
+            clock=clock,
         )
         if isinstance(reader, Database):
             # The read side has a session of its own (the CLI's driver): its

@@ -166,6 +166,9 @@ class Stats:
     rollup_lease_held: int = 0  # 1 while this instance holds the roll-up worker's lease
     rollup_lease_taken: int = 0  # times this instance took the roll-up worker's lease
     rollup_lease_lost: int = 0  # times it lost it while working (another holder, no renewal)
+    # Cassandra's clock minus this host's, as last measured (store/clock.py).
+    clock_offset_s: float | None = None
+    clock_steps: int = 0  # times this host's clock stepped (wall less monotonic moved)
     metadata_writes: int = 0  # new metadata entries written (store/metadata.py)
     metadata_capped: int = 0  # new entries not written: tenant at metadata.max_per_tenant
     metadata_reads: int = 0  # metadata entries not in the LRU, looked up in Cassandra

@@ -456,6 +456,14 @@ async def test_metrics_and_health_endpoints(
     latency = re.search(r"^gateway_write_latency_seconds_count (\S+)$", body, re.M)
     assert latency
     assert float(latency.group(1)) >= 30
+    # This host's clock against Cassandra's (store/clock.py), measured at start:
+    # the same host, so within a fraction of a second.
+    offset = re.search(r"^gateway_clock_offset_seconds (\S+)$", body, re.M)
+    assert offset, body
+    assert abs(float(offset.group(1))) < 0.5
+    status, body = await asyncio.to_thread(_get, f"{base}/healthz")
+    assert abs(orjson.loads(body)["checks"]["clock_offset_s"]) < 0.5, body
+    assert "clock: within" in gw.output()
     gw.signal(signal.SIGTERM)
     assert gw.wait() == 0
 

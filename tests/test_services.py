@@ -297,6 +297,10 @@ def test_check_ok(keyspace: str) -> None:
     assert any(line.startswith("broker: ok") for line in lines), result.stdout
     assert any(line.startswith("cassandra: ok") for line in lines), result.stdout
     assert keyspace in result.stdout
+    # This host's clock against Cassandra's (same host: within a fraction of a second).
+    assert re.search(r"^clock: within 0\.\d{3} s of Cassandra's$", result.stdout, re.M), (
+        result.stdout
+    )
 
 
 def test_check_says_where_the_rollup_worker_runs(keyspace: str) -> None:

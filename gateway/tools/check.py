@@ -31,6 +31,7 @@ from ..ingest.spool import (
     unwritable,
     what_to_do_with_damaged,
 )
+from ..store.clock import check_line, measure
 from ..store.queries import (
     ROLLUP_BEHIND_S,
     ROLLUP_CURSOR_CQL,
@@ -68,9 +69,11 @@ async def _broker(config: Config) -> Result:
 async def _cassandra(config: Config) -> list[Result]:
     """Cassandra's check, then (schema complete, roll-ups on) where the
     roll-up worker runs and how far it has got: said, never a failure (before
-    the first `gateway run` none has run)."""
+    the first `gateway run` none has run); then this host's clock against
+    Cassandra's (store/clock.py)."""
     hosts = ",".join(f"{h}:{config.cassandra.port}" for h in config.cassandra.contact_points)
     rollups: list[Result] = []
+    clock: list[Result] = []
     try:
         # Through the driver `gateway run` will write with (cassandra.driver).
         async with open_write_session(config.cassandra) as session:
@@ -82,6 +85,14 @@ async def _cassandra(config: Config) -> list[Result]:
                 except Exception as exc:  # a read at quorum with replicas down
                     said = f"roll-ups: not known ({exc or type(exc).__name__})"
                 rollups.append((True, said, ""))
+            try:
+                offset = await measure(session)
+            except Exception as exc:
+                clock.append((True, f"clock: not known ({exc or type(exc).__name__})", ""))
+            else:
+                right, line = check_line(offset, config.limits.max_future_skew)
+                problem = "" if right else f"this host's clock is {line.removeprefix('clock: ')}"
+                clock.append((right, line, problem))
     except (SinkError, ConfigError) as exc:
         return [(False, f"cassandra: {exc}", str(exc))]
     if missing:
@@ -92,13 +103,14 @@ async def _cassandra(config: Config) -> list[Result]:
                 f"{', '.join(missing)}: run `gateway schema apply`",
                 f"Cassandra at {hosts} answers but the schema is incomplete "
                 f"(missing {', '.join(missing)}): run `gateway schema apply`",
-            )
+            ),
+            *clock,
         ]
     ok = (
         f"cassandra: ok ({hosts}, keyspace {config.cassandra.keyspace}, schema complete, "
         f"writes through {driver})"
     )
-    return [(True, ok, ""), *rollups]
+    return [(True, ok, ""), *rollups, *clock]
 
 
 async def _rollup_worker(session: WriteSession, grace: float) -> str:

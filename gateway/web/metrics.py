@@ -260,6 +260,13 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
         "instance's or could not be renewed within rollups.lease.",
     ),
     (
+        "gateway_clock_steps_total",
+        "clock_steps",
+        "Times this host's clock stepped by over a second (NTP setting a stale clock "
+        "right, or someone setting it); each is followed by a new measurement against "
+        "Cassandra's.",
+    ),
+    (
         "gateway_spool_full_total",
         "spool_full_waits",
         "Times the spool reached spool.max_records or spool.max_bytes: acknowledgements "
@@ -476,6 +483,14 @@ class GatewayCollector(Collector):
             "gateway_rollup_lease_held",
             "1 while this instance holds the roll-up worker's lease and works, else 0.",
             value=stats.rollup_lease_held,
+        )
+        offset = stats.clock_offset_s
+        yield GaugeMetricFamily(
+            "gateway_clock_offset_seconds",
+            "Cassandra's clock minus this host's, as last measured (at start, every 10 "
+            "min, and after a step): positive when this host's clock is behind; NaN until "
+            "measured.",
+            value=math.nan if offset is None else offset,
         )
         yield from _cache_families(stats.caches)
         yield GaugeMetricFamily(
