@@ -477,6 +477,18 @@ async def tenants(db: Database, limit: int = 1000) -> list[str]:
     return sorted(r.tenant for r in rows)
 
 
+async def devices_with_rows(db: Database, tenant: str) -> list[str]:
+    """Every device of ``tenant`` that has raw rows (a partition in
+    ``telemetry_partitions``), by id: a scan of that table's partition keys,
+    filtered by Cassandra (``gateway rebuild-rollups`` over a whole tenant)."""
+    rows = await db.execute(
+        f"SELECT DISTINCT tenant, device_id FROM {db.keyspace}.telemetry_partitions "
+        "WHERE tenant = %s ALLOW FILTERING",
+        (tenant,),
+    )
+    return sorted(r.device_id for r in rows)
+
+
 async def latest_event(db: Database, tenant: str, device_id: str) -> LatestRow | None:
     rows = await db.execute(
         f"SELECT device_id, state, ts, value, value_num, metrics, tags "

@@ -130,6 +130,7 @@ INIT_CURSOR = "INSERT INTO {keyspace}.rollup_progress (name, minute) VALUES (?, 
 # reads, not 3,000.
 GROUP = 100
 READ_IN = 100
+DAY_MS = 86_400_000
 # Windows (partitions) per written batch: Cassandra warns above 10 partitions
 # or 5 KiB of mutations per batch. The mutations count about twice the bound
 # values (expiring cells carry their TTL and deletion time): 30 rows of
@@ -140,6 +141,11 @@ PACK_WINDOWS = 10
 Window = tuple[str, str, int]  # (tenant, device_id, start in epoch ms)
 RawRows = dict[tuple[int, int], tuple[float | None, dict[str, float]]]  # (ts, event_id) ->
 _Bound = tuple[list[Any], int]  # a window's bound statements, and the bytes of their values
+
+
+def _by_start_first(window: Window) -> tuple[str, int, str]:
+    tenant, device_id, start = window
+    return tenant, start, device_id
 
 
 def mark_shard(tenant: str, device_id: str) -> int:
@@ -343,6 +349,17 @@ class RollupWorker:
                 duration_text(grace),
                 duration_text(timeout),
             )
+        await self.prepare()
+        now_ms = int(self._clock() * 1000)
+        first = first_minute_ms if first_minute_ms is not None else now_ms - now_ms % MINUTE_MS
+        await self._execute(self._init_cursor, (self._name, first))
+        rows = await self._session.read(self._read_cursor, (self._name,))
+        self._cursor = rows[0]["minute_ms"]
+        self._ready = True
+
+    async def prepare(self) -> None:
+        """Prepare the statements: enough for :meth:`recompute` and
+        :meth:`rebuild`, which need no cursor (``gateway rebuild-rollups``)."""
         prepare = self._session.prepare
         # Together: each is a round trip, a second or more over a slow link.
         (
@@ -355,6 +372,7 @@ class RollupWorker:
             self._read_minutes,
             self._read_counts,
             self._write,
+            self._read_times,
         ) = await gather_all(
             prepare(queries.ROLLUP_CURSOR_CQL),
             prepare(INIT_CURSOR, timestamps=(1,)),
@@ -403,14 +421,18 @@ class RollupWorker:
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) USING TTL ? AND TIMESTAMP ?",
                 timestamps=(3, 5, 11),
             ),
+            # Which minutes hold raw rows (rebuild): a row per device and
+            # minute, grouped by Cassandra, not every row's time.
+            prepare(
+                "SELECT device_id, toUnixTimestamp(floor(ts, 1m)) AS window_ms "
+                "FROM {keyspace}.telemetry "
+                "WHERE tenant = ? AND device_id IN ? AND bucket_start = ? AND shard = ? "
+                "AND ts >= ? AND ts < ? "
+                "GROUP BY tenant, device_id, bucket_start, shard, floor(ts, 1m)",
+                timestamps=(2, 4, 5),
+            ),
         )
         await self._lease.prepare()
-        now_ms = int(self._clock() * 1000)
-        first = first_minute_ms if first_minute_ms is not None else now_ms - now_ms % MINUTE_MS
-        await self._execute(self._init_cursor, (self._name, first))
-        rows = await self._session.read(self._read_cursor, (self._name,))
-        self._cursor = rows[0]["minute_ms"]
-        self._ready = True
 
     async def _execute(self, prepared: Prepared, values: tuple[Any, ...]) -> Rows:
         """One write (its rows, for a lightweight transaction)."""
@@ -582,7 +604,10 @@ class RollupWorker:
         writes packed PACK_WINDOWS windows to a request. With ``spread`` > 0
         the groups, the hours' included, are spaced evenly over that many
         seconds: group k of n is not started before k/n of it has passed."""
-        ordered = sorted(windows)
+        # By start, then device: a group's windows share a start as far as
+        # they can, and each start costs its own reads (a minute's marks are
+        # mostly of one start; a rebuild's are a day of each device's).
+        ordered = sorted(windows, key=_by_start_first)
         hours: dict[tuple[str, str, int], set[str]] = {}
         # The hours' groups are paced too: late in an hour, re-merging it
         # reads more rows (its minutes so far) than the minute's raw rows.
@@ -628,6 +653,53 @@ class RollupWorker:
         for first in range(0, len(hourly), GROUP):
             await pace()
             await self._hours(dict(hourly[first : first + GROUP]))
+
+    async def rebuild(
+        self,
+        tenant: str,
+        devices: list[str],
+        since_ms: int,
+        until_ms: int,
+        progress: Callable[[int, int], None] = lambda devices, windows: None,
+    ) -> int:
+        """Recompute every 1-minute window of these devices that holds raw rows
+        in [since_ms, until_ms), and their hours, READ_IN devices at a time;
+        ``progress(devices done, windows done)`` after each. Returns the
+        windows recomputed. For what the marks missed (README, Known limits:
+        another instance's retried marks) and rows written around the
+        gateway; idempotent, and safe beside a running worker (the later
+        read wins)."""
+        done = windows = 0
+        for first in range(0, len(devices), READ_IN):
+            some = devices[first : first + READ_IN]
+            # A day at a time: at most READ_IN devices' minutes of a day in memory.
+            for start in range(since_ms, until_ms, DAY_MS):
+                found = await self._windows(tenant, some, start, min(start + DAY_MS, until_ms))
+                await self.recompute(found)
+                windows += len(found)
+                progress(done, windows)
+            done += len(some)
+            progress(done, windows)
+        return windows
+
+    async def _windows(
+        self, tenant: str, devices: list[str], since_ms: int, until_ms: int
+    ) -> set[Window]:
+        """The 1-minute windows of these devices that hold raw rows in
+        [since_ms, until_ms), from every partition that may hold them."""
+        low = since_ms - MAX_BUCKET_SECONDS * 1000
+        index = await self._read(self._read_index, (tenant, devices, until_ms - 1, low))
+        by_partition: dict[tuple[int, int], list[str]] = {}
+        for p in index:
+            if p["bucket_ms"] + p["bucket_seconds"] * 1000 > since_ms:
+                by_partition.setdefault((p["bucket_ms"], p["shard"]), []).append(p["device_id"])
+
+        def read_times(key: tuple[int, int], some: list[str]) -> Any:
+            bucket, shard = key
+            return self._read(self._read_times, (tenant, some, bucket, shard, since_ms, until_ms))
+
+        rows = await self._read_in(by_partition, read_times)
+        return {(tenant, r["device_id"], r["window_ms"]) for r in rows}
 
     @staticmethod
     def _minute(rows: RawRows) -> dict[str, Aggregate]:

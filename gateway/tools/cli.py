@@ -41,6 +41,7 @@ from ..repeats import Repeats
 from ..sd_notify import Notifier
 from ..store import queries, quota, schema
 from ..store.database import Database, connect
+from ..units import epoch_ms
 from ..web import tokens
 
 # `gateway run` and `serve` (the app: aiohttp, both drivers, the pipeline),
@@ -161,6 +162,10 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "rollup": (
         "gateway rollup --tenant demo dev-000001 --metric temperature --since 2h",
         "gateway rollup --tenant demo dev-000001 --step 1h --since 7d --json",
+    ),
+    "rebuild-rollups": (
+        "gateway rebuild-rollups --tenant demo --since 2026-11-27T10:00:00Z --until 3h",
+        "gateway rebuild-rollups --tenant demo dev-000001 dev-000002 --since 7d",
     ),
     "meta": (
         "gateway meta tags --tenant demo",
@@ -344,6 +349,28 @@ def _parser() -> argparse.ArgumentParser:
         "--until", help="RFC 3339 time (UTC without an offset) or a duration ago (default now)"
     )
     rol.add_argument("--json", action="store_true", help="print a JSON array")
+
+    reb = _command(
+        sub,
+        "rebuild-rollups",
+        parents=[common],
+        help="recompute roll-ups from the raw rows over a range, with progress on stderr",
+    )
+    reb.add_argument("--tenant", type=_tenant, required=True, help=TENANT_HELP)
+    reb.add_argument(
+        "device_id",
+        type=_name,
+        nargs="*",
+        help="the devices (default: every device of the tenant with raw rows)",
+    )
+    reb.add_argument(
+        "--since",
+        help="RFC 3339 time (UTC without an offset) or a duration ago like 2h "
+        "(ms, s, m, h, d; default 24h)",
+    )
+    reb.add_argument(
+        "--until", help="RFC 3339 time (UTC without an offset) or a duration ago (default now)"
+    )
 
     meta = _command(
         sub, "meta", parents=[common], help="metric names, tag keys and values, devices by tag"
@@ -999,6 +1026,52 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+async def _rebuild_rollups(config: Config, args: argparse.Namespace) -> int:
+    """Every 1-minute window of the devices that holds raw rows in the range
+    recomputed, and its hour (store/rollups.py, RollupWorker.rebuild)."""
+    from ..stats import Stats
+    from ..store.rollups import RollupWorker
+    from ..store.write_session import open_write_session
+
+    since, until = _time_range(args, datetime.now(UTC))
+    since_ms, until_ms = epoch_ms(since), epoch_ms(until)
+    span = f"from {queries.iso(since)} to {queries.iso(until)}"
+    async with connect(config.cassandra) as db:
+        devices = sorted(set(args.device_id)) or await queries.devices_with_rows(db, args.tenant)
+    if not devices:
+        print(f"(tenant {args.tenant!r} has no raw rows; a misspelt --tenant?)", file=sys.stderr)
+        return 1
+    said = False
+
+    def progress(done: int, windows: int) -> None:
+        nonlocal said
+        said = True
+        print(
+            f"\rrebuild-rollups: {done} of {_count(len(devices), 'device')}, "
+            f"{_count(windows, 'window')} recomputed",
+            end="",
+            file=sys.stderr,
+        )
+
+    async with open_write_session(config.cassandra) as session:
+        worker = RollupWorker(session, config, Stats())
+        await worker.prepare()
+        try:
+            windows = await worker.rebuild(args.tenant, devices, since_ms, until_ms, progress)
+        finally:
+            if said:
+                print(file=sys.stderr, flush=True)  # after the progress line
+    if not windows:
+        print(f"(no raw rows {span} for {_count(len(devices), 'device')})", file=sys.stderr)
+        return 0
+    print(
+        f"recomputed {_count(windows, '1-minute window')} and "
+        f"{'its hour' if windows == 1 else 'their hours'}, of "
+        f"{_count(len(devices), 'device')} of tenant {args.tenant!r}, {span}"
+    )
+    return 0
+
+
 async def _rollup_worker_or_none(db: Database) -> str | None:
     """The worker's holder for the hint, or None when it cannot be read (a
     keyspace from before `worker_leases`): the hint never fails the answer."""
@@ -1450,6 +1523,7 @@ def _main(argv: Sequence[str] | None) -> int:
         "history": lambda: _history(config, args),
         "rejected": lambda: _rejected(config, args),
         "rollup": lambda: _rollup(config, args),
+        "rebuild-rollups": lambda: _rebuild_rollups(config, args),
         "meta": lambda: _meta(config, args),
         "quota": lambda: _quota(config, args),
         "simulate": lambda: _simulate(config, args),
