@@ -929,10 +929,13 @@ def _no_partial_overlap(topics: list[TopicTemplate]) -> None:
 
 
 def _overrides_match_topics(overrides: list[Override], topics: list[TopicTemplate]) -> None:
-    """An override whose filter no subscribed topic can match never applies:
+    """An override whose filter no template's topic can match never applies:
     a typo in it (``tenant/`` for ``tenants/``) left the device unthrottled
-    and said nothing."""
-    subscribed = [levels for template in topics for levels in _levels(template)]
+    and said nothing. Against each template's pattern, its tenant level any
+    tenant: a shard's ``tenants`` list (README, "Scaling out") must not refuse
+    a config shared with the other shards, whose tenants' old sessions may
+    still deliver here."""
+    subscribed = [template.pattern() for template in topics]
     for i, override in enumerate(overrides):
         levels = filter_levels(override.topic_filter)
         if not any(meets(levels, topic) for topic in subscribed):

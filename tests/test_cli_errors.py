@@ -178,16 +178,19 @@ def test_init_refuses_a_directory_and_follows_gateway_config(
         ("history", "--tenant", "t", "d" * 70_000),
         ("devices", "--tenant", "t" * 600, "--state", "on"),
         ("rollup", "--tenant", "t", "d", "--metric", "m" * 513),
-        ("meta", "devices", "--tenant", "t", "k=" + "v" * 600),
+        # A tag as long as the API's tag parameter (4,096: a 1,024-character value fits).
+        ("meta", "devices", "--tenant", "t", "k=" + "v" * 4095),
     ],
 )
 def test_a_name_that_is_not_utf8_or_too_long_is_refused(
     gateway: Run, args: tuple[str, ...]
 ) -> None:
     """Not valid UTF-8 (a terminal in Latin-1) or over 64 KiB was a traceback
-    (blaming Cassandra for the first); the API takes 512 characters."""
+    (blaming Cassandra for the first); the API takes 512 characters, 4,096
+    for a tag."""
     err = _fails(gateway, *args)
-    assert "not valid UTF-8" in err or "longer than 512 characters" in err, err
+    most = 4096 if args[0] == "meta" else 512
+    assert "not valid UTF-8" in err or f"longer than {most} characters" in err, err
     assert len(err) < 1000  # a long name is not echoed whole
 
 

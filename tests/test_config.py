@@ -1021,3 +1021,16 @@ def test_a_list_in_the_environment_that_is_not_toml_says_so() -> None:
     config = load_config(None, {"GATEWAY_MQTT__PASSWORD": "[not-toml"})
     assert config.mqtt.password is not None
     assert config.mqtt.password.get_secret_value() == "[not-toml"
+
+
+def test_an_override_for_another_shards_tenant_loads() -> None:
+    """A shard lists its tenants (README, "Scaling out"), and the config it
+    shares with the other shards may hold an override for their tenants:
+    that is no typo, and the old session of a moved tenant still delivers."""
+    env = {
+        "GATEWAY_TOPICS": '[{template = "tenants/{tenant}/devices/{device_id}/events", '
+        'tenants = ["a", "b"]}]',
+        "GATEWAY_SAMPLING__OVERRIDES": "[{topic_filter = 'tenants/acme/#', noisy_above = 8}]",
+    }
+    config = load_config(None, env)
+    assert config.sampling.overrides[0].topic_filter == "tenants/acme/#"

@@ -1049,6 +1049,10 @@ async def test_rebuild_rollups_recomputes_what_no_mark_asked_for(
     assert await rollups_of("r2", 60) == [(w, 1, 10.0)]
     assert await rollups_of("r1", 60) == []
 
+    # A device with no rows in the range (a misspelt id?): said, exit 1.
+    result = run_cli("rebuild-rollups", "--tenant", tenant, "r9", *span)
+    assert result.returncode == 1
+    assert f"(no raw rows from {span[1]} to {span[3]} for 1 device of tenant" in result.stderr
     # A tenant with no raw rows: a misspelt --tenant, said, exit 1.
     result = run_cli("rebuild-rollups", "--tenant", f"{tenant}x", *span)
     assert result.returncode == 1

@@ -131,6 +131,7 @@ INIT_CURSOR = "INSERT INTO {keyspace}.rollup_progress (name, minute) VALUES (?, 
 GROUP = 100
 READ_IN = 100
 DAY_MS = 86_400_000
+READ_AT_ONCE = 64  # a rebuild's partition reads at once
 # Windows (partitions) per written batch: Cassandra warns above 10 partitions
 # or 5 KiB of mutations per batch. The mutations count about twice the bound
 # values (expiring cells carry their TTL and deletion time): 30 rows of
@@ -698,8 +699,15 @@ class RollupWorker:
             bucket, shard = key
             return self._read(self._read_times, (tenant, some, bucket, shard, since_ms, until_ms))
 
-        rows = await self._read_in(by_partition, read_times)
-        return {(tenant, r["device_id"], r["window_ms"]) for r in rows}
+        # READ_AT_ONCE partitions' reads at a time: a day of 1-minute buckets
+        # of sharded devices is thousands of partitions.
+        found: set[Window] = set()
+        partitions = list(by_partition.items())
+        for first in range(0, len(partitions), READ_AT_ONCE):
+            some = dict(partitions[first : first + READ_AT_ONCE])
+            for r in await self._read_in(some, read_times):
+                found.add((tenant, r["device_id"], r["window_ms"]))
+        return found
 
     @staticmethod
     def _minute(rows: RawRows) -> dict[str, Aggregate]:

@@ -43,6 +43,7 @@ from ..store import queries, quota, schema
 from ..store.database import Database, connect
 from ..units import epoch_ms
 from ..web import tokens
+from ..web.routes import MAX_TAG
 
 # `gateway run` and `serve` (the app: aiohttp, both drivers, the pipeline),
 # `check`, `forget-session` and `simulate` (MQTT clients) import what they
@@ -389,7 +390,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     tagged.add_argument(
         "tag",
-        type=_name,
+        type=_tag,
         metavar="KEY=VALUE",
         help="KEY=VALUE or KEY:VALUE; a key that holds : = or \\ writes them \\: \\= \\\\",
     )
@@ -762,6 +763,10 @@ def _add_limit(parser: argparse.ArgumentParser, what: str) -> None:
     )
 
 
+def _s(n: int) -> str:
+    return "" if n == 1 else "s"
+
+
 def _count(n: int, noun: str) -> str:
     """``1 token``, ``2 tokens``."""
     return f"{n} {noun}{'' if n == 1 else 's'}"
@@ -808,15 +813,25 @@ def _name(text: str) -> str:
     UTF-8 (a terminal in another encoding gives bytes that are not) and at
     most MAX_ARG characters, as the read API takes (Cassandra refuses keys
     over 64 KiB, with a traceback)."""
+    return _argument(text, MAX_ARG)
+
+
+def _tag(text: str) -> str:
+    """A KEY=VALUE tag: as long as the read API's tag parameter (MAX_TAG: a
+    value of up to 1,024 characters and its key)."""
+    return _argument(text, MAX_TAG)
+
+
+def _argument(text: str, most: int) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise argparse.ArgumentTypeError(
             f"not valid UTF-8 ({ascii(text)[:60]}): check the terminal's encoding"
         ) from None
-    if len(text) > MAX_ARG:
+    if len(text) > most:
         raise argparse.ArgumentTypeError(
-            f"longer than {MAX_ARG} characters ({len(text)}: {text[:40]!r}...)"
+            f"longer than {most} characters ({len(text)}: {text[:40]!r}...)"
         )
     return text
 
@@ -1036,8 +1051,10 @@ async def _rebuild_rollups(config: Config, args: argparse.Namespace) -> int:
     since, until = _time_range(args, datetime.now(UTC))
     since_ms, until_ms = epoch_ms(since), epoch_ms(until)
     span = f"from {queries.iso(since)} to {queries.iso(until)}"
-    async with connect(config.cassandra) as db:
-        devices = sorted(set(args.device_id)) or await queries.devices_with_rows(db, args.tenant)
+    devices = sorted(set(args.device_id))
+    if not devices:
+        async with connect(config.cassandra) as db:
+            devices = await queries.devices_with_rows(db, args.tenant)
     if not devices:
         print(f"(tenant {args.tenant!r} has no raw rows; a misspelt --tenant?)", file=sys.stderr)
         return 1
@@ -1047,8 +1064,8 @@ async def _rebuild_rollups(config: Config, args: argparse.Namespace) -> int:
         nonlocal said
         said = True
         print(
-            f"\rrebuild-rollups: {done} of {_count(len(devices), 'device')}, "
-            f"{_count(windows, 'window')} recomputed",
+            f"\rrebuild-rollups: {done:,} of {len(devices):,} device{_s(len(devices))}, "
+            f"{windows:,} window{_s(windows)} recomputed",
             end="",
             file=sys.stderr,
         )
@@ -1062,12 +1079,14 @@ async def _rebuild_rollups(config: Config, args: argparse.Namespace) -> int:
             if said:
                 print(file=sys.stderr, flush=True)  # after the progress line
     if not windows:
-        print(f"(no raw rows {span} for {_count(len(devices), 'device')})", file=sys.stderr)
-        return 0
+        # Nothing to do is a failure for devices named (a misspelt id?).
+        named = f"{_count(len(devices), 'device')} of tenant {args.tenant!r}"
+        print(f"(no raw rows {span} for {named})", file=sys.stderr)
+        return 1 if args.device_id else 0
     print(
-        f"recomputed {_count(windows, '1-minute window')} and "
+        f"recomputed {windows:,} 1-minute window{_s(windows)} and "
         f"{'its hour' if windows == 1 else 'their hours'}, of "
-        f"{_count(len(devices), 'device')} of tenant {args.tenant!r}, {span}"
+        f"{len(devices):,} device{_s(len(devices))} of tenant {args.tenant!r}, {span}"
     )
     return 0
 

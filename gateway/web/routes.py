@@ -22,9 +22,11 @@ MAX_PARAM = 512  # characters in any query parameter but a cursor
 # A cursor the server gave out: a device cursor holds a device id (up to
 # limits.max_topic_level_length characters, 3 bytes each in UTF-8, then base64).
 MAX_CURSOR = 6000
-# A tag filter: a key (limits.max_key_length, 64; its ':' '=' '\\' escaped)
-# and a value (limits.max_text_length, 1,024), with room to spare: a value
-# of 513 to 1,024 characters was over MAX_PARAM, so no filter could find it.
+# A tag filter: a key (limits.max_key_length, 64 by default; its ':' '=' '\\'
+# escaped) and a value (limits.max_text_length, 1,024 by default), with room
+# to spare: a value of 513 to 1,024 characters was over MAX_PARAM, so no
+# filter could find it. Fixed, not from the config: limits raised past it
+# store longer tags that no filter can name (README, Known limits).
 MAX_TAG = 4096
 
 

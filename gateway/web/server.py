@@ -96,9 +96,10 @@ class Limits:
     """The HTTP side's bounds (see the module docstring for what enforces each)."""
 
     # aiohttp's 8190 was less than the read API's longest valid request: a tag
-    # parameter of 4,096 characters percent-encodes to up to 36 KiB, and a
-    # cursor and a prefix come beside it. Such a request got aiohttp's
-    # plain-text 400, before any of our code (and its JSON errors) ran.
+    # parameter of 4,096 characters percent-encodes to up to 48 KiB (12 bytes
+    # for a 4-byte character), and a cursor and a prefix come beside it. Such
+    # a request got aiohttp's plain-text 400, before any of our code (and its
+    # JSON errors) ran.
     max_line_size: int = 64 * 1024
     max_field_size: int = 8190
     max_headers: int = 64

@@ -20,6 +20,7 @@ from gateway.web.api import SLOW_COUNTS_TTL
 from gateway.web.tokens import TokenStore
 
 from ..helpers import free_port, make_config, proxy, publish, running_gateway, topic
+from .stand_in import no_horizontal_overflow
 
 LIVE_MS = 2_000  # the issue's promise: within 2 s, without a reload
 # A state's count comes from /states, which the server keeps 10 s when
@@ -203,7 +204,11 @@ async def test_a_cut_link_to_cassandra_shows_on_the_page_and_heals(
 
 
 async def test_a_week_of_a_busy_device_is_charted_from_its_rollups(
-    db: Database, page: Page, screenshot: Shot, tmp_path: Path
+    db: Database,
+    page: Page,
+    new_page: Callable[..., Awaitable[Page]],
+    screenshot: Shot,
+    tmp_path: Path,
 ) -> None:
     """600 readings over six days: the history answers the newest 500, which
     covered the last day or so of "7 days". The value is charted from the
@@ -246,3 +251,15 @@ async def test_a_week_of_a_busy_device_is_charted_from_its_rollups(
         await screenshot(page, "live-week-from-rollups")
         await page.goto(f"{url}#/t/{tenant}/d/boiler?range=1h")
         await expect(chart).to_have_attribute("data-series", "events")
+        # On a phone: the same chart and band, within the screen's width.
+        phone = await new_page(phone=True)
+        await _log_in(phone, port, token)
+        await phone.goto(f"{url}#/t/{tenant}/d/boiler?range=7d")
+        small = phone.locator('[data-testid="chart-svg"]')
+        await expect(small).to_have_attribute("data-series", "rollups-1h")
+        await expect(small.locator("path.band")).to_have_count(1)
+        await no_horizontal_overflow(phone)
+        box = await small.bounding_box()
+        assert box is not None
+        assert 0 < box["width"] <= 360, box
+        await screenshot(phone, "live-week-from-rollups-phone")
