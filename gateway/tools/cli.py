@@ -341,14 +341,7 @@ def _parser() -> argparse.ArgumentParser:
         "--metric", type=_name, default="value", help="a metrics key, or value (the default)"
     )
     rol.add_argument("--step", default="1m", help="1m or 1h (default 1m, as the API)")
-    rol.add_argument(
-        "--since",
-        help="RFC 3339 time (UTC without an offset) or a duration ago like 2h "
-        "(ms, s, m, h, d; default 24h)",
-    )
-    rol.add_argument(
-        "--until", help="RFC 3339 time (UTC without an offset) or a duration ago (default now)"
-    )
+    _add_range(rol)
     rol.add_argument("--json", action="store_true", help="print a JSON array")
 
     reb = _command(
@@ -364,14 +357,7 @@ def _parser() -> argparse.ArgumentParser:
         nargs="*",
         help="the devices (default: every device of the tenant with raw rows)",
     )
-    reb.add_argument(
-        "--since",
-        help="RFC 3339 time (UTC without an offset) or a duration ago like 2h "
-        "(ms, s, m, h, d; default 24h)",
-    )
-    reb.add_argument(
-        "--until", help="RFC 3339 time (UTC without an offset) or a duration ago (default now)"
-    )
+    _add_range(reb)
 
     meta = _command(
         sub, "meta", parents=[common], help="metric names, tag keys and values, devices by tag"
@@ -806,6 +792,18 @@ def _any_tenant(text: str) -> str:
     named no tenant under ''."""
     text = _name(text)
     return _checked(tokens.check_tenant)(text) if text else text
+
+
+def _add_range(parser: argparse.ArgumentParser) -> None:
+    """--since and --until of a range up to now (the last 24 h by default)."""
+    parser.add_argument(
+        "--since",
+        help="RFC 3339 time (UTC without an offset) or a duration ago like 2h "
+        "(ms, s, m, h, d; default 24h)",
+    )
+    parser.add_argument(
+        "--until", help="RFC 3339 time (UTC without an offset) or a duration ago (default now)"
+    )
 
 
 def _name(text: str) -> str:
