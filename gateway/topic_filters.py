@@ -55,6 +55,8 @@ def overlap(a: tuple[str, ...], b: tuple[str, ...]) -> str | None:
 def meets(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
     """Whether some topic matches both the filter ``a`` (which may end in
     '#') and ``b`` (which has no '#')."""
+    if a and a[0] in ("+", "#") and b and b[0].startswith("$"):
+        return False  # a wildcard first level never matches a $ topic (MQTT 4.7.2)
     if a and a[-1] == "#":
         head = a[:-1]  # '#' also matches its parent level: a/# matches a
         return len(b) >= len(head) and overlap(head, b[: len(head)]) is not None

@@ -339,6 +339,8 @@ async def test_a_tenant_moved_off_an_instance_loses_nothing_its_session_held(
         ("+/+", "a/+/b", False),
         ("a/+/c", "a/+/b", False),
         ("a/x/b", "a/+/b", True),
+        ("+/#", "$dev/+/b", False),  # a wildcard first level never matches a $ topic
+        ("$dev/#", "$dev/+/b", True),
     ],
 )
 def test_an_override_filter_meets_a_subscription(
