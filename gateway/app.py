@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 
 from . import COMPILED
 from .config import Config
-from .errors import CassandraUnreachable, ConfigError, SchemaMissing
+from .errors import CassandraUnreachable, ConfigError, SchemaMissing, WritesFailing
 from .ingest.pipeline import Classifier, Flow, NoFlow, Pipeline
 from .ingest.receive import Handler, Receiver
 from .ingest.sampling import QUOTA_RECHECK, Sampler
@@ -550,7 +550,9 @@ async def run(
     """`gateway run`: open the gateway, run it until ``stop`` is set, close it.
 
     In spool mode a start that cannot reach Cassandra spools until it can
-    (gateway/spooling.py), then opens the gateway. Without the spool it ends
+    (gateway/spooling.py), then opens the gateway; so does a gateway whose
+    writes have failed for ``cassandra.give_up_after``, once it has closed
+    (what it had taken is in the spool). Without the spool it ends
     at once: nothing could be taken meanwhile (the broker's persistent session
     keeps the backlog either way), and the service manager restarts it."""
     stats = stats or Stats()
@@ -590,6 +592,20 @@ async def run(
             since = since or time.time()
             waiting = None
             log.warning("%s: taking messages into the spool until it answers", exc)
+        except* WritesFailing as group:
+            # Spool mode, writes failing for give_up_after: the intake alone,
+            # as at a start without Cassandra, in this process. It used to
+            # exit for the service manager to start it again into spooling;
+            # a host without one (a container without a restart policy, a
+            # terminal) stopped taking messages.
+            if not config.spool.enabled:
+                raise
+            since = time.time() - config.cassandra.give_up_after
+            waiting = None
+            log.warning(
+                "%s: closing the gateway; taking messages into the spool until Cassandra answers",
+                group.exceptions[0],
+            )
         except* SchemaMissing as group:
             # Spooling, the link came back to a keyspace without the tables
             # (installed while the link was down, or a release that adds

@@ -375,8 +375,10 @@ class CassandraConfig(_Model):
     # driver only, needs the lz4 package) or "none".
     compression: Literal["none", "lz4"] = "none"
     # A write failing with timeouts/unavailable is retried with capped backoff.
-    # After this long without success the gateway stops with an error; nothing
-    # is lost because unwritten messages were never acknowledged to the broker.
+    # After this long without success the gateway stops with an error (with
+    # the spool on, it closes and spools until Cassandra answers); nothing is
+    # lost because unwritten messages were never acknowledged to the broker
+    # (or are in the spool).
     give_up_after: Duration = 600.0
     # acsylla only: after its requests have found no host for this long, a new
     # driver session replaces the one in use, at most one try per period. The

@@ -37,6 +37,12 @@ class SinkError(GatewayError):
     """Cassandra refused a write in a way retrying cannot fix, or gave up."""
 
 
+class WritesFailing(SinkError):
+    """Cassandra writes kept failing for ``cassandra.give_up_after``. In spool
+    mode ``gateway run`` closes the gateway and spools until Cassandra answers
+    again (gateway/spooling.py); without the spool it stops."""
+
+
 class CassandraUnreachable(SinkError):
     """No connection to Cassandra could be opened (address, link or credentials).
     In spool mode ``gateway run`` spools and keeps trying instead (gateway/spooling.py)."""

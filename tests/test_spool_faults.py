@@ -122,8 +122,8 @@ async def test_cassandra_away_under_load_the_spool_keeps_acknowledging(
     the gateway keeps acknowledging, so the broker's backlog for its session
     stays small, and says it is spooling; once the link is back everything
     is in Cassandra and the spool is empty. (Past cassandra.give_up_after,
-    10 min, the gateway exits by design and its restart spools until
-    Cassandra answers: a longer run needs GATEWAY_CASSANDRA__GIVE_UP_AFTER.)"""
+    10 min, the gateway closes and spools until Cassandra answers: the test
+    below.)"""
     api = free_port()
     rate = 200
     async with proxy() as link:
@@ -180,6 +180,69 @@ async def test_cassandra_away_under_load_the_spool_keeps_acknowledging(
     logging.getLogger(__name__).info(
         "outage %.0f s: max backlog %d, max spool depth %d", OUTAGE_S, backlog, depth
     )
+
+
+async def test_writes_failing_past_give_up_after_go_back_to_spooling(
+    db: Database, tenant: str, gateway_process: Callable[..., GatewayProcess], tmp_path: Path
+) -> None:
+    """In spool mode, writes failing for cassandra.give_up_after made the
+    gateway exit 1, for the service manager to start it again into spooling:
+    a host without one (a container without a restart policy, a terminal)
+    stopped taking messages. Now it closes the gateway and spools in the
+    same process, and opens it again once Cassandra answers."""
+    api = free_port()
+    rate = 100
+    async with proxy() as link:
+        gw = gateway_process(
+            **_spool_env(
+                tenant,
+                tmp_path / "spool.sqlite",
+                link.port,
+                api,
+                GATEWAY_CASSANDRA__GIVE_UP_AFTER="3s",
+                GATEWAY_CASSANDRA__REQUEST_TIMEOUT="1s",
+            )
+        )
+        await asyncio.to_thread(gw.start)
+        publisher = Publisher(tenant, devices=10, rate=rate, count=rate * 16)
+        publisher.start()
+
+        async def written(at_least: int) -> bool:
+            return (await _metrics(api))["gateway_events_written_total"] >= at_least
+
+        await wait_until(lambda: written(rate), 30, "the fleet being written", interval=0.2)
+        await link.cut()
+        await wait_until(
+            lambda: "closing the gateway; taking messages into the spool" in gw.output(),
+            30,
+            "the gateway closing after give_up_after",
+        )
+        assert gw.proc is not None
+        assert gw.proc.poll() is None, gw.output()  # still running
+        # Spooling in the same process: acknowledging, and saying so.
+        acked = (await _metrics(api))["gateway_acks_sent_total"]
+        await wait_until(
+            lambda: _acked_more(api, acked + rate), 20, "acknowledging while spooling", 0.2
+        )
+        code, checks = await _healthz(api)
+        assert code == 503
+        assert str(checks["cassandra"]).startswith("spooling, Cassandra unreachable since "), checks
+        await link.start()
+        await asyncio.to_thread(publisher.join, 60)
+        await assert_all_stored(db, tenant, publisher, deadline=120)
+
+        async def drained() -> bool:
+            return (await _metrics(api))["gateway_spool_depth"] == 0
+
+        await wait_until(drained, 60, "the spool emptied")
+        await wait_until(lambda: _healthz_ok(api), 30, "/healthz 200 again")
+        gw.signal(signal.SIGTERM)
+        assert await asyncio.to_thread(gw.wait, 30) == 0
+    assert "Cassandra answers after" in gw.output()
+
+
+async def _acked_more(port: int, at_least: float) -> bool:
+    return (await _metrics(port))["gateway_acks_sent_total"] >= at_least
 
 
 async def _healthz_ok(port: int) -> bool:

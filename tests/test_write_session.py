@@ -282,6 +282,28 @@ async def test_both_drivers_pack_partitions_into_shared_batches_on_one_node(
     assert {r.device_id: r.value for r in rows} == values
 
 
+@on_session_loop
+async def test_a_new_sink_counts_its_own_requests_not_the_last_ones(
+    session: WriteSession,
+) -> None:
+    """The stats outlive a sink: in spool mode a gateway whose writes failed
+    for give_up_after closes and opens again in one process. The old sink's
+    requests cancelled before they ran never counted themselves out of
+    stats.in_flight, and the new sink counted on from there: its drain()
+    (before a state partition's rotation) waited for good, and the write
+    loop with it."""
+    stats = Stats()
+    stats.in_flight = 3  # what an aborted sink left behind
+    limit = InFlightLimit(stats, initial=64, minimum=64, maximum=64)
+    requests = Requests(session, session.config, stats, limit)
+    hot = HotPartitions(10.0, 1_000_000, 10_000, stats)
+    async with Sink(requests, PipelineConfig(), hot, stats) as sink:
+        assert stats.in_flight == 0
+        assert sink.idle
+        async with asyncio.timeout(1):
+            await sink.drain()
+
+
 class OneRangeDown:
     """Makes one request fail as a write to a token range with too few
     replicas up does (a cluster at RF 2 with one node down): the fault

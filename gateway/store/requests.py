@@ -11,9 +11,11 @@ existence reads and entry counts. Promises:
   metadata's compare-and-set of a tenant's entry count, errs on the safe
   side when a retry counts twice (``metadata.py``).
 * After ``cassandra.give_up_after`` seconds of failing, counted for each
-  request from its own first failure, or on an error retrying cannot fix,
-  :class:`SinkError` is raised and the gateway stops: the messages concerned
-  were never acknowledged, so the broker still has them. Other requests'
+  request from its own first failure, :class:`WritesFailing` is raised, and
+  on an error retrying cannot fix :class:`SinkError`: the gateway stops (in
+  spool mode, on the first, it spools until Cassandra answers: app.py). The
+  messages concerned were never acknowledged (or are in the spool), so
+  nothing is lost. Other requests'
   answers do not reset that clock: with one token range short of replicas
   (two of three down at RF 3), its writes fail while the rest succeed.
 * When a request that had failed succeeds on a retry (Cassandra is back), or
@@ -40,7 +42,7 @@ from typing import Any
 
 from ..aio import backoff
 from ..config import CassandraConfig
-from ..errors import SinkError
+from ..errors import SinkError, WritesFailing
 from ..stats import Stats
 from .limit import InFlightLimit
 from .write_session import Prepared, Rows, WriteSession
@@ -195,7 +197,7 @@ class Requests:
                         first_failed = now
                         self._failed(me, now, exc)
                     if now - first_failed > self._give_up_after:
-                        raise SinkError(
+                        raise WritesFailing(
                             f"Cassandra writes failing for over {self._give_up_after:.0f} s "
                             f"(cassandra.give_up_after); last error: {short(exc)}"
                         ) from None

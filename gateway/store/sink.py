@@ -91,6 +91,12 @@ class Sink:
         self._max_rows = config.batch_max_rows
         self._slots = requests.limit
         self._stats = stats
+        # Its own count, shown in stats.in_flight: the stats outlive a sink (a
+        # gateway that spools, then opens again, in one process), and a
+        # request cancelled before it ran never counted itself out, so the
+        # next sink's drain() waited for good on the old sink's count.
+        self._in_flight = 0
+        stats.in_flight = 0
         self._tasks = asyncio.TaskGroup()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -163,7 +169,7 @@ class Sink:
 
     @property
     def idle(self) -> bool:
-        return self._stats.in_flight == 0
+        return self._in_flight == 0
 
     async def drain(self) -> None:
         """Wait until no request is in flight (a barrier for rare schema-like work)."""
@@ -171,7 +177,8 @@ class Sink:
 
     async def _send(self, rows: list[Write], statements: list[Any] | None = None) -> None:
         await self._slots.acquire()
-        self._stats.in_flight += 1
+        self._in_flight += 1
+        self._stats.in_flight = self._in_flight
         self._idle.clear()
         task = self._tasks.create_task(self._run(rows, statements))
         self._running.add(task)
@@ -195,6 +202,7 @@ class Sink:
                 row.pending.finish_one()
         finally:
             self._slots.release()
-            self._stats.in_flight -= 1
-            if self._stats.in_flight == 0:
+            self._in_flight -= 1
+            self._stats.in_flight = self._in_flight
+            if self._in_flight == 0:
                 self._idle.set()
