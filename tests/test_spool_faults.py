@@ -165,16 +165,7 @@ async def test_cassandra_away_under_load_the_spool_keeps_acknowledging(
         assert depth >= 0.9 * published_in_outage, depth
         assert metrics["gateway_events_written_total"] < _published(publisher)
         await link.start()  # the link is back, on the same port
-        await asyncio.to_thread(publisher.join, 60)
-        await assert_all_stored(db, tenant, publisher, deadline=120)
-
-        async def drained() -> bool:
-            return (await _metrics(api))["gateway_spool_depth"] == 0
-
-        await wait_until(drained, 60, "the spool emptied")
-        await wait_until(lambda: _healthz_ok(api), 30, "/healthz 200 again")
-        gw.signal(signal.SIGTERM)
-        assert await asyncio.to_thread(gw.wait, 30) == 0
+        await _all_stored_and_drained(db, tenant, publisher, gw, api)
     out = gw.output()
     assert "Cassandra writes succeed again after" in out
     logging.getLogger(__name__).info(
@@ -228,21 +219,29 @@ async def test_writes_failing_past_give_up_after_go_back_to_spooling(
         assert code == 503
         assert str(checks["cassandra"]).startswith("spooling, Cassandra unreachable since "), checks
         await link.start()
-        await asyncio.to_thread(publisher.join, 60)
-        await assert_all_stored(db, tenant, publisher, deadline=120)
-
-        async def drained() -> bool:
-            return (await _metrics(api))["gateway_spool_depth"] == 0
-
-        await wait_until(drained, 60, "the spool emptied")
-        await wait_until(lambda: _healthz_ok(api), 30, "/healthz 200 again")
-        gw.signal(signal.SIGTERM)
-        assert await asyncio.to_thread(gw.wait, 30) == 0
+        await _all_stored_and_drained(db, tenant, publisher, gw, api)
     assert "Cassandra answers after" in gw.output()
 
 
 async def _acked_more(port: int, at_least: float) -> bool:
     return (await _metrics(port))["gateway_acks_sent_total"] >= at_least
+
+
+async def _all_stored_and_drained(
+    db: Database, tenant: str, publisher: Publisher, gw: GatewayProcess, api: int
+) -> None:
+    """Once the link is back: every published event stored once, the spool
+    empty, /healthz 200, and a clean stop."""
+    await asyncio.to_thread(publisher.join, 60)
+    await assert_all_stored(db, tenant, publisher, deadline=120)
+
+    async def drained() -> bool:
+        return (await _metrics(api))["gateway_spool_depth"] == 0
+
+    await wait_until(drained, 60, "the spool emptied")
+    await wait_until(lambda: _healthz_ok(api), 30, "/healthz 200 again")
+    gw.signal(signal.SIGTERM)
+    assert await asyncio.to_thread(gw.wait, 30) == 0
 
 
 async def _healthz_ok(port: int) -> bool:
