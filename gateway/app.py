@@ -564,9 +564,14 @@ async def run(
     while True:
         # After spool mode (READY sent, so systemd's watchdog runs) the
         # watchdog is fed while the gateway opens: that takes round trips,
-        # 34.5 s over 1.6 s ones, and WatchdogSec=30 killed it each time.
-        opened = asyncio.Event()
-        feeding = asyncio.create_task(notifier.keep_alive(opened)) if since else None
+        # 34.5 s over 1.6 s ones, and WatchdogSec=30 killed it each time. In
+        # spool mode it is fed until the gateway has closed too: closing after
+        # give_up_after waits out the writes under way (shutdown_deadline),
+        # the roll-up lease's release and the driver, once Gateway.run's own
+        # pings have stopped.
+        closed = asyncio.Event()
+        watched = since or config.spool.enabled
+        feeding = asyncio.create_task(notifier.keep_alive(closed)) if watched else None
         # And /healthz, /metrics and the page are served while it opens:
         # monitoring saw 28 s of refused connections over 1.6 s round trips.
         answering = AsyncExitStack()
@@ -579,7 +584,6 @@ async def run(
                 shutdown_deadline=shutdown_deadline,
                 before_serving=answering.aclose,
             ) as gateway:
-                opened.set()  # Gateway.run feeds it from here on
                 return await gateway.run(stop, ready, notifier)
         # A star: raised after the sink opened, it comes in the sink's group.
         except* CassandraUnreachable as group:
@@ -598,8 +602,8 @@ async def run(
             # exit for the service manager to start it again into spooling;
             # a host without one (a container without a restart policy, a
             # terminal) stopped taking messages.
-            if not config.spool.enabled:
-                raise
+            if not config.spool.enabled or stop.is_set():
+                raise  # no spool, or stopping anyway: exit 1 as before
             since = time.time() - config.cassandra.give_up_after
             waiting = None
             log.warning(
@@ -616,7 +620,7 @@ async def run(
             waiting = schema_missing(str(group.exceptions[0]))
             log.error("%s: taking messages into the spool until it is complete", waiting)
         finally:
-            opened.set()
+            closed.set()
             if feeding is not None:
                 await feeding
             await answering.aclose()

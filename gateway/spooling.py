@@ -1,5 +1,6 @@
 """Spooling while Cassandra is unreachable: how ``gateway run`` starts, in spool
-mode, when no connection to Cassandra can be opened.
+mode, when no connection to Cassandra can be opened, and what it goes back to
+when its writes have failed for ``cassandra.give_up_after`` (app.run).
 
 An edge host that reboots during a link outage is exactly when the spool
 matters, so in spool mode such a start does not exit. :func:`spool_until_reachable`
@@ -119,6 +120,8 @@ async def spool_until_reachable(
         spool = await stack.enter_async_context(
             Spool(config.spool.path, config.spool.max_records, config.spool.max_bytes)
         )
+        if isinstance(stats.spool, Spool):
+            spool.carry_over(stats.spool)  # the gateway that closed came first (app.run)
         stats.spool = spool
         log.info("spool %s: %d messages waiting", config.spool.path, spool.depth)
         receiver = Receiver(

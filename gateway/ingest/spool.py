@@ -320,7 +320,8 @@ class Spool:
 
     def carry_over(self, before: Spool) -> None:
         """This file was open a moment ago as ``before`` (spool-only mode,
-        spooling.py, gave way to the full gateway): since when it is full, or
+        spooling.py, gave way to the full gateway, or the gateway closed after
+        give_up_after and spools again): since when it is full, or
         its disk is, goes on, and is not reported afresh ("room again after
         0 s"). A disk found full before is taken as still full until a write
         succeeds."""

@@ -17,7 +17,8 @@ The table writers (``latest``, ``telemetry``, ``rejects``) turn a message into
   for a free slot, which is how a slow Cassandra slows the reader down.
 * Every partition written is counted by :class:`HotPartitions` (``hot.py``).
 * Failures are retried as ``requests.py`` says; a :class:`SinkError` from there
-  stops the gateway with nothing unwritten acknowledged.
+  stops the gateway with nothing unwritten acknowledged (in spool mode, a
+  ``WritesFailing`` makes it spool until Cassandra answers: app.py).
 * A message's :class:`Pending` completes only when every one of its writes has
   been acknowledged by Cassandra.
 """
@@ -113,6 +114,9 @@ class Sink:
         tb: TracebackType | None,
     ) -> None:
         await self._tasks.__aexit__(exc_type, exc, tb)
+        # None of its requests is under way now, started or not (a request
+        # cancelled before it ran never counted itself out).
+        self._stats.in_flight = 0
 
     async def submit(self, writes: list[Write]) -> None:
         """Group by partition and send; returns once every request is sent."""
@@ -177,10 +181,17 @@ class Sink:
 
     async def _send(self, rows: list[Write], statements: list[Any] | None = None) -> None:
         await self._slots.acquire()
+        try:
+            task = self._tasks.create_task(self._run(rows, statements))
+        except RuntimeError:
+            # The group is shutting down (a request failed for good): this
+            # writer is being cancelled too, and must not add an error of
+            # its own to the group (app.run tells WritesFailing by its type).
+            self._slots.release()
+            raise asyncio.CancelledError() from None
         self._in_flight += 1
         self._stats.in_flight = self._in_flight
         self._idle.clear()
-        task = self._tasks.create_task(self._run(rows, statements))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
