@@ -564,14 +564,15 @@ async def run(
     while True:
         # After spool mode (READY sent, so systemd's watchdog runs) the
         # watchdog is fed while the gateway opens: that takes round trips,
-        # 34.5 s over 1.6 s ones, and WatchdogSec=30 killed it each time. In
-        # spool mode it is fed until the gateway has closed too: closing after
-        # give_up_after waits out the writes under way (shutdown_deadline),
-        # the roll-up lease's release and the driver, once Gateway.run's own
-        # pings have stopped.
+        # 34.5 s over 1.6 s ones, and WatchdogSec=30 killed it each time. It
+        # is fed until the gateway has closed too: closing after give_up_after
+        # waits out the writes under way (shutdown_deadline), the roll-up
+        # lease's release and the driver, once Gateway.run's own pings have
+        # stopped. Spool mode is the only one that comes back round this loop
+        # (without the spool every way out raises).
         closed = asyncio.Event()
-        watched = since or config.spool.enabled
-        feeding = asyncio.create_task(notifier.keep_alive(closed)) if watched else None
+        spooling = config.spool.enabled
+        feeding = asyncio.create_task(notifier.keep_alive(closed)) if spooling else None
         # And /healthz, /metrics and the page are served while it opens:
         # monitoring saw 28 s of refused connections over 1.6 s round trips.
         answering = AsyncExitStack()

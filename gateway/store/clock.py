@@ -69,9 +69,13 @@ class Offset:
         if self.beyond <= 0.001:
             return f"within {self.within:.3f} s of Cassandra's"
         side = "behind" if self.seconds > 0 else "ahead of"
-        off = abs(self.seconds)
-        amount = f"{off:,.0f}" if off >= 10 else f"{off:.3f}"
-        return f"{amount} s {side} Cassandra's (±{self.within:.3f} s)"
+        return f"{_amount(self.seconds)} s {side} Cassandra's (±{self.within:.3f} s)"
+
+
+def _amount(seconds: float) -> str:
+    """How many seconds, for the log: "86,400" for a day, "2.500" under ten."""
+    off = abs(seconds)
+    return f"{off:,.0f}" if off >= 10 else f"{off:.3f}"
 
 
 async def measure(
@@ -152,7 +156,7 @@ class ClockWatch:
                     "clock: this host's clock stepped %s by %s s; measuring it against "
                     "Cassandra's again",
                     "forward" if moved > 0 else "back",
-                    f"{abs(moved):,.0f}" if abs(moved) >= 10 else f"{abs(moved):.3f}",
+                    _amount(moved),
                 )
                 due = 0.0
 

@@ -755,7 +755,7 @@ def _s(n: int) -> str:
 
 def _count(n: int, noun: str) -> str:
     """``1 token``, ``2 tokens``."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
+    return f"{n} {noun}{_s(n)}"
 
 
 def _more(more: bool) -> str:
