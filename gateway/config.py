@@ -92,9 +92,15 @@ class _Model(BaseModel):
         # pydantic's lax mode takes true for 1: "queue_size = true" loaded as a
         # queue of one message, "target_rate = true" as 1 msg/s.
         field = cls.model_fields.get(info.field_name or "")
-        if isinstance(value, bool) and field is not None and _is_number(field.annotation):
-            raise ValueError(f"expected a number, got {str(value).lower()}")
+        if field is not None and _is_number(field.annotation):
+            return _not_bool(value)
         return value
+
+
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {str(value).lower()}")
+    return value
 
 
 def _read_secret_file(path: Path, key: str) -> SecretStr:
@@ -353,7 +359,8 @@ class CassandraConfig(_Model):
     # GATEWAY_CASSANDRA__DATACENTERS='{DC1 = 3}').
     datacenters: dict[
         Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$")],
-        Annotated[int, Field(ge=1, le=10)],
+        # A number inside the table is not a field of its own: refused here.
+        Annotated[int, BeforeValidator(_not_bool), Field(ge=1, le=10)],
     ] = Field(default_factory=dict)
     consistency: Consistency = "LOCAL_QUORUM"
     connect_timeout: Duration = 10.0

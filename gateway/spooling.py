@@ -123,6 +123,9 @@ async def spool_until_reachable(
         if isinstance(stats.spool, Spool):
             spool.carry_over(stats.spool)  # the gateway that closed came first (app.run)
         stats.spool = spool
+        # No writer's queue while spooling: a gateway that closed after
+        # give_up_after left the depth its queue had, shown until it opened again.
+        stats.queue_depth = 0
         log.info("spool %s: %d messages waiting", config.spool.path, spool.depth)
         receiver = Receiver(
             config.mqtt,

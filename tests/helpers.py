@@ -13,6 +13,7 @@ import contextlib
 import inspect
 import os
 import pwd
+import shutil
 import signal
 import socket
 import struct
@@ -154,6 +155,42 @@ def make_config(**env: str) -> Config:
 # ---------------------------------------------------------------- the gateway in this process
 
 
+def _figures(stats: Stats) -> str:
+    figures = {
+        name: getattr(stats, name)
+        for name in (
+            "received",
+            "acked",
+            "written",
+            "rejected",
+            "sampled_out",
+            "queue_depth",
+            "in_flight",
+            "in_flight_limit",
+            "retries",
+            "spool_full_waits",
+            "spool_disk_full",
+            "read_pauses",
+        )
+    }
+    spool = stats.spool
+    if spool is not None:
+        figures |= {
+            "spool.depth": spool.depth,
+            "spool.bytes": spool.bytes,
+            "spool.appended": spool.appended,
+            "spool.deleted": spool.deleted,
+            "spool.full_since": spool.full_since,
+            "spool.disk_full_since": spool.disk_full_since,
+        }
+        with contextlib.suppress(OSError):
+            figures["spool disk free"] = shutil.disk_usage(spool.path.parent).free
+            figures["spool files"] = {
+                p.name: p.stat().st_size for p in spool.path.parent.glob(f"{spool.path.name}*")
+            }
+    return ", ".join(f"{k} {v}" for k, v in figures.items())
+
+
 @dataclass
 class RunningGateway:
     config: Config
@@ -162,12 +199,20 @@ class RunningGateway:
     task: asyncio.Task[Stats]
 
     async def wait_for(self, predicate: Callable[[Stats], bool], deadline: float = 60) -> None:
-        async with asyncio.timeout(deadline):
-            while not predicate(self.stats):
-                if self.task.done():
-                    self.task.result()  # raise the gateway's error, if any
-                    raise AssertionError("gateway stopped early")
-                await asyncio.sleep(0.05)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + deadline
+        while not predicate(self.stats):
+            if self.task.done():
+                self.task.result()  # raise the gateway's error, if any
+                raise AssertionError("gateway stopped early")
+            if loop.time() >= end:
+                # What the gateway was doing: a bare TimeoutError left a rare
+                # failure (the spool that filled its own disk, once in CI)
+                # with nothing to go on.
+                raise TimeoutError(
+                    f"not within {deadline} s; the gateway's figures: {_figures(self.stats)}"
+                )
+            await asyncio.sleep(0.05)
 
     async def wait_handled(self, count: int, deadline: float = 60) -> None:
         """Until `count` messages were written, rejected or sampled out, and acknowledged."""

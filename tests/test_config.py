@@ -256,6 +256,14 @@ def test_a_tenant_section_changes_only_what_it_sets(tmp_path: Path) -> None:
             "expected a number, got false",
         ),
         (
+            {
+                "GATEWAY_CASSANDRA__REPLICATION": "NetworkTopologyStrategy",
+                "GATEWAY_CASSANDRA__DATACENTERS": "{dc1 = true}",
+            },
+            "cassandra.datacenters.dc1 (from GATEWAY_CASSANDRA__DATACENTERS): expected a "
+            "number, got true",
+        ),
+        (
             {"GATEWAY_SAMPLING__OVERRIDES": '[{topic_filter = "a/#", noisy_above = 8}]'},
             "sampling.overrides[0].topic_filter 'a/#' matches no topic the gateway subscribes "
             "to (tenants/{tenant}/devices/{device_id}/events), so it would never apply",

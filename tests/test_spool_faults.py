@@ -218,6 +218,9 @@ async def test_writes_failing_past_give_up_after_go_back_to_spooling(
         code, checks = await _healthz(api)
         assert code == 503
         assert str(checks["cassandra"]).startswith("spooling, Cassandra unreachable since "), checks
+        # The closed gateway's queue is not shown as still queued (it said
+        # what the queue held when the gateway closed, for as long as it spooled).
+        assert (await _metrics(api))["gateway_queue_depth"] == 0
         await link.start()
         await _all_stored_and_drained(db, tenant, publisher, gw, api)
     assert "Cassandra answers after" in gw.output()
