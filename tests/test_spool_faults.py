@@ -210,6 +210,9 @@ async def test_writes_failing_past_give_up_after_go_back_to_spooling(
         )
         assert gw.proc is not None
         assert gw.proc.poll() is None, gw.output()  # still running
+        # The HTTP server closes with the gateway and opens again to spool:
+        # connections are refused for that moment.
+        await wait_until(lambda: _spooling(api), 30, "serving again, spooling")
         # Spooling in the same process: acknowledging, and saying so.
         acked = (await _metrics(api))["gateway_acks_sent_total"]
         await wait_until(
@@ -245,6 +248,14 @@ async def _all_stored_and_drained(
     await wait_until(lambda: _healthz_ok(api), 30, "/healthz 200 again")
     gw.signal(signal.SIGTERM)
     assert await asyncio.to_thread(gw.wait, 30) == 0
+
+
+async def _spooling(port: int) -> bool:
+    try:
+        code, checks = await _healthz(port)
+    except OSError:  # not serving (URLError is one)
+        return False
+    return code == 503 and str(checks["cassandra"]).startswith("spooling")
 
 
 async def _healthz_ok(port: int) -> bool:
