@@ -25,7 +25,7 @@ from gateway import app
 from gateway.config import Config, load_config
 from gateway.errors import CassandraUnreachable
 from gateway.stats import Stats
-from gateway.tools.cli import _parser, _run, main
+from gateway.tools.cli import _parser, _Progress, _run, main
 
 from .helpers import base_env, free_port, run_cli
 
@@ -478,3 +478,36 @@ def test_the_readmes_command_reference_names_only_options_the_commands_take(
             if not re.search(rf"{re.escape(option)}(?![a-z-])", usage)
         ]
     assert wrong == []
+
+
+class _Terminal:
+    """A stderr that is a terminal, recording what reached it at each flush."""
+
+    def __init__(self) -> None:
+        self.buffer = ""
+        self.flushed: list[str] = []
+
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self.buffer += text
+        return len(text)
+
+    def flush(self) -> None:
+        self.flushed.append(self.buffer)
+
+
+def test_progress_on_a_terminal_is_one_line_shown_at_each_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """rebuild-rollups and meta count rewrote their line in place without
+    flushing it: stderr is line-buffered, so a terminal saw it only at the end."""
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    with _Progress() as say:
+        say("step 1")
+        assert terminal.flushed[-1] == "\rstep 1"
+        say("step 2")
+        assert terminal.flushed[-1] == "\rstep 1\rstep 2"
+    assert terminal.buffer == "\rstep 1\rstep 2\n"

@@ -854,6 +854,44 @@ def _limit(text: str) -> int:
     return _whole(text, 1, MAX_CLI_LIMIT, "a whole number")
 
 
+class _Progress:
+    """A command's progress on stderr. On a terminal one line, rewritten in
+    place; elsewhere (a log file, a pipe: a cron job, a CI log) a whole line
+    at most every :attr:`EVERY` seconds, and the last, instead of one long
+    line of carriage returns. Use as ``with``: ends the line."""
+
+    EVERY = 10.0
+
+    def __init__(self) -> None:
+        self._tty = sys.stderr.isatty()
+        self._shown = False  # on a terminal: a line to end
+        self._unsaid: str | None = None  # elsewhere: the latest, not yet printed
+        self._said_at = -math.inf
+
+    def __call__(self, text: str) -> None:
+        if self._tty:
+            # Flushed: stderr is line-buffered, and a line rewritten in place
+            # has no newline, so it showed only at the end.
+            print(f"\r{text}", end="", file=sys.stderr, flush=True)
+            self._shown = True
+            return
+        now = time.monotonic()
+        if now - self._said_at >= self.EVERY:
+            print(text, file=sys.stderr, flush=True)
+            self._said_at, self._unsaid = now, None
+        else:
+            self._unsaid = text
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._shown:
+            print(file=sys.stderr, flush=True)
+        elif self._unsaid is not None:
+            print(self._unsaid, file=sys.stderr, flush=True)
+
+
 def _log_level(text: str) -> str:
     if text.upper() not in LOG_LEVELS:
         levels = ", ".join(LOG_LEVELS[:-1]) + f" or {LOG_LEVELS[-1]}"
@@ -862,9 +900,6 @@ def _log_level(text: str) -> str:
 
 
 async def _schema_migrate(config: Config, force: bool) -> int:
-    def progress(rows: int) -> None:
-        print(f"\rschema migrate: {rows} state rows rebuilt", end="", file=sys.stderr, flush=True)
-
     async with connect(config.cassandra) as db:
         if not force and not await schema.old_state_layout(db):
             # Rewriting every state row of a current keyspace is heavy, and the
@@ -875,8 +910,12 @@ async def _schema_migrate(config: Config, force: bool) -> int:
                 file=sys.stderr,
             )
             return 0
-        rows = await schema.migrate(db, lambda t: config.tenant(t).state_buckets, progress)
-    print(file=sys.stderr)
+        with _Progress() as say:
+            rows = await schema.migrate(
+                db,
+                lambda t: config.tenant(t).state_buckets,
+                lambda rows: say(f"schema migrate: {rows} state rows rebuilt"),
+            )
     print(
         f"schema migrate: latest_events_by_state rebuilt from latest_events_by_device ({rows} rows)"
     )
@@ -1056,26 +1095,18 @@ async def _rebuild_rollups(config: Config, args: argparse.Namespace) -> int:
     if not devices:
         print(f"(tenant {args.tenant!r} has no raw rows; a misspelt --tenant?)", file=sys.stderr)
         return 1
-    said = False
+    with _Progress() as say:
 
-    def progress(done: int, windows: int) -> None:
-        nonlocal said
-        said = True
-        print(
-            f"\rrebuild-rollups: {done:,} of {len(devices):,} device{_s(len(devices))}, "
-            f"{windows:,} window{_s(windows)} recomputed",
-            end="",
-            file=sys.stderr,
-        )
+        def progress(done: int, windows: int) -> None:
+            say(
+                f"rebuild-rollups: {done:,} of {len(devices):,} device{_s(len(devices))}, "
+                f"{windows:,} window{_s(windows)} recomputed"
+            )
 
-    async with open_write_session(config.cassandra) as session:
-        worker = RollupWorker(session, config, Stats())
-        await worker.prepare()
-        try:
+        async with open_write_session(config.cassandra) as session:
+            worker = RollupWorker(session, config, Stats())
+            await worker.prepare()
             windows = await worker.rebuild(args.tenant, devices, since_ms, until_ms, progress)
-        finally:
-            if said:
-                print(file=sys.stderr, flush=True)  # after the progress line
     if not windows:
         # Nothing to do is a failure for devices named (a misspelt id?).
         named = f"{_count(len(devices), 'device')} of tenant {args.tenant!r}"
@@ -1182,15 +1213,12 @@ async def _recount_metadata(db: Database, tenant: str) -> tuple[int, int]:
     compare-and-set (store/reservations.py), with progress on stderr."""
     from ..store import reservations
 
-    said = False
+    with _Progress() as say:
 
-    def progress(done: int, of: int) -> None:
-        nonlocal said
-        if of:
-            said = True
-            print(f"\rmeta count: {done} of {of} tag values counted", end="", file=sys.stderr)
+        def progress(done: int, of: int) -> None:
+            if of:
+                say(f"meta count: {done} of {of} tag values counted")
 
-    try:
         return await reservations.recount(
             db,
             "meta_entry_counts",
@@ -1200,9 +1228,6 @@ async def _recount_metadata(db: Database, tenant: str) -> tuple[int, int]:
             lambda: queries.meta_entries(db, tenant, progress),
             "metadata entries",
         )
-    finally:
-        if said:
-            print(file=sys.stderr, flush=True)  # after the progress line
 
 
 async def _empty_meta_hint(db: Database, tenant: str, key: str | None, config: Config) -> str:
