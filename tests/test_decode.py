@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -461,6 +462,39 @@ def test_a_state_no_url_can_name_is_refused(state: str) -> None:
     assert detail.startswith("state:")
     assert "URL" in detail
     assert decode(_json({"state": "..."})).state == "..."
+
+
+@pytest.mark.parametrize(
+    ("state", "said"),
+    [
+        (" ", "only whitespace"),
+        ("\t", "only whitespace"),
+        ("on ", "would look like 'on'"),
+        ("\u00a0open", "would look like 'open'"),
+        ("a\u200bb", "U+200B"),
+        ("a\nb", "U+000A"),
+        ("a\x7fb", "U+007F"),
+        ("\u202eno", "U+202E"),
+        ("ok\ufeff", "U+FEFF"),
+    ],
+)
+@pytest.mark.parametrize("packed", [_json, _mp])
+def test_a_state_people_could_not_tell_apart_is_refused(
+    state: str, said: str, packed: Callable[[Any], bytes]
+) -> None:
+    """The page showed a tile with no name for " ", and "a\u200bb" as "ab",
+    another state that looked the same (read-side probe); "on " beside "on"
+    made two tiles called on. Each is rejected, naming why."""
+    detail = reject(packed({"state": state}), "invalid_field")
+    assert detail.startswith(f"state: {state!r}:"), detail
+    assert said in detail, detail
+
+
+@pytest.mark.parametrize(
+    "state", ["door open", "état", "開", "\U0001f468\u200d\U0001f469\u200d\U0001f467", "a-b_c.d"]
+)
+def test_states_with_spaces_inside_and_any_script_are_kept(state: str) -> None:
+    assert decode(_json({"state": state})).state == state
 
 
 def test_text_length() -> None:

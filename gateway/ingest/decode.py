@@ -64,6 +64,37 @@ MSGPACK_TYPES = frozenset(
 )
 
 
+# What a state may not hold: C0 and C1 controls and DEL, and the characters
+# that show as nothing (zero-width space, word joiner and invisible
+# operators, left-to-right and right-to-left marks, bidirectional embeddings
+# and isolates, the byte-order mark). A state is the label the page's tiles,
+# lists and the CLI show; "a\u200bb" looked exactly like "ab" and was another
+# state. Zero-width joiners stay allowed: emoji sequences and scripts use them.
+_UNSEEN = re.compile(
+    r"[\x00-\x1f\x7f-\x9f\u200b\u200e\u200f\u202a-\u202e\u2060-\u2064\u2066-\u2069\ufeff]"
+)
+
+
+def state_problem(state: str) -> str | None:
+    """Why ``state`` cannot be one, or None: a label people must tell apart."""
+    if state in NO_URL_NAMES:
+        return NO_URL_REASON
+    if state != state.strip():
+        if not state.strip():
+            return "only whitespace, so the page and the CLI would show no name"
+        return (
+            f"whitespace at its start or end, so it would look like {state.strip()!r}, "
+            "another state"
+        )
+    unseen = _UNSEEN.search(state)
+    if unseen is not None:
+        return (
+            f"holds U+{ord(unseen.group()):04X}, a control or invisible character, so the "
+            "page and the CLI could not show it"
+        )
+    return None
+
+
 _FIELDS = frozenset({"ts", "state", "value", "metrics", "tags", "sent_at"})
 _EMPTY: dict[str, Any] = {}
 # ts, state, value, metrics, tags, sent_at
@@ -183,8 +214,10 @@ class Decoder:
         raw_tags: dict[str, str],
         sent_at: float | None,
     ) -> Event:
-        if state in NO_URL_NAMES:
-            raise DecodeError("invalid_field", f"state: {state!r}: {NO_URL_REASON}")
+        if state is not None:
+            problem = state_problem(state)
+            if problem is not None:
+                raise DecodeError("invalid_field", f"state: {state!r}: {problem}")
         micros: int | None = None  # below the millisecond, when the ts says
         if ts is None:
             ts_ms, from_receive = received_ms, True
