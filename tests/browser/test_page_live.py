@@ -156,6 +156,68 @@ async def test_a_tag_chip_whose_key_holds_a_colon_filters_on_that_key(
         await screenshot(page, "live-tag-escaped")
 
 
+async def test_odd_tags_and_long_values_stay_findable_and_readable_on_a_phone(
+    db: Database,
+    new_page: Callable[..., Awaitable[Page]],
+    screenshot: Shot,
+    tmp_path: Path,
+) -> None:
+    """Read-side probe: a chip for the value "3 " showed as floor:3 and found
+    no device, not even its own (the page trimmed the filter); a value of
+    1,024 characters without a space made each history row thousands of
+    pixels tall on a phone. The chip now shows and filters on the value as
+    it is, and a long value is cut, with a tap for the rest, which stays open
+    when the history is drawn again."""
+    tenant, port, tokens_file, token = _reader(tmp_path)
+    config = make_config(
+        GATEWAY_API__PORT=str(port),
+        GATEWAY_API__TOKENS_FILE=str(tokens_file),
+        GATEWAY_SAMPLING__ENABLED="false",
+    )
+    long_value = "W" * 1024
+    now = int(time.time() * 1000)
+    events = {
+        "lamp-1": {"state": "on", "value": 1, "tags": {"floor": "3 "}},
+        "lamp-2": {"state": "on", "value": 2, "tags": {"floor": "3"}},
+        "panel": {"ts": now - 5000, "state": "on", "value": long_value},
+    }
+    async with running_gateway(config) as gw:
+        await publish([(topic(tenant, d), orjson.dumps(e)) for d, e in events.items()])
+        await gw.wait_handled(3)
+        phone = await new_page(phone=True)
+        url = await _log_in(phone, port, token)
+        await phone.goto(f"{url}#/t/{tenant}/s/on")
+        rows = phone.locator("#device-rows tr")
+        await expect(rows).to_have_count(3)
+        chip = phone.locator('[data-device="lamp-1"] button.tag')
+        await expect(chip).to_have_text('floor:"3 "')
+        cut = phone.locator('[data-device="panel"] details.long-text summary')
+        await expect(cut).to_contain_text("(1,024 characters)")
+        await no_horizontal_overflow(phone)
+        await chip.click()
+        await expect(phone.locator('[data-device="lamp-1"]')).to_have_count(1)
+        await expect(rows).to_have_count(1)
+
+        await phone.goto(f"{url}#/t/{tenant}/d/panel")
+        history = phone.locator("#history-rows tr")
+        await expect(history).to_have_count(1)
+        box = await history.first.bounding_box()
+        assert box is not None
+        assert box["height"] < 200, box
+        await no_horizontal_overflow(phone)
+        summary = history.first.locator("details.long-text summary")
+        await summary.click()
+        await expect(history.first.locator("details.long-text")).to_have_attribute("open", "")
+        await expect(history.first.locator("details.long-text > span")).to_have_text(long_value)
+        # A new event redraws the history: the open value stays open.
+        await publish([(topic(tenant, "panel"), orjson.dumps({"state": "on", "value": 3}))])
+        await gw.wait_handled(4)
+        await expect(history).to_have_count(2, timeout=LIVE_MS * 3)
+        await expect(phone.locator("#history-rows details.long-text[open]")).to_have_count(1)
+        await no_horizontal_overflow(phone)
+        await screenshot(phone, "live-long-value-phone")
+
+
 async def test_a_cut_link_to_cassandra_shows_on_the_page_and_heals(
     db: Database, page: Page, screenshot: Shot, tmp_path: Path
 ) -> None:

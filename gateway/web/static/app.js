@@ -96,6 +96,28 @@
     return String(v);
   }
 
+  // Text longer than this is shown cut, with a tap to see the rest: a value
+  // of 1,024 characters without a space made each history row thousands of
+  // pixels tall on a phone, screen after screen of one column (read-side probe).
+  const LONG_TEXT = 80;
+
+  // ``text`` as it goes into a table cell: itself, or cut with its length
+  // said, the whole under a tap. ``open``: whether it was open before the
+  // cell was drawn again (live updates redraw the history).
+  function textCell(text, key, open) {
+    const chars = Array.from(text);
+    if (chars.length <= LONG_TEXT) return text;
+    return h("details", { class: "long-text", "data-key": key, open: Boolean(open) },
+      h("summary", { text: `${chars.slice(0, LONG_TEXT - 20).join("")}… `
+        + `(${chars.length.toLocaleString()} characters)` }),
+      h("span", { text }));
+  }
+
+  // The keys of the long texts open under ``box``, to draw them open again.
+  function openTexts(box) {
+    return new Set([...box.querySelectorAll("details.long-text[open]")].map((d) => d.dataset.key));
+  }
+
   function sameDay(a, b) {
     return a.getFullYear() === b.getFullYear() && a.getMonth() === b.getMonth()
       && a.getDate() === b.getDate();
@@ -182,11 +204,17 @@
     return stateColor(state).replace(" 42%)", " 28%)");
   }
 
+  // A key or value as a chip shows it: quoted when spaces at its ends (or
+  // nothing at all) would not show, so "3 " is not taken for "3".
+  function visible(text) {
+    return text === "" || text !== text.trim() ? JSON.stringify(text) : text;
+  }
+
   function tagChips(tags, onPick) {
     const entries = Object.entries(tags || {}).sort(([a], [b]) => a.localeCompare(b));
     if (!entries.length) return h("span", { class: "hint", text: "—" });
     return h("ul", { class: "tags" }, entries.map(([k, v]) => {
-      const text = `${k}:${formatValue(v)}`;
+      const text = `${visible(k)}:${visible(formatValue(v))}`;
       const filter = tagFilter(k, formatValue(v));
       return h("li", null, onPick
         ? h("button", { type: "button", class: "tag", "data-tag": filter,
@@ -964,7 +992,9 @@
         const [{ data, changed }, counts] = await Promise.all([
           api(pathOf("tenants", r.tenant, "states", r.state, "devices"),
             { limit: PAGE_SIZE, cursor: r.cursor, prefix: r.prefix,
-              tag: normalizeTag(r.tag) ?? r.tag }, signal),
+              // As the address has it: typed filters are tidied on the way
+              // in (applyFilter), a chip's is its tag exactly ("3 " is not "3").
+              tag: r.tag }, signal),
           api(pathOf("tenants", r.tenant, "states"), null, signal).catch((err) => {
             if (err.name === "AbortError") throw err;
             return null; // the list is still worth showing without its total
@@ -1063,7 +1093,8 @@
       const row = h("tr", { "data-device": d.device_id, "data-sig": signature },
         h("th", { scope: "row", "data-label": "Device" }, h("span", { class: "device-cell" },
           h("a", { href: link, class: "device-link", text: d.device_id }))),
-        h("td", { "data-label": "Value", class: "value", text: formatValue(d.value) }),
+        h("td", { "data-label": "Value", class: "value" },
+          textCell(formatValue(d.value), d.device_id, false)),
         h("td", { "data-label": "Tags" }, tagChips(d.tags, pickTag)),
         h("td", { "data-label": "Last seen" }, timeEl(d.ts)),
         h("td", { "data-label": "Age" }, ageEl(d.ts)));
@@ -1284,7 +1315,8 @@
       h("dl", { class: "facts" },
         h("div", null, h("dt", { text: "State" }), h("dd", null, badge)),
         h("div", null, h("dt", { text: "Value" }),
-          h("dd", { class: "value", "data-testid": "device-value", text: formatValue(d.value) })),
+          h("dd", { class: Array.from(formatValue(d.value)).length > 40 ? "value long" : "value",
+            "data-testid": "device-value", text: formatValue(d.value) })),
         h("div", null, h("dt", { text: "Last seen" }), h("dd", null, timeEl(d.ts), " · ", ageEl(d.ts))),
         h("div", null, h("dt", { text: "Tags" }), h("dd", null, tagChips(d.tags, null)))),
       metrics.length ? h("dl", { class: "metrics", "aria-label": "Metrics" }, metrics.map(([k, v]) =>
@@ -1296,14 +1328,17 @@
   function renderHistory(data) {
     const events = data.events || [];
     renderChart($("chart"), events, Boolean(data.next_cursor), lastRollups);
+    const open = openTexts($("history-rows"));
     $("history-rows").replaceChildren(...events.slice(0, HISTORY_ROWS).map((e) => {
       const state = h("span", { class: "dot-label", text: e.state == null ? "—" : e.state });
       state.style.setProperty("--state-color", stateColor(e.state));
       const metrics = Object.entries(e.metrics || {}).map(([k, v]) => `${k}=${formatValue(v)}`);
+      const key = `${e.ts}|${e.state}`; // a row, across redraws
       return h("tr", null,
         h("td", { "data-label": "Time" }, timeEl(e.ts)),
         h("td", { "data-label": "State" }, state),
-        h("td", { "data-label": "Value", class: "value", text: formatValue(e.value) }),
+        h("td", { "data-label": "Value", class: "value" },
+          textCell(formatValue(e.value), key, open.has(key))),
         h("td", { class: "metrics-cell", text: metrics.join(", ") || "—" }));
     }));
     const more = !data.next_cursor ? ""
