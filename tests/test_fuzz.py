@@ -29,7 +29,7 @@ from gateway.config import LimitsConfig, TopicTemplate
 from gateway.errors import DecodeError
 from gateway.event import Event
 from gateway.identity import event_identity
-from gateway.ingest.decode import JSON_TYPES, MSGPACK_TYPES, REASONS, Decoder
+from gateway.ingest.decode import JSON_TYPES, MSGPACK_TYPES, REASONS, Decoder, state_problem
 from gateway.ingest.topics import TopicMatcher
 from gateway.topic_filters import NO_URL_NAMES
 
@@ -250,7 +250,7 @@ def valid_events(draw: st.DrawFn, received_ms: int) -> tuple[dict[str, Any], int
     if draw(st.booleans()):
         event["state"] = draw(
             st.text(CHARS, min_size=1, max_size=LIMITS.max_state_length).filter(
-                lambda s: s not in NO_URL_NAMES
+                lambda s: state_problem(s) is None
             )
         )
     if draw(st.booleans()):
