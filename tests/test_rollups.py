@@ -1048,7 +1048,7 @@ async def test_rebuild_rollups_recomputes_what_no_mark_asked_for(
     assert b"\r" not in raw.stderr, raw.stderr
     assert "rebuild-rollups: 3 of 3 devices, 3 windows recomputed" in result.stderr.splitlines()
     assert result.stdout.startswith(
-        f"recomputed 3 1-minute windows and their hours, of 3 devices of tenant {tenant!r}"
+        f"recomputed 3 1-minute windows and their hours, of 2 devices of tenant {tenant!r}"
     ), result.stdout
     hour = w - w % HOUR_MS
     assert await rollups_of("r1", 60) == [(w, 2, 3.0), (w + MINUTE_MS, 1, 5.0)]
@@ -1064,10 +1064,29 @@ async def test_rebuild_rollups_recomputes_what_no_mark_asked_for(
     assert await rollups_of("r2", 60) == [(w, 1, 10.0)]
     assert await rollups_of("r1", 60) == []
 
-    # A device with no rows in the range (a misspelt id?): said, exit 1.
-    result = run_cli("rebuild-rollups", "--tenant", tenant, "r9", *span)
+    # A misspelt device beside a real one: the real one is done, the other
+    # said, exit 1 (it was ignored without a word, exit 0: CLI probe).
+    await forget()
+    result = run_cli("rebuild-rollups", "--tenant", tenant, "r2", "r9", *span)
     assert result.returncode == 1
-    assert f"(no raw rows from {span[1]} to {span[3]} for 1 device of tenant" in result.stderr
+    assert result.stdout.startswith("recomputed 1 1-minute window and its hour, of 1 device")
+    assert f"(tenant {tenant!r} has no device 'r9'; a misspelt id or --tenant?)" in result.stderr
+    assert await rollups_of("r2", 60) == [(w, 1, 10.0)]
+    # A device that has rows, none in the range: said, exit 1 (nothing done).
+    result = run_cli("rebuild-rollups", "--tenant", tenant, "r3", *span)
+    assert result.returncode == 1
+    assert f"(r3: no raw rows from {span[1]} to {span[3]})" in result.stderr
+    # A range back to the year 1 reads only the days that hold partitions:
+    # it read one empty day after another, for hours (CLI probe).
+    await forget()
+    began = time.monotonic()
+    result = run_cli(
+        "rebuild-rollups", "--tenant", tenant, "--since", "0001-01-01T00:00:00Z", timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("recomputed 4 1-minute windows and their hours, of 3 devices")
+    assert time.monotonic() - began < 30
+    assert await rollups_of("r1", 60) == [(w, 2, 3.0), (w + MINUTE_MS, 1, 5.0)]
     # A tenant with no raw rows: a misspelt --tenant, said, exit 1.
     result = run_cli("rebuild-rollups", "--tenant", f"{tenant}x", *span)
     assert result.returncode == 1

@@ -132,6 +132,19 @@ GROUP = 100
 READ_IN = 100
 DAY_MS = 86_400_000
 READ_AT_ONCE = 64  # a rebuild's partition reads at once
+# The newest partition of each device in a range, and one device's oldest
+# (RollupWorker.rebuild: which days to read).
+REBUILD_NEWEST = (
+    "SELECT device_id, toUnixTimestamp(bucket_start) AS bucket_ms "
+    "FROM {keyspace}.telemetry_partitions "
+    "WHERE tenant = ? AND device_id IN ? AND bucket_start <= ? AND bucket_start > ? "
+    "PER PARTITION LIMIT 1"
+)
+REBUILD_OLDEST = (
+    "SELECT toUnixTimestamp(bucket_start) AS bucket_ms FROM {keyspace}.telemetry_partitions "
+    "WHERE tenant = ? AND device_id = ? AND bucket_start <= ? AND bucket_start > ? "
+    "ORDER BY bucket_start ASC LIMIT 1"
+)
 # Windows (partitions) per written batch: Cassandra warns above 10 partitions
 # or 5 KiB of mutations per batch. The mutations count about twice the bound
 # values (expiring cells carry their TTL and deletion time): 30 rows of
@@ -661,27 +674,64 @@ class RollupWorker:
         devices: list[str],
         since_ms: int,
         until_ms: int,
-        progress: Callable[[int, int], None] = lambda devices, windows: None,
-    ) -> int:
+        progress: Callable[[int, int, int | None], None] = lambda devices, windows, day: None,
+    ) -> tuple[int, set[str]]:
         """Recompute every 1-minute window of these devices that holds raw rows
         in [since_ms, until_ms), and their hours, READ_IN devices at a time;
-        ``progress(devices done, windows done)`` after each. Returns the
-        windows recomputed. For what the marks missed (README, Known limits:
+        ``progress(devices done, windows done, the day being read or None)``
+        after each day and each group. Returns the windows recomputed and the
+        devices they were of. For what the marks missed (README, Known limits:
         another instance's retried marks) and rows written around the
         gateway; idempotent, and safe beside a running worker (the later
         read wins)."""
+        newest, oldest = await gather_all(
+            self._session.prepare(REBUILD_NEWEST, timestamps=(2, 3)),
+            self._session.prepare(REBUILD_OLDEST, timestamps=(2, 3)),
+        )
+        low = since_ms - MAX_BUCKET_SECONDS * 1000
         done = windows = 0
+        seen: set[str] = set()
         for first in range(0, len(devices), READ_IN):
             some = devices[first : first + READ_IN]
-            # A day at a time: at most READ_IN devices' minutes of a day in memory.
-            for start in range(since_ms, until_ms, DAY_MS):
-                found = await self._windows(tenant, some, start, min(start + DAY_MS, until_ms))
-                await self.recompute(found)
-                windows += len(found)
-                progress(done, windows)
+            # Only the days between the group's oldest and newest partition
+            # in the range: a range back to the year 1 read one empty day
+            # after another, for hours (CLI probe).
+            extent = await self._extent(tenant, some, (until_ms - 1, low), newest, oldest)
+            if extent is not None:
+                first_ms, last_ms = extent
+                begin = since_ms + max(0, first_ms - since_ms) // DAY_MS * DAY_MS
+                end = min(until_ms, last_ms + MAX_BUCKET_SECONDS * 1000)
+                # A day at a time: at most READ_IN devices' minutes of a day in memory.
+                for day in range(begin, end, DAY_MS):
+                    found = await self._windows(tenant, some, day, min(day + DAY_MS, until_ms))
+                    await self.recompute(found)
+                    windows += len(found)
+                    seen.update(device for _, device, _ in found)
+                    progress(done, windows, day)
             done += len(some)
-            progress(done, windows)
-        return windows
+            progress(done, windows, None)
+        return windows, seen
+
+    async def _extent(
+        self,
+        tenant: str,
+        devices: list[str],
+        span: tuple[int, int],
+        newest: Prepared,
+        oldest: Prepared,
+    ) -> tuple[int, int] | None:
+        """The start of the oldest and of the newest partition of these
+        devices that start within ``span`` (newest, oldest-excluded), or None
+        when they have none."""
+        high, low = span
+        tops = await self._read(newest, (tenant, devices, high, low))
+        if not tops:
+            return None
+        bottoms = await all_or_none(
+            [self._read(oldest, (tenant, r["device_id"], high, low)) for r in tops]
+        )
+        first = min(rows[0]["bucket_ms"] for rows in bottoms if rows)
+        return first, max(r["bucket_ms"] for r in tops)
 
     async def _windows(
         self, tenant: str, devices: list[str], since_ms: int, until_ms: int

@@ -1097,27 +1097,38 @@ async def _rebuild_rollups(config: Config, args: argparse.Namespace) -> int:
         return 1
     with _Progress() as say:
 
-        def progress(done: int, windows: int) -> None:
+        def progress(done: int, windows: int, day_ms: int | None) -> None:
+            day = None if day_ms is None else datetime.fromtimestamp(day_ms / 1000, UTC)
+            at = "" if day is None else f", reading {day:%Y-%m-%d}"
             say(
                 f"rebuild-rollups: {done:,} of {len(devices):,} device{_s(len(devices))}, "
-                f"{windows:,} window{_s(windows)} recomputed"
+                f"{windows:,} window{_s(windows)} recomputed{at}"
             )
 
         async with open_write_session(config.cassandra) as session:
             worker = RollupWorker(session, config, Stats())
             await worker.prepare()
-            windows = await worker.rebuild(args.tenant, devices, since_ms, until_ms, progress)
-    if not windows:
-        # Nothing to do is a failure for devices named (a misspelt id?).
-        named = f"{_count(len(devices), 'device')} of tenant {args.tenant!r}"
-        print(f"(no raw rows {span} for {named})", file=sys.stderr)
-        return 1 if args.device_id else 0
-    print(
-        f"recomputed {windows:,} 1-minute window{_s(windows)} and "
-        f"{'its hour' if windows == 1 else 'their hours'}, of "
-        f"{len(devices):,} device{_s(len(devices))} of tenant {args.tenant!r}, {span}"
-    )
-    return 0
+            windows, seen = await worker.rebuild(args.tenant, devices, since_ms, until_ms, progress)
+    # A device named and not found is said, and fails the command when the
+    # tenant never had it (a misspelt id); one quiet in the range is not.
+    unknown = []
+    if missing := sorted(set(args.device_id) - seen):
+        async with connect(config.cassandra) as db:
+            for device in missing:
+                if await queries.latest_event(db, args.tenant, device) is not None:
+                    print(f"({device}: no raw rows {span})", file=sys.stderr)
+                else:
+                    unknown.append(device)
+                    print(f"({_no_device_hint(args.tenant, device)[2:]})", file=sys.stderr)
+    if windows:
+        print(
+            f"recomputed {windows:,} 1-minute window{_s(windows)} and "
+            f"{'its hour' if windows == 1 else 'their hours'}, of "
+            f"{len(seen):,} device{_s(len(seen))} of tenant {args.tenant!r}, {span}"
+        )
+    elif not args.device_id:
+        print(f"(no raw rows {span} for tenant {args.tenant!r})", file=sys.stderr)
+    return 1 if unknown or (args.device_id and not windows) else 0
 
 
 async def _rollup_worker_or_none(db: Database) -> str | None:
