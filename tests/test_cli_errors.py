@@ -14,11 +14,14 @@ import logging
 import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from gateway import app
@@ -511,3 +514,35 @@ def test_progress_on_a_terminal_is_one_line_shown_at_each_step(
         say("step 2")
         assert terminal.flushed[-1] == "\rstep 1\rstep 2"
     assert terminal.buffer == "\rstep 1\rstep 2\n"
+
+
+def _to_full_disk(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """The command with its output going to /dev/full (every write: ENOSPC)."""
+    with open("/dev/full", "w") as full:
+        return subprocess.run(
+            [sys.executable, "-m", "gateway", *args],
+            env=env,
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+
+def test_an_output_that_cannot_be_written_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    """`> /dev/full` (a full disk) ended every command with a traceback, and
+    `token add` left a valid token in the file that nobody had seen: it is
+    shown once, and its secret was lost (CLI probe)."""
+    env = base_env(GATEWAY_API__TOKENS_FILE=str(tmp_path / "tokens.jsonl"))
+    done = _to_full_disk("schema", "print", env=env)
+    assert done.returncode == 1
+    assert done.stderr == "gateway: cannot write the output: No space left on device\n"
+    done = _to_full_disk("token", "add", "--tenant", "acme", env=env)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert "cannot write the token (No space left on device); token " in done.stderr
+    assert "revoked" in done.stderr
+    listed = run_cli("token", "list", "--json", env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert orjson.loads(listed.stdout) == []

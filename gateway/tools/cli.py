@@ -1392,11 +1392,23 @@ def _token(config: Config, args: argparse.Namespace) -> int:
     if args.token_command == "add":
         new = store.add(tenant=args.tenant, admin=args.admin, label=args.label)
         scope = "every tenant (admin)" if args.admin else f"tenant {args.tenant!r}"
-        print(
-            f"Token for {scope} (id {new.info.id}), its hash stored in {store.path}. "
-            "It is shown once; store it now:"
-        )
-        print(new.token)
+        try:
+            print(
+                f"Token for {scope} (id {new.info.id}), its hash stored in {store.path}. "
+                "It is shown once; store it now:"
+            )
+            print(new.token, flush=True)
+        except OSError as exc:
+            # Nobody saw it, and it is never shown again: a token nobody
+            # has is revoked, not left valid in the file.
+            store.revoke(new.info.id)
+            _stdout_gone()
+            print(
+                f"gateway token add: cannot write the token ({exc.strerror or exc}); "
+                f"token {new.info.id} revoked: run it again with an output that can be written",
+                file=sys.stderr,
+            )
+            return 1
     elif args.token_command == "revoke":
         info = store.revoke(args.token_id)
         scope = "*admin*" if info.tenant is None else repr(info.tenant)
@@ -1491,8 +1503,14 @@ async def _simulate(config: Config, args: argparse.Namespace) -> int:
         )
     )
     loop = asyncio.get_running_loop()
+    stopped_by: list[int] = []
+
+    def stop(sig: int) -> None:
+        stopped_by.append(sig)
+        task.cancel()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, task.cancel)
+        loop.add_signal_handler(sig, stop, sig)
     try:
         stats = await task
     except BrokerError as lost:
@@ -1502,7 +1520,9 @@ async def _simulate(config: Config, args: argparse.Namespace) -> int:
     except asyncio.CancelledError:
         took = time.monotonic() - started
         print(f"simulate: interrupted; sent {acked} messages in {took:.1f} s (acknowledged)")
-        return 0
+        # 128 + the signal, as a shell reports it (130 for Ctrl-C): it was
+        # 0, and `simulate ... && next` went on as if the run had finished.
+        return 128 + (stopped_by[0] if stopped_by else signal.SIGINT)
     print(f"simulate: sent {stats.sent} messages in {stats.elapsed_s:.1f} s ({stats.rate:.0f}/s)")
     if stats.refused:
         print(f"simulate: the broker refused {stats.refused} publishes (see the log for why)")
@@ -1522,11 +1542,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             # Also when argparse exits (--help) with its output still buffered.
             sys.stdout.flush()
     except BrokenPipeError:
-        # Python flushes stdout again at exit: point it at /dev/null so that
-        # flush cannot fail too.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _stdout_gone()
         return 141
+    except OSError as exc:
+        # The output cannot be written (`> /dev/full`, a full disk): one line,
+        # not a traceback.
+        _stdout_gone()
+        print(f"gateway: cannot write the output: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     return code
+
+
+def _stdout_gone() -> None:
+    """Python flushes stdout again at exit: point it at /dev/null so that
+    flush cannot fail too."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _main(argv: Sequence[str] | None) -> int:
