@@ -189,10 +189,14 @@ def test_revoke_takes_the_whole_token_and_never_echoes_its_secret(tmp_path: Path
     assert token_id in result.stdout
     assert secret not in result.stdout + result.stderr
     assert listed(path) == []
-    # A mistyped whole token: an error that does not repeat it.
+    # A mistyped whole token: a usage error that does not repeat it.
     bad = cli(path, "revoke", f"gwt_{token_id}X_{secret}")
-    assert bad.returncode == 1
+    assert bad.returncode == 2
     assert secret not in bad.stdout + bad.stderr
+    # Not an id at all: a usage error (it was 1, as for an unknown id).
+    bad = cli(path, "revoke", "nope")
+    assert bad.returncode == 2
+    assert "argument ID: the id 'nope' is not a token id" in bad.stderr
 
 
 @pytest.mark.parametrize(
@@ -204,6 +208,9 @@ def test_revoke_takes_the_whole_token_and_never_echoes_its_secret(tmp_path: Path
         (("--tenant", "a/b"), "--tenant"),
         (("--tenant", "acme", "--label", "two\nlines"), "--label"),
         (("--tenant", "acme", "--label", "x" * 201), "--label"),
+        # Longer than a topic level may be: a tenant that can never send.
+        (("--tenant", "t" * 129), "--tenant: 129 characters, over limits.max_topic_level_length"),
+        (("--tenant", "t" * 600), "--tenant"),
     ],
 )
 def test_token_add_usage_errors_name_the_argument(

@@ -465,7 +465,7 @@ def _parser() -> argparse.ArgumentParser:
         help="make a read token; it is printed once, as the last line of the output",
     )
     scope = add.add_mutually_exclusive_group(required=True)
-    scope.add_argument("--tenant", type=_checked(tokens.check_tenant), help="the tenant it reads")
+    scope.add_argument("--tenant", type=_tenant, help="the tenant it reads")
     scope.add_argument("--admin", action="store_true", help="a token that reads every tenant")
     add.add_argument(
         "--label", type=_checked(tokens.check_label), default="", help="who or what it is for"
@@ -473,7 +473,12 @@ def _parser() -> argparse.ArgumentParser:
     lst = tok_sub.add_parser("list", parents=[common], help="the tokens (never their secrets)")
     lst.add_argument("--json", action="store_true", help="print JSON")
     rev = tok_sub.add_parser("revoke", parents=[common], help="revoke a token by its id")
-    rev.add_argument("token_id", metavar="ID", help="the id `gateway token list` shows")
+    rev.add_argument(
+        "token_id",
+        metavar="ID",
+        type=_checked(tokens.check_token_id),
+        help="the id `gateway token list` shows",
+    )
 
     sim = _command(
         sub, "simulate", parents=[common], help="publish events from a simulated device fleet"
@@ -1390,6 +1395,13 @@ def _token(config: Config, args: argparse.Namespace) -> int:
     # Only this prints a token, and only to stdout: never logged.
     store = tokens.TokenStore(config.api.tokens_file.absolute())
     if args.token_command == "add":
+        longest = config.limits.max_topic_level_length
+        if args.tenant is not None and len(args.tenant) > longest:
+            # No topic can name it: the token would read a tenant that never sends.
+            raise UsageError(
+                f"--tenant: {len(args.tenant)} characters, over "
+                f"limits.max_topic_level_length ({longest}): no topic can name that tenant"
+            )
         new = store.add(tenant=args.tenant, admin=args.admin, label=args.label)
         scope = "every tenant (admin)" if args.admin else f"tenant {args.tenant!r}"
         try:

@@ -93,6 +93,20 @@ def check_tenant(tenant: str) -> str:
     return tenant
 
 
+def check_token_id(text: str) -> str:
+    """The id of a token given by its id or whole (``gwt_<id>_<secret>``),
+    else ValueError saying why, never echoing a secret."""
+    if text.startswith(f"{PREFIX}_"):
+        text = text.split("_")[1]  # the whole token pasted: never echo its secret
+    if not _ID_RE.fullmatch(text):
+        shown = repr(text) if len(text) <= 32 and "_" not in text else "given"
+        raise ValueError(
+            f"the id {shown} is not a token id (8 to 32 lowercase hex digits, as "
+            "`gateway token list` shows)"
+        )
+    return text
+
+
 def check_label(label: str) -> str:
     """``label`` if it fits on one line of ``token list``, else ValueError saying why."""
     if len(label) > MAX_LABEL_LENGTH:
@@ -373,14 +387,10 @@ class TokenStore:
 
     def revoke(self, token_id: str) -> TokenInfo:
         """Remove a token by id (or by the whole token); TokenError naming the id if unknown."""
-        if token_id.startswith(f"{PREFIX}_"):
-            token_id = token_id.split("_")[1]  # the whole token pasted: never echo its secret
-        if not _ID_RE.fullmatch(token_id):
-            shown = repr(token_id) if len(token_id) <= 32 and "_" not in token_id else "given"
-            raise TokenError(
-                f"the id {shown} is not a token id (8 to 32 lowercase hex digits, as "
-                "`gateway token list` shows)"
-            )
+        try:
+            token_id = check_token_id(token_id)
+        except ValueError as exc:
+            raise TokenError(str(exc)) from None
         with self._locked():
             entries = self._read()[1]
             entry = entries.pop(token_id, None)
