@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from gateway import app
 from gateway.config import Config, load_config
 from gateway.errors import CassandraUnreachable
 from gateway.stats import Stats
+from gateway.store import queries
 from gateway.tools.cli import _parser, _Progress, _run, main
 
 from .helpers import base_env, free_port, run_cli
@@ -103,6 +105,23 @@ def test_a_limit_out_of_range_is_refused(gateway: Run, command: str, limit: str)
 def test_history_refuses_a_range_that_ends_before_it_starts(gateway: Run) -> None:
     err = _fails(gateway, "history", "--tenant", "t", "d", "--since", "1h", "--until", "2h")
     assert "--since: must be before --until" in err
+    # The same duration ago at both ends is an empty range: refused (each end
+    # took its own now, so since came a moment before until, and it passed).
+    err = _fails(gateway, "history", "--tenant", "t", "d", "--since", "5m", "--until", "5m")
+    assert "--since: must be before --until" in err
+    # --since in the future with no --until: until is now, and says so (it
+    # named an --until the user never gave).
+    err = _fails(gateway, "history", "--tenant", "t", "d", "--since", "2099-01-01T00:00:00Z")
+    assert "--since: must be before --until (now, unless --until is given)" in err, err
+    err = _fails(gateway, "rejected", "--tenant", "t", "--since", "2099-01-01T00:00:00Z")
+    assert "--since: 2099-01-01T00:00:00.000Z is in the future" in err, err
+
+
+def test_a_time_with_a_lower_case_z_is_taken() -> None:
+    """RFC 3339 allows "t" and "z" in lower case; fromisoformat refused the z."""
+    assert queries.parse_time("since", "2026-11-28t09:00:00z") == datetime(
+        2026, 11, 28, 9, tzinfo=UTC
+    )
 
 
 def test_rollup_range_errors_come_before_connecting(gateway: Run) -> None:

@@ -714,7 +714,8 @@ def parse_time(parameter: str, text: str, now: datetime | None = None) -> dateti
         except OverflowError:  # ago beyond year 1
             raise bad_parameter(parameter, f"{text!r} reaches back before year 1") from None
     try:
-        parsed = datetime.fromisoformat(text)
+        # RFC 3339 allows a lower-case z (and t), which fromisoformat refuses.
+        parsed = datetime.fromisoformat(text[:-1] + "Z" if text.endswith("z") else text)
     except ValueError:
         # "...T23:00:00 05:30": a "+" in a URL's query arrives as a space.
         plus = (
@@ -822,14 +823,23 @@ def parse_step(text: str) -> int:
         raise bad_parameter("step", f"expected 1m or 1h (got {text!r})") from None
 
 
-def check_order(since: datetime, until: datetime, *, since_given: bool, flag: str = "") -> None:
+def check_order(
+    since: datetime,
+    until: datetime,
+    *,
+    since_given: bool,
+    flag: str = "",
+    until_given: bool = True,
+) -> None:
     """``since`` before ``until``, or the QueryError naming the one given:
     ``until`` alone before the default ``since`` (24 h ago) blamed ``since``,
     which the user never gave. ``flag``: ``--`` for the CLI's option names."""
     if since < until:
         return
     if since_given:
-        raise bad_parameter(f"{flag}since", f"must be before {flag}until")
+        # "before until" of a range with no until given read as a mistake of ours.
+        now = "" if until_given else f" (now, unless {flag}until is given)"
+        raise bad_parameter(f"{flag}since", f"must be before {flag}until{now}")
     raise bad_parameter(f"{flag}until", f"must be after {flag}since, 24 h ago unless given")
 
 

@@ -527,11 +527,13 @@ def _checked(check: Callable[[str], str]) -> Callable[[str], str]:
     return parse
 
 
-def _time_arg(name: str, text: str | None, default: datetime) -> datetime:
+def _time_arg(name: str, text: str | None, default: datetime, now: datetime) -> datetime:
+    """``--since`` or ``--until``; a duration is ago from ``now``, the same
+    for both ends (``--since 5m --until 5m`` was an empty range, not refused)."""
     if text is None:
         return default
     try:
-        return queries.parse_time(name, text)
+        return queries.parse_time(name, text, now)
     except QueryError as exc:
         raise UsageError(str(exc)) from None
 
@@ -991,10 +993,16 @@ def _time_range(
 ) -> tuple[datetime, datetime]:
     """--since and --until (the last 24 h unless given, up to ``ahead``
     seconds past now, as the API's), in order."""
-    since = _time_arg("--since", args.since, now - timedelta(hours=24))
-    until = _time_arg("--until", args.until, now + timedelta(seconds=ahead))
+    since = _time_arg("--since", args.since, now - timedelta(hours=24), now)
+    until = _time_arg("--until", args.until, now + timedelta(seconds=ahead), now)
     try:
-        queries.check_order(since, until, since_given=bool(args.since), flag="--")
+        queries.check_order(
+            since,
+            until,
+            since_given=bool(args.since),
+            flag="--",
+            until_given=args.until is not None,
+        )
     except QueryError as exc:
         raise UsageError(str(exc)) from None
     return since, until
@@ -1320,7 +1328,10 @@ async def _quota(config: Config, args: argparse.Namespace) -> int:
 async def _rejected(config: Config, args: argparse.Namespace) -> int:
     now = datetime.now(UTC)
     if args.since is not None:
-        since = _time_arg("--since", args.since, now)
+        since = _time_arg("--since", args.since, now, now)
+        if since > now:
+            # Nothing was ever rejected then: an empty answer said nothing of why.
+            raise UsageError(f"--since: {queries.iso(since)} is in the future")
         span = f"since {queries.iso(since)}"
         kept = now - timedelta(hours=queries.MAX_REJECTED_HOURS)
         if since < kept:

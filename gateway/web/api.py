@@ -507,7 +507,9 @@ def _day_range(query: Any, ahead: float) -> tuple[datetime, datetime]:
     now = datetime.now(UTC)
     since = _time(query, "since", now - timedelta(hours=24), now)
     until = _time(query, "until", now + timedelta(seconds=ahead), now)
-    queries.check_order(since, until, since_given=bool(query.get("since")))
+    queries.check_order(
+        since, until, since_given=bool(query.get("since")), until_given=bool(query.get("until"))
+    )
     return since, until
 
 
