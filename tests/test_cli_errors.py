@@ -98,8 +98,15 @@ def test_rejected_since_says_what_it_takes_and_is_not_given_with_hours(gateway: 
 @pytest.mark.parametrize("limit", ["0", "-1", "100001", "many"])
 def test_a_limit_out_of_range_is_refused(gateway: Run, command: str, limit: str) -> None:
     args = ["history", "--tenant", "t", "d"] if command == "history" else ["rejected"]
-    err = _fails(gateway, *args, "--limit", limit)
+    err = _fails(gateway, *args, "--tenant", "t", "--limit", limit)
     assert f"argument --limit: a whole number from 1 to 100000 (got {limit!r})" in err
+
+
+def test_rejected_needs_a_tenant(gateway: Run) -> None:
+    """Without one it listed the messages whose topic named no tenant, which
+    read as every tenant's (CLI probe): --tenant '' asks for those."""
+    err = _fails(gateway, "rejected")
+    assert "the following arguments are required: --tenant" in err
 
 
 def test_history_refuses_a_range_that_ends_before_it_starts(gateway: Run) -> None:

@@ -140,6 +140,18 @@ async def test_reference_example_in_order(db: Database, tenant: str, driver: str
     )
 
 
+async def test_gateway_device_shows_a_missing_value_as_a_dash(tenant: str) -> None:
+    """An event with a state and no value: `gateway device` printed
+    "value=None", Python's word for it (CLI probe)."""
+    async with running_gateway(make_config()) as gw:
+        await publish([(topic(tenant, "nv"), orjson.dumps({"state": "on"}))])
+        await gw.wait_handled(1)
+    result = run_cli("device", "--tenant", tenant, "nv")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("nv  state=on  ts="), result.stdout
+    assert result.stdout.splitlines()[0].endswith("  value=—"), result.stdout
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 async def test_reference_example_shuffled_with_duplicates(
     db: Database, tenant: str, seed: int

@@ -429,7 +429,12 @@ def _parser() -> argparse.ArgumentParser:
 
     rej = _command(sub, "rejected", parents=[common], help="recently rejected messages and why")
     rej.add_argument(
-        "--tenant", type=_any_tenant, default="", help="tenant ('' for topics that named none)"
+        "--tenant",
+        type=_any_tenant,
+        required=True,
+        # Required: its default of '' read as "every tenant" and listed only
+        # the messages whose topic named none (CLI probe).
+        help="tenant ('' for the messages whose topic named none)",
     )
     back = rej.add_mutually_exclusive_group()
     back.add_argument(
@@ -981,7 +986,9 @@ async def _device(config: Config, args: argparse.Namespace) -> int:
     if args.json:
         _print_json(row.as_json())
     else:
-        print(f"{row.device_id}  state={row.state}  ts={queries.iso(row.ts)}  value={row.value}")
+        # "—" for none, not Python's None.
+        state, value = ("—" if v is None else v for v in (row.state, row.value))
+        print(f"{row.device_id}  state={state}  ts={queries.iso(row.ts)}  value={value}")
         # As history prints them: JSON, not Python's repr.
         metrics, tags = orjson.dumps(row.metrics).decode(), orjson.dumps(row.tags).decode()
         print(f"  metrics={metrics}  tags={tags}")
