@@ -313,6 +313,10 @@ def test_an_argument_checked_after_parsing_is_reported_as_argparse_reports_its_o
         (("--duration", "-1"), "--duration"),
         (("--tenant", "+"), "--tenant"),
         (("--tenant", "a/b"), "--tenant"),  # published into another topic tree
+        # These said "rate must be ...", naming no option.
+        (("--rate", "0"), "--rate"),
+        (("--rate", "nan"), "--rate"),
+        (("--noisy", "2"), "--noisy"),
     ],
 )
 def test_simulate_refuses_what_it_cannot_do(

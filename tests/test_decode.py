@@ -181,7 +181,10 @@ def test_detection_json_array_and_string() -> None:
     # Anything else is tried as MessagePack.
     assert "got int" in reject(_mp(5), "not_an_object")
     assert "got list" in reject(_mp([1]), "not_an_object")
-    reject(b"not json", "invalid_msgpack")
+    detail = reject(b"not json", "invalid_msgpack")
+    assert detail.endswith("; it is text, but no JSON event either: that starts with '{'")
+    # Binary that is no MessagePack is not called text.
+    assert "text" not in reject(b"\xc1\xff", "invalid_msgpack")
 
 
 def test_json_with_a_byte_order_mark_is_told_so_without_a_content_type() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from collections import defaultdict
@@ -176,6 +177,8 @@ async def test_noisy_command_lists_noisy_devices(tenant: str) -> None:
     assert [d["device_id"] for d in listed] == ["chatty"]
     assert listed[0]["observed_rate"] > 5
     assert listed[0]["sampled_out"] > 0
+    # Dated as every other answer (it was epoch seconds).
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", listed[0]["since"])
 
 
 async def test_tenant_over_quota_next_to_a_quiet_tenant(db: Database, tenant: str) -> None:

@@ -282,7 +282,12 @@ class Decoder:
             raise DecodeError("invalid_msgpack", "a text field is not valid UTF-8") from None
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
             why = str(exc) or type(exc).__name__  # FormatError/StackError carry no text
-            raise DecodeError("invalid_msgpack", f"not valid MessagePack: {why}") from None
+            text = ""
+            if not content_type and _text_like(payload):
+                # Text, without a content type: its sender likely meant JSON,
+                # and "not valid MessagePack" alone puzzled (CLI probe).
+                text = "; it is text, but no JSON event either: that starts with '{'"
+            raise DecodeError("invalid_msgpack", f"not valid MessagePack: {why}{text}") from None
 
     @staticmethod
     def _timestamp(ts: int | str) -> tuple[int, int | None]:
@@ -309,6 +314,15 @@ class Decoder:
         fraction = match.group(1) or ""
         micros = since.microseconds % 1000 if len(fraction) > 4 else None
         return since // _ONE_MS, micros
+
+
+def _text_like(payload: bytes) -> bool:
+    """Whether ``payload`` reads as printable UTF-8 text (lines and tabs allowed)."""
+    try:
+        text = payload.decode()
+    except UnicodeDecodeError:
+        return False
+    return text.replace("\n", "").replace("\r", "").replace("\t", "").isprintable()
 
 
 def _kind(payload: bytes, content_type: str | None) -> str:

@@ -495,7 +495,10 @@ def _parser() -> argparse.ArgumentParser:
         help=f"fleet size, 1 to {MAX_SIM_DEVICES} (default 100; about 0.75 KB of memory each)",
     )
     sim.add_argument(
-        "--rate", type=float, default=50.0, help="messages per second, fleet-wide (default 50)"
+        "--rate",
+        type=lambda t: _number(t, 0, 1_000_000, "messages per second", above=True),
+        default=50.0,
+        help="messages per second, fleet-wide (default 50)",
     )
     sim.add_argument(
         "--format",
@@ -503,7 +506,12 @@ def _parser() -> argparse.ArgumentParser:
         default="json",
         help="payload encoding (default json)",
     )
-    sim.add_argument("--noisy", type=float, default=0.0, help="fraction of noisy devices (50x)")
+    sim.add_argument(
+        "--noisy",
+        type=lambda t: _number(t, 0, 1, "a fraction of the devices"),
+        default=0.0,
+        help="fraction of noisy devices (50x)",
+    )
     sim.add_argument(
         "--tenant",
         type=_checked(tokens.check_tenant),
@@ -857,6 +865,21 @@ def _whole(text: str, low: int, high: int, what: str) -> int:
     return number
 
 
+def _number(text: str, low: float, high: float, what: str, *, above: bool = False) -> float:
+    """An argparse number in [low, high] ((low, high] when ``above``); the
+    error names what it takes (``simulate --rate 0`` said "rate must be",
+    not which option)."""
+    try:
+        number = float(text)
+    except ValueError:
+        number = math.nan
+    if not (low < number <= high if above else low <= number <= high):
+        low_text, high_text = (f"{x:,.0f}" if x == int(x) else f"{x:g}" for x in (low, high))
+        bounds = f"above {low_text}" if above else f"from {low_text}"
+        raise argparse.ArgumentTypeError(f"{what} {bounds} to {high_text} (got {text!r})")
+    return number
+
+
 def _hours(text: str) -> int:
     # Rejected messages are kept 7 days (the table's TTL).
     return _whole(text, 1, queries.MAX_REJECTED_HOURS, "a whole number of hours")
@@ -1032,7 +1055,7 @@ async def _history(config: Config, args: argparse.Namespace) -> int:
                 f"\t{orjson.dumps(r.metrics).decode()}"
             )
     if more or hint or not args.json:  # with --json, said only when cut or explained
-        print(f"({len(rows)} events{_more(more)}{hint})", file=sys.stderr)
+        print(f"({_count(len(rows), 'event')}{_more(more)}{hint})", file=sys.stderr)
     return 0
 
 
@@ -1396,11 +1419,15 @@ def _noisy(config: Config, args: argparse.Namespace) -> int:
             f"cannot reach the running gateway at {url}: {said}; "
             "is `gateway run` up with api.enabled, and do api.host/api.port match?"
         ) from None
+    for d in devices:
+        # As every other answer dates: RFC 3339 UTC to the ms (it was epoch
+        # seconds in --json and +00:00 to the second in the text).
+        d["since"] = queries.iso(datetime.fromtimestamp(d["since"], UTC))
     if args.json:
         _print_json(devices)
         return 0
     for d in devices:
-        since = datetime.fromtimestamp(d["since"], UTC).isoformat(timespec="seconds")
+        since = d["since"]
         print(
             f"{d['device_id']}\tobserved={d['observed_rate']:.1f}/s\tkept={d['kept_rate']:.2f}/s"
             f"\tsince={since}\tsampled_out={d['sampled_out']}"
@@ -1549,11 +1576,16 @@ async def _simulate(config: Config, args: argparse.Namespace) -> int:
         raise GatewayError(f"simulate: lost or no broker at {where}: {lost}") from None
     except asyncio.CancelledError:
         took = time.monotonic() - started
-        print(f"simulate: interrupted; sent {acked} messages in {took:.1f} s (acknowledged)")
+        print(
+            f"simulate: interrupted; sent {_count(acked, 'message')} in {took:.1f} s (acknowledged)"
+        )
         # 128 + the signal, as a shell reports it (130 for Ctrl-C): it was
         # 0, and `simulate ... && next` went on as if the run had finished.
         return 128 + (stopped_by[0] if stopped_by else signal.SIGINT)
-    print(f"simulate: sent {stats.sent} messages in {stats.elapsed_s:.1f} s ({stats.rate:.0f}/s)")
+    print(
+        f"simulate: sent {_count(stats.sent, 'message')} in {stats.elapsed_s:.1f} s "
+        f"({stats.rate:.0f}/s)"
+    )
     if stats.refused:
         print(f"simulate: the broker refused {stats.refused} publishes (see the log for why)")
         return 1
