@@ -21,10 +21,12 @@ import aiohttp
 import prometheus_client
 import pytest
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.errors import ConfigError
 from gateway.stats import LabelledCounts, Stats
+from gateway.web import server
 from gateway.web.metrics import (
     METRICS_CONTENT_TYPE,
     SERIES_DROPPED,
@@ -553,11 +555,15 @@ async def test_unknown_path_and_wrong_method() -> None:
         assert (await request(at, "/healthz")).status == 200
 
 
-async def test_oversized_requests_are_rejected() -> None:
+async def test_oversized_requests_are_rejected(caplog: pytest.LogCaptureFixture) -> None:
     limits = Limits(client_max_size=1024)
     async with running(extra=[add_api], limits=limits) as at:
         long_line = b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"
-        assert status_of(await exchange(at.port, long_line)) == 400
+        with caplog.at_level(logging.INFO, logger="gateway.web.http"):
+            assert status_of(await exchange(at.port, long_line)) == 400
+        # A client's bad request is no error of ours: no ERROR, no traceback
+        # (aiohttp logs one, which any client could fill the log with).
+        assert not [r for r in caplog.records if r.levelno > logging.WARNING or r.exc_info]
         # aiohttp's own bound (8190) was less than the longest valid API request.
         line = b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
         assert status_of(await exchange(at.port, line)) == 404
@@ -862,3 +868,38 @@ def test_the_readmes_metrics_reference_lists_every_family() -> None:
     listed = set(re.findall(r"^\| `(gateway_[a-z0-9_]+)` \|", table, re.MULTILINE))
     assert served - listed == set(), "registered, not in the README's table"
     assert listed - served == set(), "in the README's table, not registered"
+
+
+class _Keep(logging.Handler):
+    def __init__(self, seen: list[logging.LogRecord]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append(record)
+
+
+def test_a_bad_request_is_logged_as_one_masked_warning_line() -> None:
+    """What aiohttp logs for a request it cannot parse: an ERROR with its
+    traceback, quoting the request (a token among it)."""
+    seen: list[logging.LogRecord] = []
+    logger = logging.getLogger("gateway.web.http.test-brief")
+    logger.propagate = False
+    for kept in (server._BadRequestsBrief(), server._MaskTokens()):
+        logger.addFilter(kept)
+    logger.addHandler(_Keep(seen))
+    secret = "gwt_0123abcd_" + "s" * 43
+    try:
+        raise HttpProcessingError(
+            code=400, message=f"Got more than 8190 bytes when reading: b'Bearer {secret}'"
+        )
+    except HttpProcessingError:
+        logger.exception("Error handling request from %s", "127.0.0.1")
+    (record,) = seen
+    assert record.levelno == logging.WARNING
+    assert record.exc_info is None
+    text = logging.Formatter().format(record)
+    assert text.startswith("Error handling request from 127.0.0.1: a bad request, answered 400: ")
+    assert "Traceback" not in text
+    assert "s" * 43 not in text
+    assert "gwt_0123abcd_..." in text  # the token's public id, as elsewhere

@@ -53,7 +53,8 @@ whatever it adds. Dependencies go in through closures, never module globals.
   labels are bounded by the routes the application has.
 * Logs: aiohttp's protocol errors (bad requests) and failing handlers log
   through ``gateway.web.http``, at most one record per message per 10 s,
-  with any token's secret masked (a parser error quotes the header line).
+  with any token's secret masked (a parser error quotes the header line);
+  a bad request as one WARNING line, without aiohttp's traceback.
   The per-request access log is off.
 * Stopping (aiohttp's ``AppRunner.cleanup``): the listener closes first, idle
   connections are closed, requests under way get ``shutdown_timeout`` (2 s)
@@ -73,6 +74,7 @@ from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Middleware
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -144,6 +146,23 @@ class _MaskTokens(logging.Filter):
         return True
 
 
+class _BadRequestsBrief(logging.Filter):
+    """A request aiohttp could not parse (a line over its bound, a bad header)
+    is the client's mistake, not ours: one WARNING line, not an ERROR with a
+    traceback, which any client without a token could fill the log with."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            # Masked before it is cut: a token cut short may not look like one.
+            lines = (exc.message or type(exc).__name__).split()
+            said = mask_secrets(" ".join(lines))[:300]
+            record.msg = f"{record.getMessage()}: a bad request, answered {exc.code}: {said}"
+            record.args = record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 def once_per(interval: float, logger: logging.Logger) -> logging.Logger:
     """``logger``, keeping at most one record per message template per ``interval`` s."""
     logger.addFilter(_OncePer(interval))
@@ -151,7 +170,8 @@ def once_per(interval: float, logger: logging.Logger) -> logging.Logger:
 
 
 http_log = once_per(10.0, logging.getLogger(f"{__package__}.http"))
-http_log.addFilter(_MaskTokens())
+http_log.addFilter(_BadRequestsBrief())
+http_log.addFilter(_MaskTokens())  # last: it masks what the others left
 
 
 # --------------------------------------------------------------------------
