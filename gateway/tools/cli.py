@@ -1526,6 +1526,15 @@ async def _forget_session(config: Config) -> int:
     except aiomqtt.MqttError as exc:
         raise GatewayError(f"cannot reach the broker at {cfg.host}:{cfg.port}: {exc}") from None
     print(f"session of client id {cfg.client_id!r} ended; its queued messages are dropped")
+    # The broker cannot be asked whether a client of this id is connected;
+    # only this config's api.host:api.port was (CLI probe: a gateway on
+    # another port lost its session). Say so, for whoever ran the wrong id.
+    print(
+        f"(no gateway answered at {config.api.host}:{config.api.port}; one with this client "
+        "id running elsewhere, or with another api.port, was disconnected and lost what the "
+        "broker held for it: it starts a new session as it reconnects, and says so)",
+        file=sys.stderr,
+    )
     return 0
 
 
