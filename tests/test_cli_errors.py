@@ -242,6 +242,23 @@ def test_a_tenant_no_topic_can_name_is_refused(gateway: Run, args: tuple[str, ..
 
 
 @pytest.mark.parametrize(
+    ("args", "argument"),
+    [
+        (("history", "--tenant", "t", ""), "device_id"),
+        (("devices", "--tenant", "t", "--state", ""), "--state"),
+        (("quota", "--tenant", "t", "--release", ""), "--release"),  # said "not admitted: "
+        (("meta", "values", "--tenant", "t", ""), "KEY"),
+    ],
+)
+def test_an_empty_device_state_or_key_is_refused(
+    gateway: Run, args: tuple[str, ...], argument: str
+) -> None:
+    """No device, state or key is empty: one was looked up and said missing."""
+    err = _fails(gateway, *args)
+    assert f"argument {argument}: must not be empty" in err, err
+
+
+@pytest.mark.parametrize(
     "args",
     [
         ("devices", "--tenant", "", "--state", "on"),

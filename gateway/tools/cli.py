@@ -295,8 +295,9 @@ def _parser() -> argparse.ArgumentParser:
         "check",
         parents=[common],
         help="exit non-zero if the broker or Cassandra is unreachable, the schema is missing, "
-        "or the spool cannot take messages (unwritable, disk or spool full, or left "
-        "holding messages with the spool off)",
+        "the spool cannot take messages (unwritable, disk or spool full, or left "
+        "holding messages with the spool off), or this host's clock is further off "
+        "Cassandra's than limits.max_future_skew",
     )
 
     dev = _command(sub, "devices", parents=[common], help="devices currently in a state")
@@ -810,8 +811,7 @@ def _tenant(text: str) -> str:
 def _any_tenant(text: str) -> str:
     """:func:`_tenant`, or empty: ``rejected`` lists the messages whose topic
     named no tenant under ''."""
-    text = _name(text)
-    return _checked(tokens.check_tenant)(text) if text else text
+    return _checked(tokens.check_tenant)(_name(text)) if text else text
 
 
 def _add_range(parser: argparse.ArgumentParser) -> None:
@@ -830,7 +830,10 @@ def _name(text: str) -> str:
     """A tenant, device, state, metric or tag given on the command line: valid
     UTF-8 (a terminal in another encoding gives bytes that are not) and at
     most MAX_ARG characters, as the read API takes (Cassandra refuses keys
-    over 64 KiB, with a traceback)."""
+    over 64 KiB, with a traceback). Not empty: no device, state or key is
+    (an empty one was looked up, and found missing, or "not admitted: ")."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
     return _argument(text, MAX_ARG)
 
 
