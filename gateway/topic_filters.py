@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import re
 
-# C0 controls, DEL and C1 controls.
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+# C0 controls, DEL and C1 controls, as a regular expression's class.
+CONTROLS = "\\x00-\\x1f\\x7f-\\x9f"
+_CONTROL = re.compile(f"[{CONTROLS}]")
 
 
 def filter_levels(topic_filter: str) -> tuple[str, ...]:

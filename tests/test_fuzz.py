@@ -250,7 +250,7 @@ def valid_events(draw: st.DrawFn, received_ms: int) -> tuple[dict[str, Any], int
     if draw(st.booleans()):
         event["state"] = draw(
             st.text(CHARS, min_size=1, max_size=LIMITS.max_state_length).filter(
-                lambda s: state_problem(s) is None
+                lambda s: s == s.strip() and state_problem(s) is None
             )
         )
     if draw(st.booleans()):

@@ -1079,13 +1079,11 @@ async def test_rebuild_rollups_recomputes_what_no_mark_asked_for(
     # A range back to the year 1 reads only the days that hold partitions:
     # it read one empty day after another, for hours (CLI probe).
     await forget()
-    began = time.monotonic()
-    result = run_cli(
+    result = run_cli(  # it ran for hours: the timeout fails it
         "rebuild-rollups", "--tenant", tenant, "--since", "0001-01-01T00:00:00Z", timeout=60
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("recomputed 4 1-minute windows and their hours, of 3 devices")
-    assert time.monotonic() - began < 30
     assert await rollups_of("r1", 60) == [(w, 2, 3.0), (w + MINUTE_MS, 1, 5.0)]
     # A tenant with no raw rows: a misspelt --tenant, said, exit 1.
     result = run_cli("rebuild-rollups", "--tenant", f"{tenant}x", *span)

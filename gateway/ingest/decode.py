@@ -36,7 +36,7 @@ from ..config import LimitsConfig
 from ..errors import DecodeError
 from ..event import Event
 from ..identity import event_identity
-from ..topic_filters import NO_URL_NAMES, NO_URL_REASON
+from ..topic_filters import CONTROLS, NO_URL_NAMES, NO_URL_REASON
 from .payload_model import MAX_TS_TEXT, payload_model
 
 REASONS = (
@@ -64,28 +64,28 @@ MSGPACK_TYPES = frozenset(
 )
 
 
-# What a state may not hold: C0 and C1 controls and DEL, and the characters
-# that show as nothing (zero-width space, word joiner and invisible
-# operators, left-to-right and right-to-left marks, bidirectional embeddings
-# and isolates, the byte-order mark). A state is the label the page's tiles,
-# lists and the CLI show; "a\u200bb" looked exactly like "ab" and was another
-# state. Zero-width joiners stay allowed: emoji sequences and scripts use them.
+# What a state may not hold: controls (C0, C1, DEL), and the characters
+# that show as nothing or as a break: soft hyphen, Arabic letter mark, Hangul
+# fillers, Mongolian vowel separator, zero-width space, direction marks,
+# line and paragraph separators, bidirectional embeddings and isolates, word
+# joiner, invisible operators and deprecated format characters, byte-order
+# mark. A state is the label the page's tiles and lists and the CLI show;
+# "a\u200bb" looked exactly like "ab" and was another state. Zero-width
+# joiners stay allowed: emoji sequences and scripts use them.
 _UNSEEN = re.compile(
-    r"[\x00-\x1f\x7f-\x9f\u200b\u200e\u200f\u202a-\u202e\u2060-\u2064\u2066-\u2069\ufeff]"
+    f"[{CONTROLS}"
+    r"\u00ad\u061c\u115f\u1160\u180e\u200b\u200e\u200f\u2028-\u202e\u2060-\u2064"
+    r"\u2066-\u206f\u3164\ufeff]"
 )
 
 
 def state_problem(state: str) -> str | None:
-    """Why ``state`` cannot be one, or None: a label people must tell apart."""
+    """Why ``state`` (its whitespace at the ends dropped, as Decoder does)
+    cannot be one, or None: a label people must tell apart."""
+    if not state:
+        return "only whitespace, so the page and the CLI would show no name"
     if state in NO_URL_NAMES:
         return NO_URL_REASON
-    if state != state.strip():
-        if not state.strip():
-            return "only whitespace, so the page and the CLI would show no name"
-        return (
-            f"whitespace at its start or end, so it would look like {state.strip()!r}, "
-            "another state"
-        )
     unseen = _UNSEEN.search(state)
     if unseen is not None:
         return (
@@ -215,9 +215,13 @@ class Decoder:
         sent_at: float | None,
     ) -> Event:
         if state is not None:
+            # Whitespace at the ends dropped ("on\r\n", "on " are "on"): a
+            # second tile called on, and rejecting a device's every message
+            # over its firmware's line end, were both worse.
+            sent, state = state, state.strip()
             problem = state_problem(state)
             if problem is not None:
-                raise DecodeError("invalid_field", f"state: {state!r}: {problem}")
+                raise DecodeError("invalid_field", f"state: {sent!r}: {problem}")
         micros: int | None = None  # below the millisecond, when the ts says
         if ts is None:
             ts_ms, from_receive = received_ms, True

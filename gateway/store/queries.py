@@ -489,6 +489,18 @@ async def devices_with_rows(db: Database, tenant: str) -> list[str]:
     return sorted(r.device_id for r in rows)
 
 
+async def device_has_rows(db: Database, tenant: str, device_id: str) -> bool:
+    """Whether ``device_id`` has raw rows at any time (a partition in
+    ``telemetry_partitions``): a device a tenant has, even one whose rows were
+    written around the gateway (no latest row)."""
+    rows = await db.execute(
+        f"SELECT bucket_start FROM {db.keyspace}.telemetry_partitions "
+        "WHERE tenant = %s AND device_id = %s LIMIT 1",
+        (tenant, device_id),
+    )
+    return bool(rows)
+
+
 async def latest_event(db: Database, tenant: str, device_id: str) -> LatestRow | None:
     rows = await db.execute(
         f"SELECT device_id, state, ts, value, value_num, metrics, tags "
@@ -830,15 +842,17 @@ def check_order(
     since_given: bool,
     flag: str = "",
     until_given: bool = True,
+    until_default: str = "now",
 ) -> None:
     """``since`` before ``until``, or the QueryError naming the one given:
     ``until`` alone before the default ``since`` (24 h ago) blamed ``since``,
-    which the user never gave. ``flag``: ``--`` for the CLI's option names."""
+    which the user never gave. ``flag``: ``--`` for the CLI's option names;
+    ``until_default``: what ``until`` is when not given, as said."""
     if since < until:
         return
     if since_given:
         # "before until" of a range with no until given read as a mistake of ours.
-        now = "" if until_given else f" (now, unless {flag}until is given)"
+        now = "" if until_given else f" ({until_default}, unless {flag}until is given)"
         raise bad_parameter(f"{flag}since", f"must be before {flag}until{now}")
     raise bad_parameter(f"{flag}until", f"must be after {flag}since, 24 h ago unless given")
 

@@ -730,8 +730,9 @@ class RollupWorker:
         bottoms = await all_or_none(
             [self._read(oldest, (tenant, r["device_id"], high, low)) for r in tops]
         )
-        first = min(rows[0]["bucket_ms"] for rows in bottoms if rows)
-        return first, max(r["bucket_ms"] for r in tops)
+        # None found (the index rows expired between the two reads): nothing to do.
+        first = min((rows[0]["bucket_ms"] for rows in bottoms if rows), default=None)
+        return None if first is None else (first, max(r["bucket_ms"] for r in tops))
 
     async def _windows(
         self, tenant: str, devices: list[str], since_ms: int, until_ms: int

@@ -30,7 +30,7 @@ import urllib.request
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO, cast
 
 import orjson
 import uvloop
@@ -499,7 +499,7 @@ def _parser() -> argparse.ArgumentParser:
         "--rate",
         type=lambda t: _number(t, 0, 1_000_000, "messages per second", above=True),
         default=50.0,
-        help="messages per second, fleet-wide (default 50)",
+        help="messages per second, fleet-wide, up to 1,000,000 (default 50)",
     )
     sim.add_argument(
         "--format",
@@ -910,7 +910,8 @@ class _Progress:
         if self._tty:
             # Flushed: stderr is line-buffered, and a line rewritten in place
             # has no newline, so it showed only at the end.
-            print(f"\r{text}", end="", file=sys.stderr, flush=True)
+            # Erased to the line's end: a shorter line left the longer one's tail.
+            print(f"\r{text}\x1b[K", end="", file=sys.stderr, flush=True)
             self._shown = True
             return
         now = time.monotonic()
@@ -1035,6 +1036,7 @@ def _time_range(
             since_given=bool(args.since),
             flag="--",
             until_given=args.until is not None,
+            until_default="now plus limits.max_future_skew" if ahead else "now",
         )
     except QueryError as exc:
         raise UsageError(str(exc)) from None
@@ -1161,7 +1163,9 @@ async def _rebuild_rollups(config: Config, args: argparse.Namespace) -> int:
     if missing := sorted(set(args.device_id) - seen):
         async with connect(config.cassandra) as db:
             for device in missing:
-                if await queries.latest_event(db, args.tenant, device) is not None:
+                # Raw rows at any time (rows written around the gateway have
+                # no latest row): the same index the device list comes from.
+                if await queries.device_has_rows(db, args.tenant, device):
                     print(f"({device}: no raw rows {span})", file=sys.stderr)
                 else:
                     unknown.append(device)
@@ -1530,12 +1534,16 @@ async def _forget_session(config: Config) -> int:
         raise GatewayError(f"cannot reach the broker at {cfg.host}:{cfg.port}: {exc}") from None
     print(f"session of client id {cfg.client_id!r} ended; its queued messages are dropped")
     # The broker cannot be asked whether a client of this id is connected;
-    # only this config's api.host:api.port was (CLI probe: a gateway on
+    # only this config's api.host:api.port could be (CLI probe: a gateway on
     # another port lost its session). Say so, for whoever ran the wrong id.
+    asked = (
+        f"no gateway of this client id answered at {config.api.host}:{config.api.port}"
+        if config.api.enabled
+        else "api.enabled is false, so no running gateway could be asked"
+    )
     print(
-        f"(no gateway answered at {config.api.host}:{config.api.port}; one with this client "
-        "id running elsewhere, or with another api.port, was disconnected and lost what the "
-        "broker held for it: it starts a new session as it reconnects, and says so)",
+        f"({asked}; had one of this client id been running elsewhere, or on another "
+        "api.port, it was disconnected and lost what the broker held for it)",
         file=sys.stderr,
     )
     return 0
@@ -1609,6 +1617,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     head``) ends any command quietly with 141, the status of a process killed
     by SIGPIPE, as other command-line tools do (the Python documentation's
     recipe: stdout is flushed here, so the error cannot surface at exit)."""
+    out = sys.stdout
+    watched = _Watched(out)
+    sys.stdout = cast(TextIO, watched)
     try:
         try:
             code = _main(argv)
@@ -1620,11 +1631,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141
     except OSError as exc:
         # The output cannot be written (`> /dev/full`, a full disk): one line,
-        # not a traceback.
+        # not a traceback. Any other OSError is not this one's to word.
+        if not watched.failed:
+            raise
         _stdout_gone()
         print(f"gateway: cannot write the output: {exc.strerror or exc}", file=sys.stderr)
         return 1
+    finally:
+        sys.stdout = out
     return code
+
+
+class _Watched:
+    """sys.stdout, noting whether writing to it failed: then an OSError is
+    the output's, not a command's."""
+
+    def __init__(self, out: TextIO) -> None:
+        self._out = out
+        self.failed = False
+
+    def write(self, text: str) -> int:
+        try:
+            return self._out.write(text)
+        except OSError:
+            self.failed = True
+            raise
+
+    def flush(self) -> None:
+        try:
+            self._out.flush()
+        except OSError:
+            self.failed = True
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._out, name)
 
 
 def _stdout_gone() -> None:

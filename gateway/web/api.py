@@ -508,7 +508,11 @@ def _day_range(query: Any, ahead: float) -> tuple[datetime, datetime]:
     since = _time(query, "since", now - timedelta(hours=24), now)
     until = _time(query, "until", now + timedelta(seconds=ahead), now)
     queries.check_order(
-        since, until, since_given=bool(query.get("since")), until_given=bool(query.get("until"))
+        since,
+        until,
+        since_given=bool(query.get("since")),
+        until_given=bool(query.get("until")),
+        until_default="now plus limits.max_future_skew" if ahead else "now",
     )
     return since, until
 

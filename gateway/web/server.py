@@ -153,13 +153,19 @@ class _BadRequestsBrief(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, HttpProcessingError):
+        # aiohttp's own record ("Error handling request ..."), not ours.
+        if isinstance(exc, HttpProcessingError) and str(record.msg).startswith(
+            "Error handling request"
+        ):
             # Masked before it is cut: a token cut short may not look like one.
             lines = (exc.message or type(exc).__name__).split()
             said = mask_secrets(" ".join(lines))[:300]
             record.msg = f"{record.getMessage()}: a bad request, answered {exc.code}: {said}"
             record.args = record.exc_info = record.exc_text = None
-            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            # Lowered, never raised: aiohttp logs a first request's bad
+            # method (TLS, scanners) at DEBUG.
+            record.levelno = min(record.levelno, logging.WARNING)
+            record.levelname = logging.getLevelName(record.levelno)
         return True
 
 

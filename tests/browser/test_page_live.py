@@ -4,6 +4,7 @@ manager, and a state change shows up without a reload."""
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -195,6 +196,12 @@ async def test_odd_tags_and_long_values_stay_findable_and_readable_on_a_phone(
         await expect(cut).to_contain_text("(1,024 characters)")
         await no_horizontal_overflow(phone)
         await chip.click()
+        await expect(phone.locator('[data-device="lamp-1"]')).to_have_count(1)
+        await expect(rows).to_have_count(1)
+        # Typing a prefix beside it keeps the chip's filter exact (it was
+        # tidied into floor:3, the other device).
+        await phone.locator("#prefix").fill("lamp")
+        await expect(phone).to_have_url(re.compile(r"prefix=lamp"))
         await expect(phone.locator('[data-device="lamp-1"]')).to_have_count(1)
         await expect(rows).to_have_count(1)
 

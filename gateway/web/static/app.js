@@ -1218,7 +1218,10 @@
     const r = current && current.route;
     if (!r || r.name !== "devices") return;
     const prefix = $("prefix").value.trim();
-    const tag = normalizeTag($("tag").value);
+    // The field as a chip left it is that chip's filter, exactly ("3 " is
+    // not "3"): only what the user typed is tidied.
+    const typed = $("tag").value;
+    const tag = typed === r.tag ? r.tag : normalizeTag(typed);
     if (tag === null) {
       checkTag();
       if (!replace) $("tag").focus();
