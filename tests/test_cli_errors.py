@@ -136,6 +136,12 @@ def test_rollup_range_errors_come_before_connecting(gateway: Run) -> None:
         gateway, "rollup", "--tenant", "t", "d", "--step", "1m", "--since", "2000-01-01T00:00:00Z"
     )
     assert "--since: the range holds more than" in err
+    assert err.rstrip().endswith("or take a longer step"), err
+    # An hour is the longest step: no longer one is suggested.
+    err = _fails(
+        gateway, "rollup", "--tenant", "t", "d", "--step", "1h", "--since", "2000-01-01T00:00:00Z"
+    )
+    assert err.rstrip().endswith("move since later or until earlier"), err
     # A far --until with the default --since: --until is blamed (it named
     # --since, which the user never gave).
     err = _fails(

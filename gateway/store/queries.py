@@ -872,12 +872,14 @@ def check_rollup_range(
     if (until_ms - first) // step_ms > MAX_ROLLUP_WINDOWS:
         span = f"the range holds more than {MAX_ROLLUP_WINDOWS} windows of {step} s "
         span += f"(from {iso(since)} to {iso(until)})"
+        # An hour is the longest step: no longer one to suggest.
+        longer = ", or take a longer step" if step < 3600 else ""
         if since_given:
             # Either end may be the one to move: say both.
             move = "move since later or until earlier"
-            raise bad_parameter("since", f"{span}: {move}, or take a longer step")
+            raise bad_parameter("since", f"{span}: {move}{longer}")
         move = "move until earlier (since is 24 h ago unless given)"
-        raise bad_parameter("until", f"{span}: {move}, or take a longer step")
+        raise bad_parameter("until", f"{span}: {move}{longer}")
     return first, until_ms
 
 
