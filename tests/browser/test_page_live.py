@@ -208,6 +208,10 @@ async def test_odd_tags_and_long_values_stay_findable_and_readable_on_a_phone(
         await phone.goto(f"{url}#/t/{tenant}/d/panel")
         history = phone.locator("#history-rows tr")
         await expect(history).to_have_count(1)
+        await expect(phone.locator("#history-meta")).to_contain_text("1 event in the chart")
+        # The card cuts it too (it was a screen of W above the history).
+        card = phone.locator('[data-testid="device-value"] details.long-text summary')
+        await expect(card).to_contain_text("(1,024 characters)")
         box = await history.first.bounding_box()
         assert box is not None
         assert box["height"] < 200, box

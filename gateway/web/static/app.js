@@ -1314,12 +1314,16 @@
       "data-testid": "device-state", text: d.state });
     badge.style.setProperty("--state-color", stateInk(d.state));
     const metrics = Object.entries(d.metrics || {}).sort(([a], [b]) => a.localeCompare(b));
+    const value = formatValue(d.value);
     const parts = [
       h("dl", { class: "facts" },
         h("div", null, h("dt", { text: "State" }), h("dd", null, badge)),
         h("div", null, h("dt", { text: "Value" }),
-          h("dd", { class: Array.from(formatValue(d.value)).length > 40 ? "value long" : "value",
-            "data-testid": "device-value", text: formatValue(d.value) })),
+          // Long text cut here too (a screen of it pushed the history down),
+          // and kept open across the live redraws of the card.
+          h("dd", { class: Array.from(value).length > 40 ? "value long" : "value",
+            "data-testid": "device-value" },
+          textCell(value, "latest", openTexts(box).has("latest")))),
         h("div", null, h("dt", { text: "Last seen" }), h("dd", null, timeEl(d.ts), " · ", ageEl(d.ts))),
         h("div", null, h("dt", { text: "Tags" }), h("dd", null, tagChips(d.tags, null)))),
       metrics.length ? h("dl", { class: "metrics", "aria-label": "Metrics" }, metrics.map(([k, v]) =>
@@ -1348,7 +1352,8 @@
       : lastRollups ? " (the range holds older events: the value line covers them, the table not)"
         : " (the range holds older events, not shown)";
     $("history-meta").textContent = events.length
-      ? `${events.length} events in the chart, newest ${Math.min(events.length, HISTORY_ROWS)} listed${more}.`
+      ? `${events.length} event${events.length === 1 ? "" : "s"} in the chart, `
+        + `newest ${Math.min(events.length, HISTORY_ROWS)} listed${more}.`
       : "No events in this range.";
   }
 
