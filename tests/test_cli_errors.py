@@ -194,10 +194,12 @@ def test_init_refuses_a_directory_and_follows_gateway_config(
     GATEWAY_CONFIG, which every other command reads, was ignored."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "d").mkdir()
-    for path in ("d", ""):
-        for force in ((), ("--force",)):
-            err = _fails(gateway, "init", path, *force)
-            assert "is a directory (give a file name" in err, err
+    for force in ((), ("--force",)):
+        err = _fails(gateway, "init", "d", *force)
+        assert "is a directory (give a file name" in err, err
+        # '' is no path at all (it said "'.' is a directory").
+        err = _fails(gateway, "init", "", *force)
+        assert "argument path: must not be empty" in err, err
     target = tmp_path / "from-env.toml"
     code, err = gateway("init", GATEWAY_CONFIG=str(target))
     assert code == 0, err
@@ -245,6 +247,16 @@ def test_a_tenant_no_topic_can_name_is_refused(gateway: Run, args: tuple[str, ..
     reads answered "0 devices", as if the tenant were empty."""
     err = _fails(gateway, *args)
     assert "argument --tenant: a tenant is one topic level" in err, err
+
+
+@pytest.mark.parametrize(
+    ("args", "argument"),
+    [(("init", ""), "path"), (("check", "--config", ""), "--config")],
+)
+def test_an_empty_path_is_refused(gateway: Run, args: tuple[str, ...], argument: str) -> None:
+    """Path('') is '.': `init ''` said "'.' is a directory" (CLI probe)."""
+    err = _fails(gateway, *args)
+    assert f"argument {argument}: must not be empty" in err, err
 
 
 @pytest.mark.parametrize(

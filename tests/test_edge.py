@@ -511,6 +511,12 @@ def test_check_says_what_is_wrong_in_its_first_line(driver: str) -> None:
         f"cannot connect to the broker at mqtt://127.0.0.1:{port}: connection refused "
         "(and 1 more problem below)"
     )
+    # A name that does not resolve: the resolver's errno (negative) is not
+    # shown either (CLI probe: "[Errno -2] Name or service not known").
+    env |= {"GATEWAY_MQTT__HOST": "nohost.invalid"}
+    result = run_cli("check", env=env, timeout=60)
+    assert "broker: unreachable at mqtt://nohost.invalid:" in result.stdout, result.stdout
+    assert "Errno" not in result.stdout, result.stdout
 
 
 def test_check_finds_a_spool_full_by_its_bytes(tmp_path: Path) -> None:

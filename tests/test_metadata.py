@@ -67,6 +67,10 @@ async def test_metadata_is_kept_on_ingest_and_served(
     result = run_cli("meta", "values", "flor", "--tenant", tenant)
     assert result.returncode == 0, result.stderr
     assert "the tenant has no tag 'flor'; its tags: floor, room" in result.stderr
+    # A value the tag never had (it said nothing: CLI probe).
+    result = run_cli("meta", "devices", "floor=9", "--tenant", tenant)
+    assert result.returncode == 0, result.stderr
+    assert "tag 'floor' has no value '9'; its values: 3, 4" in result.stderr
     result = run_cli("meta", "tags", "--tenant", f"{tenant}x", "--json")
     assert (result.returncode, orjson.loads(result.stdout)) == (0, [])
     assert "nothing recorded for the tenant; a misspelt --tenant?" in result.stderr

@@ -57,11 +57,12 @@ async def _broker(config: Config) -> Result:
         ):
             return True, f"broker: ok ({where})", ""
     except aiomqtt.MqttError as exc:
-        reason = re.sub(r"^\[Errno \d+\] ", "", str(exc))
+        # "[Errno -2] Name or service not known": the resolver's are negative.
+        reason = re.sub(r"^\[Errno -?\d+\] ", "", str(exc))
         reason = reason[:1].lower() + reason[1:]
         return (
             False,
-            f"broker: unreachable at {where}: {exc}",
+            f"broker: unreachable at {where}: {reason}",
             f"cannot connect to the broker at {where}: {reason}",
         )
 

@@ -218,7 +218,7 @@ def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--config",
-        type=Path,
+        type=_file_path,
         default=argparse.SUPPRESS,
         help="TOML config file (or GATEWAY_CONFIG)",
     )
@@ -245,7 +245,7 @@ def _parser() -> argparse.ArgumentParser:
     ini.add_argument(
         "path",
         nargs="?",
-        type=Path,
+        type=_file_path,
         help="where to write it (default $GATEWAY_CONFIG if set, else gateway.toml; "
         "--config FILE names it too; with --systemd, default gateway.service)",
     )
@@ -826,6 +826,14 @@ def _add_range(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _file_path(text: str) -> Path:
+    """A file's path: not empty (Path('') is '.', and `init ''` said "'.'
+    is a directory")."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return Path(text)
+
+
 def _name(text: str) -> str:
     """A tenant, device, state, metric or tag given on the command line: valid
     UTF-8 (a terminal in another encoding gives bytes that are not) and at
@@ -1250,7 +1258,10 @@ async def _meta(config: Config, args: argparse.Namespace) -> int:
         else:
             found = await queries.meta_tag_devices(db, args.tenant, key, value)
         asked_key = args.key if what == "values" else key if what == "devices" else None
-        hint = "" if found else await _empty_meta_hint(db, args.tenant, asked_key, config)
+        asked_value = value if what == "devices" else None
+        hint = (
+            "" if found else await _empty_meta_hint(db, args.tenant, asked_key, config, asked_value)
+        )
         if await queries.meta_capped(db, args.tenant, config):
             hint += (
                 f"; the tenant is at metadata.max_per_tenant "
@@ -1291,9 +1302,12 @@ async def _recount_metadata(db: Database, tenant: str) -> tuple[int, int]:
         )
 
 
-async def _empty_meta_hint(db: Database, tenant: str, key: str | None, config: Config) -> str:
+async def _empty_meta_hint(
+    db: Database, tenant: str, key: str | None, config: Config, value: str | None = None
+) -> str:
     """Why a metadata list is empty: metadata off, a tenant with nothing
-    recorded (a misspelt --tenant?), or a tag ``key`` it does not have."""
+    recorded (a misspelt --tenant?), a tag ``key`` it does not have, or a
+    ``value`` that key never had (``meta devices``: it said nothing)."""
     if not config.metadata.enabled:
         return ": metadata.enabled is false, so nothing is recorded"
     keys = await queries.meta_tag_keys(db, tenant)
@@ -1301,6 +1315,10 @@ async def _empty_meta_hint(db: Database, tenant: str, key: str | None, config: C
         return ": nothing recorded for the tenant; a misspelt --tenant?"
     if key is not None and key not in keys:
         return f": the tenant has no tag {key!r}; its tags: {_first_names(keys) or 'none'}"
+    if key is not None and value is not None:
+        values = await queries.meta_tag_values(db, tenant, key)
+        if value not in values:
+            return f": tag {key!r} has no value {value!r}; its values: {_first_names(values)}"
     return ""
 
 
