@@ -842,17 +842,19 @@ def check_order(
     since_given: bool,
     flag: str = "",
     until_given: bool = True,
-    until_default: str = "now",
+    ahead: float = 0.0,
 ) -> None:
     """``since`` before ``until``, or the QueryError naming the one given:
     ``until`` alone before the default ``since`` (24 h ago) blamed ``since``,
     which the user never gave. ``flag``: ``--`` for the CLI's option names;
-    ``until_default``: what ``until`` is when not given, as said."""
+    ``ahead``: how far past now the default ``until`` is (history's:
+    ``limits.max_future_skew``), as said when it was not given."""
     if since < until:
         return
     if since_given:
         # "before until" of a range with no until given read as a mistake of ours.
-        now = "" if until_given else f" ({until_default}, unless {flag}until is given)"
+        default = "now plus limits.max_future_skew" if ahead else "now"
+        now = "" if until_given else f" ({default}, unless {flag}until is given)"
         raise bad_parameter(f"{flag}since", f"must be before {flag}until{now}")
     raise bad_parameter(f"{flag}until", f"must be after {flag}since, 24 h ago unless given")
 

@@ -1044,7 +1044,7 @@ def _time_range(
             since_given=bool(args.since),
             flag="--",
             until_given=args.until is not None,
-            until_default="now plus limits.max_future_skew" if ahead else "now",
+            ahead=ahead,
         )
     except QueryError as exc:
         raise UsageError(str(exc)) from None
@@ -1452,10 +1452,9 @@ def _noisy(config: Config, args: argparse.Namespace) -> int:
         _print_json(devices)
         return 0
     for d in devices:
-        since = d["since"]
         print(
             f"{d['device_id']}\tobserved={d['observed_rate']:.1f}/s\tkept={d['kept_rate']:.2f}/s"
-            f"\tsince={since}\tsampled_out={d['sampled_out']}"
+            f"\tsince={d['since']}\tsampled_out={d['sampled_out']}"
         )
     print(f"({len(devices)} noisy devices for tenant {args.tenant!r})", file=sys.stderr)
     return 0

@@ -512,7 +512,7 @@ def _day_range(query: Any, ahead: float) -> tuple[datetime, datetime]:
         until,
         since_given=bool(query.get("since")),
         until_given=bool(query.get("until")),
-        until_default="now plus limits.max_future_skew" if ahead else "now",
+        ahead=ahead,
     )
     return since, until
 
