@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import signal
+import sqlite3
 import subprocess
 import threading
 import time
@@ -527,6 +528,92 @@ async def test_a_spool_that_filled_its_own_disk_drains_once_cassandra_answers(
                 await gw.wait_for(lambda s: s.acked >= 3000 and s.spool.depth == 0, 120)
     stored = [len(await telemetry_keys(db, tenant, f"d{d}")) for d in range(10)]
     assert stored == [300] * 10
+
+
+async def _fill_and_drain_behind_a_reader(spool: Spool, path: Path) -> sqlite3.Connection:
+    """Fill ``spool`` on its small disk, and delete all of it, while another
+    connection holds a read snapshot (as `gateway check` does while it reads
+    every page): no checkpoint completes meanwhile, so the WAL holds every
+    page the main file has yet to take in, and it grows by every commit. The
+    reader is returned open."""
+    await spool.append([(1, "t/a", None, b"a")])
+    reader = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT count(*) FROM spool").fetchone()
+    seqs = [1]
+    with contextlib.suppress(SpoolDiskFull):
+        while True:
+            seqs += await spool.append([(2, "t/a", None, b"x" * 530)] * 20)
+    while seqs:  # Cassandra has them: the deletes, on the reserve once the disk is full
+        await spool.delete(seqs[:100], 530 * len(seqs[:100]))
+        del seqs[:100]
+    return reader
+
+
+async def _appended_within(spool: Spool, tries: int) -> list[int]:
+    """An append of one message as the spool source retries it: again after
+    each refusal, up to ``tries`` times."""
+    for _ in range(tries - 1):
+        with contextlib.suppress(SpoolDiskFull):
+            return await spool.append([(3, "t/b", None, b"y" * 530)])
+    return await spool.append([(3, "t/b", None, b"y" * 530)])
+
+
+def _files(disk: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in disk.iterdir()}
+
+
+async def test_appends_leave_room_for_the_checkpoint_the_wal_owes(tmp_path: Path) -> None:
+    """The spool emptied, its WAL 1 MB, 0 bytes free, and every append
+    refused for good (a `make test` run, 2 of 14): appends had counted the
+    pages deletes freed as room, but while no checkpoint had completed those
+    pages were in the WAL, not in the main file, and a checkpoint needs the
+    main file to grow by every page it has not taken in yet. The appends took
+    that room, so no checkpoint could complete, the WAL could never start
+    over, and each commit needed it to grow. Appends now leave that growth
+    free, and a refused one first checkpoints."""
+    with _tiny_disk(tmp_path / "disk", "2m") as disk:
+        path = disk / "spool.sqlite"
+        async with Spool(path, 100_000, 1 << 30) as spool:
+            reader = await _fill_and_drain_behind_a_reader(spool, path)
+            assert spool.depth == 0
+            # Cassandra keeps up: each message appended is deleted soon after.
+            taken = 0
+            with contextlib.suppress(SpoolDiskFull):
+                while taken < 500:
+                    await spool.delete(await _appended_within(spool, 1), 530)
+                    taken += 1
+            reader.close()  # the snapshot let go: a checkpoint can complete
+            seqs = await _appended_within(spool, 3)
+            assert spool.depth == 1, _files(disk)
+            assert [r.seq for r in await spool.read(0, 10)] == seqs
+            assert Path(f"{path}-wal").stat().st_size <= 2 * 512 * 1024, _files(disk)
+
+
+async def test_an_empty_spool_whose_wal_cannot_be_checkpointed_starts_a_new_file(
+    tmp_path: Path,
+) -> None:
+    """The spool emptied behind a reader, its WAL holding 1.5 MB of pages the
+    main file has yet to take in; then something else fills the disk. No
+    checkpoint can complete (the main file cannot grow), and the reserve was
+    given to the deletes already: an empty spool starts a new file (nothing
+    in it to lose), and numbers on from where it was, so the feed that has
+    read up to there misses nothing."""
+    with _tiny_disk(tmp_path / "disk", "2m") as disk:
+        path = disk / "spool.sqlite"
+        async with Spool(path, 100_000, 1 << 30) as spool:
+            reader = await _fill_and_drain_behind_a_reader(spool, path)
+            last = spool.appended
+            assert spool.depth == 0 and not spool.reserve.exists()
+            _fill(disk / "filler")
+            reader.close()
+            seqs = await _appended_within(spool, 3)
+            assert seqs[0] > last, seqs
+            assert [r.seq for r in await spool.read(last, 10)] == seqs
+            assert Path(f"{path}-wal").stat().st_size < 512 * 1024, _files(disk)
+        async with Spool(path, 100_000, 1 << 30) as spool:  # and it opens again as it was
+            assert spool.depth == 1
+            assert [r.seq for r in await spool.read(0, 10)] == seqs
 
 
 async def test_a_removed_spool_wal_stops_acknowledging(tmp_path: Path) -> None:
