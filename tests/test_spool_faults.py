@@ -472,24 +472,34 @@ async def test_disk_full_is_not_acknowledged_and_flows_once_there_is_room(
                 code, checks = await _healthz(api)
                 assert code == 503
                 assert str(checks["spool_state"]).startswith(f"disk full at {spool} since ")
-                await link.start()
-                # Written to Cassandra, and deleted from the spool: their
-                # deletes, refused at first, go through on the room the spool
-                # kept back beside it (its reserve), given back for them.
-                await gw.wait_for(lambda s: s.written >= 200 and s.spool.depth == 0, deadline=60)
-                assert not gw.task.done()
-                assert said("gave back its reserve")
-                # Drained, but the disk is still full, so no append can commit:
-                # it still says so. A delete that went through said "room
-                # again ... acknowledging again", /healthz turned 200 and the
-                # next refusal was logged at once: flapping at every delete.
-                await asyncio.sleep(1)
-                code, checks = await _healthz(api)
-                assert code == 503, checks
-                assert (await _metrics(api))["gateway_spool_disk_full"] == 1
-                assert not said("spool disk has room again")
-                refused = [m for m in said("spool disk full at") if "gave back" not in m]
-                assert len(refused) == 1, refused  # once a minute at most
+                # A reader (`gateway check`, say) holds a snapshot meanwhile,
+                # so no checkpoint can give the WAL's room back: the disk stays
+                # full through the drain.
+                reader = sqlite3.connect(f"file:{spool}?mode=ro", uri=True, isolation_level=None)
+                with contextlib.closing(reader):
+                    reader.execute("BEGIN")
+                    reader.execute("SELECT count(*) FROM spool").fetchone()
+                    await link.start()
+                    # Written to Cassandra, and deleted from the spool: their
+                    # deletes, refused at first, go through on the room the
+                    # spool kept back beside it (its reserve), given back for them.
+                    await gw.wait_for(
+                        lambda s: s.written >= 200 and s.spool.depth == 0, deadline=60
+                    )
+                    assert not gw.task.done()
+                    assert said("gave back its reserve")
+                    # Drained, but the disk is still full, so no append can
+                    # commit: it still says so. A delete that went through said
+                    # "room again ... acknowledging again", /healthz turned 200
+                    # and the next refusal was logged at once: flapping at
+                    # every delete.
+                    await asyncio.sleep(1)
+                    code, checks = await _healthz(api)
+                    assert code == 503, checks
+                    assert (await _metrics(api))["gateway_spool_disk_full"] == 1
+                    assert not said("spool disk has room again")
+                    refused = [m for m in said("spool disk full at") if "gave back" not in m]
+                    assert len(refused) == 1, refused  # once a minute at most
                 (disk / "filler").unlink()  # room again
                 await assert_all_stored(db, tenant, sent, deadline=60)
                 await gw.wait_for(lambda s: s.acked == 400 and s.spool.depth == 0, deadline=30)
@@ -538,15 +548,19 @@ async def _fill_and_drain_behind_a_reader(spool: Spool, path: Path) -> sqlite3.C
     reader is returned open."""
     await spool.append([(1, "t/a", None, b"a")])
     reader = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
-    reader.execute("BEGIN")
-    reader.execute("SELECT count(*) FROM spool").fetchone()
-    seqs = [1]
-    with contextlib.suppress(SpoolDiskFull):
-        while True:
-            seqs += await spool.append([(2, "t/a", None, b"x" * 530)] * 20)
-    while seqs:  # Cassandra has them: the deletes, on the reserve once the disk is full
-        await spool.delete(seqs[:100], 530 * len(seqs[:100]))
-        del seqs[:100]
+    try:
+        reader.execute("BEGIN")
+        reader.execute("SELECT count(*) FROM spool").fetchone()
+        seqs = [1]
+        with contextlib.suppress(SpoolDiskFull):
+            while True:
+                seqs += await spool.append([(2, "t/a", None, b"x" * 530)] * 20)
+        while seqs:  # Cassandra has them: the deletes, on the reserve once the disk is full
+            await spool.delete(seqs[:100])
+            del seqs[:100]
+    except BaseException:
+        reader.close()  # or the tmpfs stays mounted
+        raise
     return reader
 
 
@@ -575,42 +589,42 @@ async def test_appends_leave_room_for_the_checkpoint_the_wal_owes(tmp_path: Path
     with _tiny_disk(tmp_path / "disk", "2m") as disk:
         path = disk / "spool.sqlite"
         async with Spool(path, 100_000, 1 << 30) as spool:
-            reader = await _fill_and_drain_behind_a_reader(spool, path)
-            assert spool.depth == 0
-            # Cassandra keeps up: each message appended is deleted soon after.
-            taken = 0
-            with contextlib.suppress(SpoolDiskFull):
-                while taken < 500:
-                    await spool.delete(await _appended_within(spool, 1), 530)
-                    taken += 1
-            reader.close()  # the snapshot let go: a checkpoint can complete
-            seqs = await _appended_within(spool, 3)
+            with contextlib.closing(await _fill_and_drain_behind_a_reader(spool, path)) as reader:
+                assert spool.depth == 0
+                # Cassandra keeps up: each message appended is deleted soon after.
+                taken = 0
+                with contextlib.suppress(SpoolDiskFull):
+                    while taken < 500:
+                        await spool.delete(await _appended_within(spool, 1))
+                        taken += 1
+                reader.close()  # the snapshot let go: a checkpoint can complete
+                seqs = await _appended_within(spool, 3)
             assert spool.depth == 1, _files(disk)
             assert [r.seq for r in await spool.read(0, 10)] == seqs
-            assert Path(f"{path}-wal").stat().st_size <= 2 * 512 * 1024, _files(disk)
+            assert _files(disk)["spool.sqlite-wal"] <= 2 * 512 * 1024, _files(disk)
 
 
 async def test_an_empty_spool_whose_wal_cannot_be_checkpointed_starts_a_new_file(
     tmp_path: Path,
 ) -> None:
-    """The spool emptied behind a reader, its WAL holding 1.5 MB of pages the
-    main file has yet to take in; then something else fills the disk. No
-    checkpoint can complete (the main file cannot grow), and the reserve was
-    given to the deletes already: an empty spool starts a new file (nothing
-    in it to lose), and numbers on from where it was, so the feed that has
-    read up to there misses nothing."""
-    with _tiny_disk(tmp_path / "disk", "2m") as disk:
+    """The spool emptied behind a reader, its WAL holding megabytes of pages
+    the main file has yet to take in; then something else fills the disk. No
+    checkpoint can complete (the main file cannot grow), not even on the
+    reserve's room: an empty spool starts a new file (nothing in it to lose),
+    and numbers on from where it was, so the feed that has read up to there
+    misses nothing."""
+    with _tiny_disk(tmp_path / "disk", "8m") as disk:
         path = disk / "spool.sqlite"
         async with Spool(path, 100_000, 1 << 30) as spool:
-            reader = await _fill_and_drain_behind_a_reader(spool, path)
-            last = spool.appended
-            assert spool.depth == 0 and not spool.reserve.exists()
-            _fill(disk / "filler")
-            reader.close()
-            seqs = await _appended_within(spool, 3)
+            with contextlib.closing(await _fill_and_drain_behind_a_reader(spool, path)) as reader:
+                last = spool.appended
+                assert spool.depth == 0
+                _fill(disk / "filler")
+                reader.close()
+                seqs = await _appended_within(spool, 3)
             assert seqs[0] > last, seqs
             assert [r.seq for r in await spool.read(last, 10)] == seqs
-            assert Path(f"{path}-wal").stat().st_size < 512 * 1024, _files(disk)
+            assert _files(disk)["spool.sqlite-wal"] < 512 * 1024, _files(disk)
         async with Spool(path, 100_000, 1 << 30) as spool:  # and it opens again as it was
             assert spool.depth == 1
             assert [r.seq for r in await spool.read(0, 10)] == seqs

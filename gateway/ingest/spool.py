@@ -29,7 +29,12 @@ the broker holds the rest meanwhile. It says so too (a log line at most once
 a minute, "spool disk full at PATH ..."; ``spool_state`` and /healthz 503;
 ``gateway_spool_disk_full`` and ``gateway_spool_disk_full_total``). Deletes
 that fail so are retried the same way; until they succeed the records stay
-spooled, and a restart writes them again (idempotently). Why not stop: the
+spooled, and a restart writes them again (idempotently). Room is counted
+with what a checkpoint will need (the main file grows to take in the WAL's
+new pages; without that room the WAL can never start over, and every commit
+fails): near a full disk the spool checkpoints before it refuses, deletes a
+slice per commit, and an empty spool whose WAL still cannot be checkpointed
+starts a new file (Spool._renew). Why not stop: the
 host may free room at any time, and a gateway that stays up keeps its
 session, its metrics and its health answer; a restart loop would only add
 log noise and lose nothing more.
@@ -65,7 +70,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, Literal, NamedTuple, Protocol, TypeVar
 
 from ..errors import SpoolDiskFull, SpoolError
 from ..stats import Stats
@@ -95,8 +100,17 @@ SHRINK_ABOVE = 8 * 1024 * 1024
 # 1,000) and cut back to RESERVE_BYTES after: on a small file system a WAL of
 # 4 MB took room the spooled messages needed (about 11 KB per message on 2 MB).
 WAL_PAGES = 128
-# Records deleted per commit on the reserve's room (Spool._delete_on_reserve).
+# Records deleted per commit near a full disk (Spool._delete_in_room).
 RESERVE_SLICE = 50
+# A spooled record's bytes beyond its payload: its topic, times and cell.
+RECORD_OVERHEAD = 128
+# Seqs bound in one DELETE (SQLite allows 32,766 variables).
+SQL_VARIABLES = 500
+# sqlite3.connect's own (timeout=5.0), kept but while Spool._checkpoint runs.
+BUSY_TIMEOUT_MS = 5000
+# What a commit writes into the WAL beyond twice its payload: the b-tree
+# pages it touches, sqlite_sequence's, and each frame's header.
+COMMIT_SLACK = 16 * 1024
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS spool (
@@ -397,23 +411,17 @@ class Spool:
             raise self._error(exc, f"reading the messages after #{after}") from None
         return records
 
-    async def delete(self, seqs: Sequence[int], size: int) -> None:
-        """Forget records Cassandra has; ``size`` is their payload bytes.
-        :class:`SpoolDiskFull` if the disk is full even with the reserve given
-        back: they are all still there."""
-        try:
-            await self._call(self._delete, list(seqs))
-        except sqlite3.Error as exc:
-            error = self._error(exc, f"deleting {len(seqs)} written messages")
-            if not isinstance(error, SpoolDiskFull) or not self._reserved:
-                raise error from None
-            try:
-                await self._call(self._delete_on_reserve, list(seqs))
-            except sqlite3.Error as again:
-                raise self._error(again, f"deleting {len(seqs)} written messages") from None
-        self.depth -= len(seqs)
+    async def delete(self, seqs: Sequence[int]) -> None:
+        """Forget records Cassandra has. :class:`SpoolDiskFull` if the disk
+        is full even with the reserve given back: those not deleted yet are
+        still there (deleting one again is a no-op)."""
+        records, size, failed = await self._call(self._delete_in_room, list(seqs))
+        self.depth -= records
         self.bytes -= size
-        self.deleted += len(seqs)
+        self.deleted += records
+        if failed is not None:
+            self._update_room()
+            raise self._error(failed, f"deleting {len(seqs)} written messages") from None
         if not self._reserved:
             await self._call(self._restore)
         if self.disk_full_since is not None and await self._call(self._has_room):
@@ -522,6 +530,12 @@ class Spool:
             db.execute("PRAGMA synchronous=FULL")
             db.execute(f"PRAGMA wal_autocheckpoint={WAL_PAGES}")
             db.execute(f"PRAGMA journal_size_limit={RESERVE_BYTES}")
+            # Debian's SQLite zeroes every page a delete frees, and so writes
+            # it into the WAL: 65 frames, not 45, to delete 426 messages of
+            # 530 bytes; room a full disk has not, and wear an SD card need not
+            # take. The messages are in Cassandra by then; FAST still zeroes
+            # what costs no extra write.
+            db.execute("PRAGMA secure_delete=FAST")
             db.execute(_SCHEMA)
             columns = {row[1] for row in db.execute("PRAGMA table_info(spool)")}
             if "redelivered" not in columns:
@@ -583,11 +597,14 @@ class Spool:
             with contextlib.suppress(OSError):
                 self._wal_inode = os.stat(f"{self.path}-wal").st_ino
 
-    def _delete_on_reserve(self, seqs: list[int]) -> None:
+    def _delete_on_reserve(
+        self, seqs: list[int], records: int, size: int
+    ) -> tuple[int, int, sqlite3.Error | None]:
         """The disk is full: give the reserve back to the file system and
-        delete on its room, a few records per commit (each commit's WAL
-        frames are few), then put the reserve back if there is room for it.
-        One call on the spool thread, so no append takes the room meanwhile."""
+        delete on its room, a slice per commit (each commit's WAL frames are
+        few), checkpointing first, then put the reserve back if there is
+        room for it. On the spool thread, so no append takes the room
+        meanwhile. ``records`` and ``size`` were deleted before: counted on."""
         with contextlib.suppress(FileNotFoundError):
             self.reserve.unlink()
         self._reserved = False
@@ -597,9 +614,17 @@ class Spool:
             self.path,
             RESERVE_BYTES,
         )
-        for start in range(0, len(seqs), RESERVE_SLICE):
-            self._delete(seqs[start : start + RESERVE_SLICE])
+        failed: sqlite3.Error | None = None
+        self._checkpoint()  # on its room, if the WAL owes the main file pages
+        for part in _sliced(seqs):
+            try:
+                gone, payload = self._delete(part)
+            except sqlite3.Error as exc:
+                failed = exc
+                break
+            records, size = records + gone, size + payload
         self._restore()
+        return records, size, failed
 
     def _restore(self) -> None:
         """Put the reserve back once there is room for it and as much again
@@ -634,12 +659,18 @@ class Spool:
         db = self._db
         assert db is not None
         self._same_file()
-        need = room_needed(sum(len(r[3]) for r in records))
-        free = shutil.disk_usage(self.path.parent).free
-        if free < need:
-            free += _freed(db)  # reused first
-        if free < need:
-            raise _NoHeadroom(f"{free} bytes free, {need} kept for it and for deletes")
+        payload = sum(len(r[3]) for r in records)
+        need = room_needed(payload)
+        if not self._fits(payload):
+            self._make_room()
+            if not self._fits(payload):
+                free, room = self._space()
+                raise _NoHeadroom(
+                    f"{room} bytes of room ({free} free on disk once the WAL is checkpointed, "
+                    f"the rest freed inside the file), {need} kept for it and for deletes"
+                )
+            db = self._db  # a new file's, if it started one
+            assert db is not None
         db.execute("BEGIN IMMEDIATE")
         try:
             seqs = []
@@ -660,15 +691,105 @@ class Spool:
             raise
         return seqs
 
+    def _space(self) -> tuple[int, int]:
+        """(free, room): the bytes free on the file system less those the
+        main file has yet to grow by, and that plus the pages deletes freed
+        inside the file (appends reuse them first).
+
+        Why less: a checkpoint writes every page the WAL holds into the main
+        file, which grows to take in those past its end; until a checkpoint
+        completes the WAL cannot start over, and every commit makes it grow.
+        Appends that took that room (they counted the freed pages, which
+        were in the WAL) left a spool emptied on a full disk, with a WAL of
+        1 MB no checkpoint could complete: every append refused, for good."""
+        db = self._db
+        assert db is not None
+        (pages,) = db.execute("PRAGMA page_count").fetchone()
+        (page_size,) = db.execute("PRAGMA page_size").fetchone()
+        owed = max(0, int(pages) * int(page_size) - os.stat(self.path).st_size)
+        free = shutil.disk_usage(self.path.parent).free - owed
+        return free, free + _freed(db)
+
+    def _fits(self, payload: int) -> bool:
+        """Whether an append of ``payload`` bytes leaves the deletes their
+        room (room_needed), and a checkpoint the room to complete after it:
+        its WAL frames take up to twice its payload of disk, and the main
+        file may have to grow as much again to take them in."""
+        free, room = self._space()
+        return room >= room_needed(payload) and free >= 2 * (2 * payload + COMMIT_SLACK)
+
     def _has_room(self) -> bool:
         """Whether an append of a small message would find its room now (not
         if that cannot be told: the next append says)."""
-        db = self._db
-        assert db is not None
         try:
-            return shutil.disk_usage(self.path.parent).free + _freed(db) >= room_needed(0)
+            return self._fits(0)
         except (OSError, sqlite3.Error):
             return False
+
+    def _checkpoint(self) -> Literal["done", "held", "full"]:
+        """Checkpoint the whole WAL into the main file and cut the WAL's file
+        to nothing: "done"; "held" while another connection's read snapshot
+        (`gateway check`) keeps it from completing; "full" when the main file
+        cannot grow to take the WAL's pages in."""
+        db = self._db
+        assert db is not None
+        # Not waiting for the reader (sqlite3's default: 5 s): that would hold
+        # up the spool thread, and every append and delete behind it.
+        db.execute("PRAGMA busy_timeout = 0")
+        try:
+            (busy, _, _) = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        except sqlite3.Error as exc:
+            if exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_FULL:
+                return "full"
+            raise
+        finally:
+            db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        return "held" if busy else "done"
+
+    def _make_room(self) -> None:
+        """An append found too little room: checkpoint the WAL (only here,
+        near a full disk, is that worth a commit's wait). If the main file
+        cannot grow for it, an empty spool starts a new file; one that holds
+        messages waits for the deletes, which have the reserve's room."""
+        if self._checkpoint() == "full" and self.depth == 0:
+            self._renew()
+
+    def _renew(self) -> None:
+        """The spool is empty, but its WAL cannot be checkpointed (the main
+        file cannot grow on the full disk) and so cannot start over: start a
+        new file. There is nothing in it to lose; the new one numbers on from
+        where this one was, so the feed, which has read up to there, misses
+        nothing. The WAL goes first: after a crash in between, SQLite would
+        apply an old WAL to a new main file, while an old main file alone
+        holds at most messages Cassandra has (written again, idempotently)."""
+        db = self._db
+        assert db is not None
+        (count,) = db.execute("SELECT count(*) FROM spool").fetchone()
+        if count:
+            return
+        row = db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'spool'").fetchone()
+        wal = Path(f"{self.path}-wal")
+        size = wal.stat().st_size if wal.exists() else 0
+        db.close()
+        self._db = None
+        for name in (wal, Path(f"{self.path}-shm"), self.path):
+            with contextlib.suppress(FileNotFoundError):
+                name.unlink()
+        self._inode = self._wal_inode = 0
+        try:
+            self._connect()
+        except (sqlite3.Error, OSError) as exc:
+            raise SpoolError(f"spool {self.path}: starting a new file failed: {exc}") from None
+        if row is not None:
+            renewed = self._db
+            assert renewed is not None
+            renewed.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('spool', ?)", row)
+        log.warning(
+            "spool %s: empty, but its WAL (%d bytes) could not be checkpointed on the full "
+            "disk, so no message could be taken: started a new file",
+            self.path,
+            size,
+        )
 
     def _read(self, after: int, limit: int) -> list[Record]:
         db = self._db
@@ -683,17 +804,59 @@ class Spool:
             for r in rows
         ]
 
-    def _delete(self, seqs: list[int]) -> None:
+    def _delete_in_room(self, seqs: list[int]) -> tuple[int, int, sqlite3.Error | None]:
+        """Delete ``seqs``: how many records and payload bytes went, and the
+        error that stopped it (SQLITE_FULL even on the reserve's room, or
+        another), or None.
+
+        A delete makes the WAL grow, and the main file needs room to take
+        the WAL in at a checkpoint: a delete that left it too little meant no
+        checkpoint could complete, the WAL could never start over, and
+        every delete after it failed (1,227 written messages spooled on a
+        full disk, the reserve spent, for good). So near a full disk it
+        checkpoints first and deletes a slice per commit; and a delete that
+        meets a full disk goes on on the reserve's room."""
+        slices = [seqs]
+        free, _ = self._space()
+        record = self.bytes // max(1, self.depth) + RECORD_OVERHEAD  # on average
+        if free < 2 * len(seqs) * record + COMMIT_SLACK:
+            self._checkpoint()
+            slices = _sliced(seqs)
+        records = size = 0
+        for at, part in enumerate(slices):
+            try:
+                gone, payload = self._delete(part)
+            except sqlite3.Error as exc:
+                if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_FULL or not self._reserved:
+                    return records, size, exc
+                rest = [seq for later in slices[at:] for seq in later]
+                return self._delete_on_reserve(rest, records, size)
+            records, size = records + gone, size + payload
+        return records, size, None
+
+    def _delete(self, seqs: list[int]) -> tuple[int, int]:
+        """Delete ``seqs`` in one commit: how many records and payload bytes
+        went (one deleted before is no longer there, and not counted)."""
         db = self._db
         assert db is not None
         db.execute("BEGIN IMMEDIATE")
         try:
-            db.executemany("DELETE FROM spool WHERE seq = ?", [(s,) for s in seqs])
+            records = size = 0
+            for at in range(0, len(seqs), SQL_VARIABLES):
+                part = seqs[at : at + SQL_VARIABLES]
+                lengths = db.execute(
+                    f"DELETE FROM spool WHERE seq IN ({','.join('?' * len(part))}) "
+                    "RETURNING length(payload)",
+                    part,
+                ).fetchall()
+                records += len(lengths)
+                size += sum(length for (length,) in lengths)
             db.execute("COMMIT")
         except BaseException:
             if db.in_transaction:
                 db.execute("ROLLBACK")
             raise
+        return records, size
 
     def _shrink(self) -> None:
         """Empty, give the file's free pages back to the file system once
@@ -726,10 +889,10 @@ class Spool:
 class _Deleted:
     """A spooled message is done once Cassandra has it: queue its delete."""
 
-    __slots__ = ("_seq", "_size", "_source")
+    __slots__ = ("_seq", "_source")
 
-    def __init__(self, source: SpoolSource, seq: int, size: int) -> None:
-        self._source, self._seq, self._size = source, seq, size
+    def __init__(self, source: SpoolSource, seq: int) -> None:
+        self._source, self._seq = source, seq
 
     @property
     def comes_back(self) -> bool:
@@ -737,7 +900,7 @@ class _Deleted:
         return True
 
     def done(self) -> None:
-        self._source.written(self._seq, self._size)
+        self._source.written(self._seq)
 
 
 class Queue(Protocol):
@@ -773,7 +936,7 @@ class SpoolSource:
         self._inbox_limit = queue_size
         self._inbox_ready = asyncio.Event()
         self._spooled = asyncio.Event()
-        self._to_delete: list[tuple[int, int]] = []
+        self._to_delete: list[int] = []
         self._delete_ready = asyncio.Event()
         self._closing = False
         self._closed = asyncio.Event()
@@ -813,8 +976,8 @@ class SpoolSource:
         self._writes_stopped.set()
         self._delete_ready.set()
 
-    def written(self, seq: int, size: int) -> None:
-        self._to_delete.append((seq, size))
+    def written(self, seq: int) -> None:
+        self._to_delete.append(seq)
         self._delete_ready.set()
 
     async def append(self) -> None:
@@ -963,7 +1126,7 @@ class SpoolSource:
                         record.payload,
                         record.content_type,
                         record.received_ms,
-                        _Deleted(self, record.seq, len(record.payload)),
+                        _Deleted(self, record.seq),
                         record.redelivered,
                         record.retained,
                     )
@@ -978,7 +1141,7 @@ class SpoolSource:
             batch, self._to_delete = self._to_delete, []
             if batch:
                 try:
-                    await self.spool.delete([s for s, _ in batch], sum(n for _, n in batch))
+                    await self.spool.delete(batch)
                 except SpoolDiskFull as exc:
                     # Written, still spooled: deleted later, or written again
                     # (idempotently) after a restart.
@@ -994,6 +1157,10 @@ class SpoolSource:
                     self._disk_room()
             if self._writes_stopped.is_set() and not self._to_delete:
                 return
+
+
+def _sliced(seqs: list[int]) -> list[list[int]]:
+    return [seqs[at : at + RESERVE_SLICE] for at in range(0, len(seqs), RESERVE_SLICE)]
 
 
 async def _sleep_unless(event: asyncio.Event, seconds: float) -> bool:
