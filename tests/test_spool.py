@@ -115,6 +115,7 @@ async def test_a_delete_counts_only_what_it_removed(tmp_path: Path) -> None:
         assert (spool.depth, spool.bytes, spool.deleted) == (4, 34, 6)
         assert [r.seq for r in await spool.read(0, 100)] == seqs[6:]
 
+
 async def test_closing_during_a_commit_with_a_delivery_behind_it_does_not_hang(
     tmp_path: Path,
 ) -> None:

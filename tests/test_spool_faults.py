@@ -604,25 +604,75 @@ async def test_appends_leave_room_for_the_checkpoint_the_wal_owes(tmp_path: Path
             assert _files(disk)["spool.sqlite-wal"] <= 2 * 512 * 1024, _files(disk)
 
 
+async def test_deletes_wait_for_a_reader_rather_than_take_the_checkpoints_room(
+    tmp_path: Path,
+) -> None:
+    """Deletes while a reader held the WAL (no checkpoint completes) grew it
+    into the room left, then into the reserve, until the disk was full: once
+    the reader let go, the checkpoint had no room to complete, and 5,056
+    written messages could never be deleted (a fuzz of the spool). Near a
+    full disk a delete now waits for the reader instead, and goes through
+    once it lets go."""
+    with _tiny_disk(tmp_path / "disk", "2m") as disk:
+        path = disk / "spool.sqlite"
+        async with Spool(path, 100_000, 1 << 30) as spool:
+            await spool.append([(1, "t/a", None, b"a")])
+            with contextlib.closing(
+                sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
+            ) as reader:
+                reader.execute("BEGIN")
+                reader.execute("SELECT count(*) FROM spool").fetchone()
+                seqs = [1]
+                with contextlib.suppress(SpoolDiskFull):
+                    while True:
+                        seqs += await spool.append([(2, "t/a", None, b"x" * 100)] * 100)
+                waited = []
+                for at in range(0, len(seqs), 1500):
+                    try:
+                        await spool.delete(seqs[at : at + 1500])
+                    except SpoolDiskFull as exc:
+                        waited.append(str(exc))
+                assert waited, "no delete waited"
+                assert "waits, as a reader of the spool" in waited[0]
+            for at in range(0, len(seqs), 1500):  # the reader let go
+                await spool.delete(seqs[at : at + 1500])
+            assert spool.depth == 0
+            assert await _appended_within(spool, 3)
+
+
 async def test_an_empty_spool_whose_wal_cannot_be_checkpointed_starts_a_new_file(
     tmp_path: Path,
 ) -> None:
-    """The spool emptied behind a reader, its WAL holding megabytes of pages
-    the main file has yet to take in; then something else fills the disk. No
-    checkpoint can complete (the main file cannot grow), not even on the
-    reserve's room: an empty spool starts a new file (nothing in it to lose),
-    and numbers on from where it was, so the feed that has read up to there
-    misses nothing."""
+    """A spool left empty by an earlier version with a WAL no checkpoint can
+    complete (7 MB of pages the main file has yet to take in, and no room for
+    it to grow): every message was refused, for good. An empty spool in that
+    state starts a new file (there is nothing in it to lose), and numbers on
+    from where it was, so a feed that has read up to there misses nothing.
+    The state is built with SQLite directly: checkpoints off (as a reader held
+    them off), 6,000 messages in and out, then the disk filled by another
+    program; closing could not checkpoint either, so the WAL stays."""
     with _tiny_disk(tmp_path / "disk", "8m") as disk:
         path = disk / "spool.sqlite"
         async with Spool(path, 100_000, 1 << 30) as spool:
-            with contextlib.closing(await _fill_and_drain_behind_a_reader(spool, path)) as reader:
-                last = spool.appended
-                assert spool.depth == 0
-                _fill(disk / "filler")
-                reader.close()
-                seqs = await _appended_within(spool, 3)
-            assert seqs[0] > last, seqs
+            await spool.append([(1, "t/a", None, b"a")])
+        with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as earlier:
+            earlier.execute("PRAGMA wal_autocheckpoint = 0")
+            earlier.execute("BEGIN")
+            for _ in range(6000):
+                earlier.execute(
+                    "INSERT INTO spool (received_ms, topic, content_type, payload) "
+                    "VALUES (2, 't/a', NULL, ?)",
+                    (b"x" * 530,),
+                )
+            earlier.execute("COMMIT")
+            earlier.execute("DELETE FROM spool")
+            (last,) = earlier.execute("SELECT seq FROM sqlite_sequence").fetchone()
+            _fill(disk / "filler")
+        assert _files(disk)["spool.sqlite-wal"] > 6 << 20
+        async with Spool(path, 100_000, 1 << 30) as spool:
+            assert spool.depth == 0
+            seqs = await spool.append([(3, "t/b", None, b"y" * 530)])
+            assert seqs == [last + 1]
             assert [r.seq for r in await spool.read(last, 10)] == seqs
             assert _files(disk)["spool.sqlite-wal"] < 512 * 1024, _files(disk)
         async with Spool(path, 100_000, 1 << 30) as spool:  # and it opens again as it was

@@ -90,7 +90,7 @@ RETRY_MAX = 5.0
 LOG_EVERY = 60.0
 # Room kept for deletes (each needs WAL room; without it a spool that filled
 # its own file system could never delete what Cassandra has, and stayed full
-# for good): appends leave this much free (Spool._append), and a reserve file
+# for good): appends leave this much free (takes), and a reserve file
 # of this size beside the spool (PATH-reserve) is given back to deletes that
 # meet a disk filled by something else.
 RESERVE_BYTES = 512 * 1024
@@ -102,14 +102,16 @@ SHRINK_ABOVE = 8 * 1024 * 1024
 WAL_PAGES = 128
 # Records deleted per commit near a full disk (Spool._delete_in_room).
 RESERVE_SLICE = 50
+# Why a delete waits: a reader keeps the WAL from being checkpointed.
+HELD = "held"
 # A spooled record's bytes beyond its payload: its topic, times and cell.
 RECORD_OVERHEAD = 128
 # Seqs bound in one DELETE (SQLite allows 32,766 variables).
 SQL_VARIABLES = 500
 # sqlite3.connect's own (timeout=5.0), kept but while Spool._checkpoint runs.
 BUSY_TIMEOUT_MS = 5000
-# What a commit writes into the WAL beyond twice its payload: the b-tree
-# pages it touches, sqlite_sequence's, and each frame's header.
+# What a commit writes into the WAL beyond its payload: the b-tree pages it
+# touches, sqlite_sequence's, and each frame's header.
 COMMIT_SLACK = 16 * 1024
 
 _SCHEMA = """
@@ -154,6 +156,7 @@ class Peeked(NamedTuple):
     size: int  # payload bytes
     oldest_ms: int | None  # the oldest message's receive time
     freed: int  # bytes of pages that deletes freed inside the file (appends reuse them)
+    owed: int  # bytes the file grows by to take in its WAL's new pages (see takes)
 
 
 def peek(path: Path, *, verify: bool = False) -> Peeked | None:
@@ -172,7 +175,8 @@ def peek(path: Path, *, verify: bool = False) -> Peeked | None:
         depth, size, oldest = db.execute(
             "SELECT count(*), coalesce(sum(length(payload)), 0), min(received_ms) FROM spool"
         ).fetchone()
-        return Peeked(int(depth), int(size), oldest, _freed(db))
+        owed, freed = _pages(db, path)
+        return Peeked(int(depth), int(size), oldest, freed, owed)
 
 
 def room_needed(payload: int) -> int:
@@ -180,8 +184,22 @@ def room_needed(payload: int) -> int:
     inside the spool) an append of ``payload`` bytes needs: it leaves the
     deletes room for their WAL. A spool that filled its own file system could
     otherwise never delete what Cassandra has (each delete needs WAL room),
-    and stayed full. `gateway check` applies the same rule."""
+    and stayed full."""
     return RESERVE_BYTES + 2 * payload
+
+
+def takes(free: int, freed: int, payload: int) -> bool:
+    """Whether an append of ``payload`` bytes is taken: ``free`` is the bytes
+    free on the file system less what a checkpoint will grow the file by
+    (Peeked.owed), ``freed`` the pages deletes freed inside it. It must leave
+    the deletes their room (room_needed), and the next checkpoint the room
+    to complete: the commit's WAL frames take about its payload of disk, and
+    the file may grow as much again to take them in. Without that room no
+    checkpoint could complete, the WAL could never start over, and every
+    commit needed it to grow: a spool that filled its own disk sat empty with
+    a 1 MB WAL, refusing every message for good. `gateway check` applies the
+    same rule."""
+    return free + freed >= room_needed(payload) and free >= 2 * (payload + COMMIT_SLACK)
 
 
 def nearest_existing(path: Path) -> Path | None:
@@ -218,10 +236,20 @@ def unwritable(path: Path) -> str | None:
     return None
 
 
-def _freed(db: sqlite3.Connection) -> int:
-    (pages,) = db.execute("PRAGMA freelist_count").fetchone()
-    (page_size,) = db.execute("PRAGMA page_size").fetchone()
-    return int(pages) * int(page_size)
+def _pages(db: sqlite3.Connection, path: Path) -> tuple[int, int]:
+    """(owed, freed): the bytes the file at ``path`` grows by when a
+    checkpoint writes the WAL's pages past its end into it, and those of the
+    pages deletes freed inside it (appends reuse them first)."""
+    pages, page_size, free_pages = db.execute(
+        "SELECT * FROM pragma_page_count(), pragma_page_size(), pragma_freelist_count()"
+    ).fetchone()
+    owed = max(0, int(pages) * int(page_size) - os.stat(path).st_size)
+    return owed, int(free_pages) * int(page_size)
+
+
+def _full(exc: sqlite3.Error | OSError) -> bool:
+    """Whether ``exc`` is SQLite's SQLITE_FULL: a write met a full disk."""
+    return isinstance(exc, sqlite3.Error) and exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_FULL
 
 
 def damaged(exc: sqlite3.Error) -> bool:
@@ -298,6 +326,7 @@ class Spool:
         self._lock_fd: int | None = None
         self._lock_inode = 0
         self._reserved = False  # whether the reserve is on disk
+        self._seq_floor: int | None = None  # where a new file numbers on from (_renew)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spool")
         self._room = asyncio.Event()
         self._room.set()
@@ -421,7 +450,18 @@ class Spool:
         self.deleted += records
         if failed is not None:
             self._update_room()
-            raise self._error(failed, f"deleting {len(seqs)} written messages") from None
+            doing = f"deleting {len(seqs) - records} written messages"
+            if isinstance(failed, sqlite3.Error):
+                raise self._error(failed, doing) from None
+            if isinstance(failed, OSError):
+                raise SpoolError(f"spool {self.path}: {doing} failed: {failed}") from None
+            if self.disk_full_since is None:
+                self.disk_full_since = time.time()
+            raise SpoolDiskFull(
+                f"spool disk full at {self.path}: {doing} waits, as a reader of the spool "
+                "(`gateway check`?) keeps its WAL from being checkpointed, and the room left "
+                "is what the checkpoint will need"
+            ) from None
         if not self._reserved:
             await self._call(self._restore)
         if self.disk_full_since is not None and await self._call(self._has_room):
@@ -597,35 +637,6 @@ class Spool:
             with contextlib.suppress(OSError):
                 self._wal_inode = os.stat(f"{self.path}-wal").st_ino
 
-    def _delete_on_reserve(
-        self, seqs: list[int], records: int, size: int
-    ) -> tuple[int, int, sqlite3.Error | None]:
-        """The disk is full: give the reserve back to the file system and
-        delete on its room, a slice per commit (each commit's WAL frames are
-        few), checkpointing first, then put the reserve back if there is
-        room for it. On the spool thread, so no append takes the room
-        meanwhile. ``records`` and ``size`` were deleted before: counted on."""
-        with contextlib.suppress(FileNotFoundError):
-            self.reserve.unlink()
-        self._reserved = False
-        log.warning(
-            "spool disk full at %s: gave back its reserve of %d bytes, so that what "
-            "Cassandra has can be deleted",
-            self.path,
-            RESERVE_BYTES,
-        )
-        failed: sqlite3.Error | None = None
-        self._checkpoint()  # on its room, if the WAL owes the main file pages
-        for part in _sliced(seqs):
-            try:
-                gone, payload = self._delete(part)
-            except sqlite3.Error as exc:
-                failed = exc
-                break
-            records, size = records + gone, size + payload
-        self._restore()
-        return records, size, failed
-
     def _restore(self) -> None:
         """Put the reserve back once there is room for it and as much again
         for the WAL: made sooner, it took the room the WAL's next frames need,
@@ -664,15 +675,22 @@ class Spool:
         if not self._fits(payload):
             self._make_room()
             if not self._fits(payload):
-                free, room = self._space()
+                free, freed = self._space()
                 raise _NoHeadroom(
-                    f"{room} bytes of room ({free} free on disk once the WAL is checkpointed, "
-                    f"the rest freed inside the file), {need} kept for it and for deletes"
+                    f"{free + freed} bytes of room ({free} free on disk beside what the next "
+                    f"checkpoint takes, {freed} freed inside the file), {need} kept for it "
+                    "and for deletes"
                 )
             db = self._db  # a new file's, if it started one
             assert db is not None
         db.execute("BEGIN IMMEDIATE")
         try:
+            if self._seq_floor is not None:  # a new file (_renew) numbers on
+                db.execute("DELETE FROM sqlite_sequence WHERE name = 'spool'")
+                db.execute(
+                    "INSERT INTO sqlite_sequence (name, seq) VALUES ('spool', ?)",
+                    (self._seq_floor,),
+                )
             seqs = []
             for record in records:
                 cursor = db.execute(
@@ -683,6 +701,7 @@ class Spool:
                 assert cursor.lastrowid is not None
                 seqs.append(cursor.lastrowid)
             db.execute("COMMIT")
+            self._seq_floor = None
             self._note_wal()
         except BaseException:
             # Some errors (SQLITE_FULL among them) roll the transaction back themselves.
@@ -692,31 +711,14 @@ class Spool:
         return seqs
 
     def _space(self) -> tuple[int, int]:
-        """(free, room): the bytes free on the file system less those the
-        main file has yet to grow by, and that plus the pages deletes freed
-        inside the file (appends reuse them first).
-
-        Why less: a checkpoint writes every page the WAL holds into the main
-        file, which grows to take in those past its end; until a checkpoint
-        completes the WAL cannot start over, and every commit makes it grow.
-        Appends that took that room (they counted the freed pages, which
-        were in the WAL) left a spool emptied on a full disk, with a WAL of
-        1 MB no checkpoint could complete: every append refused, for good."""
+        """(free, freed) as :func:`takes` counts them."""
         db = self._db
         assert db is not None
-        (pages,) = db.execute("PRAGMA page_count").fetchone()
-        (page_size,) = db.execute("PRAGMA page_size").fetchone()
-        owed = max(0, int(pages) * int(page_size) - os.stat(self.path).st_size)
-        free = shutil.disk_usage(self.path.parent).free - owed
-        return free, free + _freed(db)
+        owed, freed = _pages(db, self.path)
+        return shutil.disk_usage(self.path.parent).free - owed, freed
 
     def _fits(self, payload: int) -> bool:
-        """Whether an append of ``payload`` bytes leaves the deletes their
-        room (room_needed), and a checkpoint the room to complete after it:
-        its WAL frames take up to twice its payload of disk, and the main
-        file may have to grow as much again to take them in."""
-        free, room = self._space()
-        return room >= room_needed(payload) and free >= 2 * (2 * payload + COMMIT_SLACK)
+        return takes(*self._space(), payload)
 
     def _has_room(self) -> bool:
         """Whether an append of a small message would find its room now (not
@@ -739,7 +741,7 @@ class Spool:
         try:
             (busy, _, _) = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
         except sqlite3.Error as exc:
-            if exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_FULL:
+            if _full(exc):
                 return "full"
             raise
         finally:
@@ -758,21 +760,23 @@ class Spool:
         """The spool is empty, but its WAL cannot be checkpointed (the main
         file cannot grow on the full disk) and so cannot start over: start a
         new file. There is nothing in it to lose; the new one numbers on from
-        where this one was, so the feed, which has read up to there, misses
-        nothing. The WAL goes first: after a crash in between, SQLite would
-        apply an old WAL to a new main file, while an old main file alone
-        holds at most messages Cassandra has (written again, idempotently)."""
+        where this one was (in the next append's own commit: the room the
+        old one gave back may be taken before), so the feed, which has read up
+        to there, misses nothing. The main file goes first: the failed
+        checkpoint wrote part of the WAL into it, so alone it is damaged,
+        while SQLite deletes a WAL it finds without a main file."""
         db = self._db
         assert db is not None
         (count,) = db.execute("SELECT count(*) FROM spool").fetchone()
         if count:
             return
         row = db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'spool'").fetchone()
+        self._seq_floor = None if row is None else int(row[0])
         wal = Path(f"{self.path}-wal")
         size = wal.stat().st_size if wal.exists() else 0
         db.close()
         self._db = None
-        for name in (wal, Path(f"{self.path}-shm"), self.path):
+        for name in (self.path, wal, Path(f"{self.path}-shm")):
             with contextlib.suppress(FileNotFoundError):
                 name.unlink()
         self._inode = self._wal_inode = 0
@@ -780,10 +784,6 @@ class Spool:
             self._connect()
         except (sqlite3.Error, OSError) as exc:
             raise SpoolError(f"spool {self.path}: starting a new file failed: {exc}") from None
-        if row is not None:
-            renewed = self._db
-            assert renewed is not None
-            renewed.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('spool', ?)", row)
         log.warning(
             "spool %s: empty, but its WAL (%d bytes) could not be checkpointed on the full "
             "disk, so no message could be taken: started a new file",
@@ -804,35 +804,59 @@ class Spool:
             for r in rows
         ]
 
-    def _delete_in_room(self, seqs: list[int]) -> tuple[int, int, sqlite3.Error | None]:
-        """Delete ``seqs``: how many records and payload bytes went, and the
-        error that stopped it (SQLITE_FULL even on the reserve's room, or
-        another), or None.
+    def _delete_in_room(
+        self, seqs: list[int]
+    ) -> tuple[int, int, sqlite3.Error | OSError | str | None]:
+        """Delete ``seqs``: how many records and payload bytes went, and why
+        it stopped short, or None: the error (SQLITE_FULL even on the
+        reserve's room, or another), or :data:`HELD`.
 
         A delete makes the WAL grow, and the main file needs room to take
-        the WAL in at a checkpoint: a delete that left it too little meant no
-        checkpoint could complete, the WAL could never start over, and
-        every delete after it failed (1,227 written messages spooled on a
-        full disk, the reserve spent, for good). So near a full disk it
-        checkpoints first and deletes a slice per commit; and a delete that
-        meets a full disk goes on on the reserve's room."""
-        slices = [seqs]
-        free, _ = self._space()
-        record = self.bytes // max(1, self.depth) + RECORD_OVERHEAD  # on average
-        if free < 2 * len(seqs) * record + COMMIT_SLACK:
-            self._checkpoint()
-            slices = _sliced(seqs)
+        the WAL in at a checkpoint; a delete that left it too little meant no
+        checkpoint could complete, the WAL could never start over, and every
+        delete after it failed (1,227 written messages spooled on a full
+        disk, the reserve spent, for good). So near a full disk it
+        checkpoints first and deletes a slice per commit; while a reader
+        keeps the checkpoint from completing it waits rather than take that
+        room; and a delete that meets a full disk gives the reserve back to
+        the file system and goes on on its room, then puts it back if there
+        is room for it. All on the spool thread, so no append takes the room
+        meanwhile."""
         records = size = 0
-        for at, part in enumerate(slices):
+        try:
+            self._same_file()
+            pending = [seqs] if self._space()[0] >= self._wal_for(len(seqs)) else _sliced(seqs)
+        except (sqlite3.Error, OSError) as exc:
+            return records, size, exc
+        while pending:
+            part = pending[0]
             try:
+                if self._space()[0] < self._wal_for(len(part)) and self._checkpoint() == "held":
+                    return records, size, HELD
                 gone, payload = self._delete(part)
-            except sqlite3.Error as exc:
-                if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_FULL or not self._reserved:
+            except (sqlite3.Error, OSError) as exc:
+                if not _full(exc) or not self._reserved:
                     return records, size, exc
-                rest = [seq for later in slices[at:] for seq in later]
-                return self._delete_on_reserve(rest, records, size)
+                with contextlib.suppress(FileNotFoundError):
+                    self.reserve.unlink()
+                self._reserved = False
+                log.warning(
+                    "spool disk full at %s: gave back its reserve of %d bytes, so that "
+                    "what Cassandra has can be deleted",
+                    self.path,
+                    RESERVE_BYTES,
+                )
+                pending = _sliced([seq for later in pending for seq in later])
+                continue
             records, size = records + gone, size + payload
+            del pending[0]
         return records, size, None
+
+    def _wal_for(self, records: int) -> int:
+        """The WAL a delete of ``records`` may take, at most: twice their
+        bytes, on average (the pages they are on)."""
+        record = self.bytes // max(1, self.depth) + RECORD_OVERHEAD
+        return 2 * records * record + COMMIT_SLACK
 
     def _delete(self, seqs: list[int]) -> tuple[int, int]:
         """Delete ``seqs`` in one commit: how many records and payload bytes
@@ -842,15 +866,14 @@ class Spool:
         db.execute("BEGIN IMMEDIATE")
         try:
             records = size = 0
-            for at in range(0, len(seqs), SQL_VARIABLES):
-                part = seqs[at : at + SQL_VARIABLES]
-                lengths = db.execute(
-                    f"DELETE FROM spool WHERE seq IN ({','.join('?' * len(part))}) "
-                    "RETURNING length(payload)",
-                    part,
-                ).fetchall()
-                records += len(lengths)
-                size += sum(length for (length,) in lengths)
+            for part in _sliced(seqs, SQL_VARIABLES):
+                where = f"WHERE seq IN ({','.join('?' * len(part))})"
+                # Counted first (RETURNING needs SQLite 3.35; Ubuntu 20.04 has 3.31).
+                found, payload = db.execute(
+                    f"SELECT count(*), coalesce(sum(length(payload)), 0) FROM spool {where}", part
+                ).fetchone()
+                db.execute(f"DELETE FROM spool {where}", part)
+                records, size = records + found, size + payload
             db.execute("COMMIT")
         except BaseException:
             if db.in_transaction:
@@ -866,11 +889,11 @@ class Spool:
         db = self._db
         assert db is not None
         try:
-            if _freed(db) < SHRINK_ABOVE:
+            if self._space()[1] < SHRINK_ABOVE:
                 return
             before = self.path.stat().st_size
             db.execute("VACUUM")  # of an empty table: a moment, and little room
-            db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self._checkpoint()
             after = self.path.stat().st_size
         except (sqlite3.Error, OSError) as exc:  # no room for it, say: it stays as large
             log.info("spool %s: empty, but not shrunk (%s)", self.path, exc)
@@ -1159,8 +1182,8 @@ class SpoolSource:
                 return
 
 
-def _sliced(seqs: list[int]) -> list[list[int]]:
-    return [seqs[at : at + RESERVE_SLICE] for at in range(0, len(seqs), RESERVE_SLICE)]
+def _sliced(seqs: list[int], size: int = RESERVE_SLICE) -> list[list[int]]:
+    return [seqs[at : at + size] for at in range(0, len(seqs), size)]
 
 
 async def _sleep_unless(event: asyncio.Event, seconds: float) -> bool:

@@ -28,6 +28,7 @@ from ..ingest.spool import (
     peek,
     room_needed,
     stranded,
+    takes,
     unwritable,
     what_to_do_with_damaged,
 )
@@ -141,9 +142,10 @@ def _spool(config: Config) -> Result:
     # Where the file is, or will be: the gateway makes its missing directories.
     where = nearest_existing(path.parent)
     free = shutil.disk_usage(where).free if where is not None else 0
-    # The gateway's own rule (ingest/spool.py, room_needed): a message of the
+    # The gateway's own rule (ingest/spool.py, takes): a message of the
     # largest size allowed would not be spooled, and acknowledgements pause.
-    need = room_needed(config.limits.max_payload_bytes)
+    largest = config.limits.max_payload_bytes
+    need = room_needed(largest)
 
     def full_disk(room: int) -> str:
         return (
@@ -163,12 +165,12 @@ def _spool(config: Config) -> Result:
         if damaged(exc):
             said = f"cannot read the spool {path} ({exc}); {what_to_do_with_damaged(path)}"
             return False, f"spool: DAMAGED, cannot read {path}: {exc}", said
-        if free < need:  # reading needs room too (its -shm file)
+        if not takes(free, 0, largest):  # reading needs room too (its -shm file)
             return False, f"spool: DISK FULL, cannot read {path}: {exc}", full_disk(free)
         return False, f"spool: cannot read {path}: {exc}", f"cannot read the spool {path}: {exc}"
     if found is None:
         # The first check on a new host: the gateway could not spool there either.
-        if free < need:
+        if not takes(free, 0, largest):
             said = f"spool: DISK FULL (acknowledgements paused), {path} not created yet"
             return False, said, full_disk(free)
         return True, f"spool: empty ({path} not created yet)", ""
@@ -181,8 +183,8 @@ def _spool(config: Config) -> Result:
         if found.size >= config.spool.max_bytes
         else None
     )
-    room = free + found.freed
-    disk_full = room < need
+    room = free - found.owed + found.freed
+    disk_full = not takes(free - found.owed, found.freed, largest)
     problem = (
         full_disk(room) if disk_full else f"the spool is full ({bound}): acknowledgements paused"
     )
