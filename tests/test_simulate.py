@@ -352,21 +352,28 @@ def test_an_interrupted_simulate_says_how_much_it_sent() -> None:
     """Ctrl-C ended `gateway simulate` with exit 0 and not a word: how many
     messages went out was lost. It says so now, and exits 130, as an
     interrupted command does (it was 0: `simulate ... && next` went on)."""
+    tenant = f"simint{uuid.uuid4().hex[:8]}"
+    # Interrupted once it has sent (a fixed 3 s sent SIGINT during its
+    # imports once, on a loaded box, and it died of KeyboardInterrupt).
+    sub = ["mosquitto_sub", "-h", MQTT_HOST, "-p", str(MQTT_PORT), "-t", f"tenants/{tenant}/#"]
+    first = subprocess.Popen([*sub, "-C", "1", "-W", "60"], stdout=subprocess.DEVNULL)
+    time.sleep(0.5)  # subscribed
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "simulate", "--rate", "50", "--tenant", "simint"],
+        [sys.executable, "-m", "gateway", "simulate", "--rate", "50", "--tenant", tenant],
         env=base_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        time.sleep(3)
+        assert first.wait(timeout=70) == 0, "no message from simulate within 60 s"
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=15)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        for started in (proc, first):
+            if started.poll() is None:
+                started.kill()
+                started.wait()
     assert proc.returncode == 130, err
     line = out.strip().splitlines()[-1]
     assert line.startswith("simulate: interrupted; sent "), out
