@@ -35,7 +35,9 @@ import orjson
 import pytest
 
 from gateway.errors import SpoolDiskFull, SpoolError
-from gateway.ingest.spool import READ_ONLY_WHY, Spool
+from gateway.ingest.receive import Delivery
+from gateway.ingest.spool import READ_ONLY_WHY, Spool, SpoolSource
+from gateway.stats import Stats
 from gateway.store.database import Database
 
 from .helpers import (
@@ -602,6 +604,58 @@ async def test_appends_leave_room_for_the_checkpoint_the_wal_owes(tmp_path: Path
             assert spool.depth == 1, _files(disk)
             assert [r.seq for r in await spool.read(0, 10)] == seqs
             assert _files(disk)["spool.sqlite-wal"] <= 2 * 512 * 1024, _files(disk)
+
+
+async def test_a_backlog_too_large_for_one_commit_is_not_the_disk_full(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A backlog's commit too large for the room left was refused, and the
+    source took it for the disk full: each halving said "disk full", then
+    "room again after 0 s", counted a refusal and waited half a second (22
+    times in one drain by hand). It now halves at once; a single message
+    refused is the disk full."""
+    caplog.set_level(logging.INFO, logger="gateway")
+    with _tiny_disk(tmp_path / "disk", "2m") as disk:
+        async with Spool(disk / "spool.sqlite", 100_000, 1 << 30) as spool:
+            stats = Stats()
+            source = SpoolSource(spool, _Unfed(), _Unpaused(), stats, 1000)
+            acked: list[int] = []
+            appending = asyncio.create_task(source.append())
+            for i in range(600):  # 600 KB: fits, but not in one commit
+                source.accept(Delivery("t/a", b"x" * 1000, None, i, _Acked(acked, i)))
+            async with asyncio.timeout(30):
+                while len(acked) < 600:  # noqa: ASYNC110 - waiting for the commits
+                    await asyncio.sleep(0.01)
+            source.close()
+            await appending
+            assert spool.depth == 600
+    assert acked == list(range(600))
+    assert stats.spool_disk_full == 0
+    said = [r.getMessage() for r in caplog.records if "spool disk" in r.getMessage()]
+    assert said == []
+
+
+class _Acked:
+    comes_back = True
+
+    def __init__(self, acked: list[int], i: int) -> None:
+        self._acked, self._i = acked, i
+
+    def done(self) -> None:
+        self._acked.append(self._i)
+
+
+class _Unfed:
+    async def put(self, delivery: Delivery) -> None:
+        raise AssertionError("not fed in this test")
+
+
+class _Unpaused:
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
 
 
 async def test_deletes_wait_for_a_reader_rather_than_take_the_checkpoints_room(
