@@ -41,6 +41,7 @@ from paho.mqtt.properties import Properties
 
 from gateway import app
 from gateway.config import Config, load_config
+from gateway.ingest.receive import Delivery
 from gateway.stats import Stats
 from gateway.store import queries
 from gateway.store.database import Database
@@ -678,3 +679,43 @@ def self_signed(folder: Path) -> tuple[Path, Path]:
     names = ("-subj", "/CN=gateway test", "-keyout", str(key), "-out", str(cert))
     subprocess.run(["openssl", *request, *names], check=True, capture_output=True, timeout=60)
     return cert, key
+
+
+# ---------------------------------------------------------------- spool source doubles
+
+
+class Acks:
+    """Deliveries' acknowledgements (``Delivery.ack``), in the order they came."""
+
+    def __init__(self) -> None:
+        self.done: list[str] = []
+
+    def of(self, name: str) -> Ack:
+        return Ack(self.done, name)
+
+
+class Ack:
+    comes_back = True  # the broker's QoS 1 resend
+
+    def __init__(self, done: list[str], name: str) -> None:
+        self._done, self._name = done, name
+
+    def done(self) -> None:
+        self._done.append(self._name)
+
+
+class Unfed:
+    """A pipeline a SpoolSource must not feed (only its appends are tested)."""
+
+    async def put(self, delivery: Delivery) -> None:
+        raise AssertionError("not fed in this test")
+
+
+class Unpaused:
+    """The receiver's flow control, for a SpoolSource on its own."""
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass

@@ -22,7 +22,18 @@ from gateway.ingest.spool import Appended, Spool, SpoolSource
 from gateway.stats import Stats
 from gateway.store.database import Database
 
-from .helpers import device_row, make_config, proxy, publish, running_gateway, telemetry_keys, topic
+from .helpers import (
+    Acks,
+    Unfed,
+    Unpaused,
+    device_row,
+    make_config,
+    proxy,
+    publish,
+    running_gateway,
+    telemetry_keys,
+    topic,
+)
 
 
 async def test_append_read_delete_in_order_and_reopen(tmp_path: Path) -> None:
@@ -38,39 +49,6 @@ async def test_append_read_delete_in_order_and_reopen(tmp_path: Path) -> None:
         assert (spool.depth, spool.bytes) == (6, 45)
         rest = await spool.read(0, 100)
         assert [r.topic for r in rest] == [f"t/{i}" for i in range(5, 11)]
-
-
-class _Acks:
-    """Deliveries' acknowledgements, in the order they came."""
-
-    def __init__(self) -> None:
-        self.done: list[str] = []
-
-    def of(self, topic: str) -> _Ack:
-        return _Ack(self.done, topic)
-
-
-class _Ack:
-    comes_back = True  # the broker's QoS 1 resend
-
-    def __init__(self, done: list[str], topic: str) -> None:
-        self._done, self._topic = done, topic
-
-    def done(self) -> None:
-        self._done.append(self._topic)
-
-
-class _NoPipeline:
-    async def put(self, delivery: Delivery) -> None:
-        raise AssertionError("not fed in this test")
-
-
-class _NoFlow:
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
 
 
 class _SlowSpool(Spool):
@@ -122,9 +100,9 @@ async def test_closing_during_a_commit_with_a_delivery_behind_it_does_not_hang(
     """close() while a slow commit was under way and another delivery had come
     in: append() committed that one too, then waited for ever, close()'s
     wake-up used up; the gateway never left spool mode, nor stopped."""
-    acks = _Acks()
+    acks = Acks()
     async with _SlowSpool(tmp_path / "s.sqlite", 1000, 10**6) as spool:
-        source = SpoolSource(spool, _NoPipeline(), _NoFlow(), Stats(), 100)
+        source = SpoolSource(spool, Unfed(), Unpaused(), Stats(), 100)
         task = asyncio.create_task(source.append())
         source.accept(Delivery("t/0", b"0", None, 1000, acks.of("t/0")))
         await asyncio.sleep(0.1)  # its commit is under way
@@ -140,9 +118,9 @@ async def test_a_retained_copy_stays_one_through_the_spool(tmp_path: Path) -> No
     """A retained copy and a redelivery are placed differently in the state
     view (the first may be older than anything, the second is newer than what
     was acknowledged before it): the spool keeps both flags apart."""
-    acks = _Acks()
+    acks = Acks()
     async with Spool(tmp_path / "s.sqlite", 1000, 10**6) as spool:
-        source = SpoolSource(spool, _NoPipeline(), _NoFlow(), Stats(), 100)
+        source = SpoolSource(spool, Unfed(), Unpaused(), Stats(), 100)
         task = asyncio.create_task(source.append())
         source.accept(Delivery("t/0", b"0", None, 1000, acks.of("t/0")))
         source.accept(Delivery("t/1", b"1", None, 1001, acks.of("t/1"), redelivered=True))

@@ -42,9 +42,12 @@ from gateway.store.database import Database
 
 from .helpers import (
     CQL_PORT,
+    Acks,
     CuttableProxy,
     GatewayProcess,
     Publisher,
+    Unfed,
+    Unpaused,
     assert_all_stored,
     base_env,
     free_port,
@@ -477,10 +480,7 @@ async def test_disk_full_is_not_acknowledged_and_flows_once_there_is_room(
                 # A reader (`gateway check`, say) holds a snapshot meanwhile,
                 # so no checkpoint can give the WAL's room back: the disk stays
                 # full through the drain.
-                reader = sqlite3.connect(f"file:{spool}?mode=ro", uri=True, isolation_level=None)
-                with contextlib.closing(reader):
-                    reader.execute("BEGIN")
-                    reader.execute("SELECT count(*) FROM spool").fetchone()
+                with _snapshot(spool):
                     await link.start()
                     # Written to Cassandra, and deleted from the spool: their
                     # deletes, refused at first, go through on the room the
@@ -542,28 +542,25 @@ async def test_a_spool_that_filled_its_own_disk_drains_once_cassandra_answers(
     assert stored == [300] * 10
 
 
-async def _fill_and_drain_behind_a_reader(spool: Spool, path: Path) -> sqlite3.Connection:
-    """Fill ``spool`` on its small disk, and delete all of it, while another
-    connection holds a read snapshot (as `gateway check` does while it reads
-    every page): no checkpoint completes meanwhile, so the WAL holds every
-    page the main file has yet to take in, and it grows by every commit. The
-    reader is returned open."""
-    await spool.append([(1, "t/a", None, b"a")])
+@contextlib.contextmanager
+def _snapshot(path: Path) -> Iterator[sqlite3.Connection]:
+    """A reader holding a read snapshot of the spool at ``path``, as `gateway
+    check` does while it reads every page: no checkpoint completes past it
+    while it is open (closing it early is fine)."""
     reader = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
-    try:
+    with contextlib.closing(reader):
         reader.execute("BEGIN")
         reader.execute("SELECT count(*) FROM spool").fetchone()
-        seqs = [1]
-        with contextlib.suppress(SpoolDiskFull):
-            while True:
-                seqs += await spool.append([(2, "t/a", None, b"x" * 530)] * 20)
-        while seqs:  # Cassandra has them: the deletes, on the reserve once the disk is full
-            await spool.delete(seqs[:100])
-            del seqs[:100]
-    except BaseException:
-        reader.close()  # or the tmpfs stays mounted
-        raise
-    return reader
+        yield reader
+
+
+async def _filled(spool: Spool, payload: int, batch: int) -> list[int]:
+    """Append ``batch`` messages of ``payload`` bytes at a time until refused."""
+    seqs: list[int] = []
+    with contextlib.suppress(SpoolDiskFull):
+        while True:
+            seqs += await spool.append([(2, "t/a", None, b"x" * payload)] * batch)
+    return seqs
 
 
 async def _appended_within(spool: Spool, tries: int) -> list[int]:
@@ -591,7 +588,14 @@ async def test_appends_leave_room_for_the_checkpoint_the_wal_owes(tmp_path: Path
     with _tiny_disk(tmp_path / "disk", "2m") as disk:
         path = disk / "spool.sqlite"
         async with Spool(path, 100_000, 1 << 30) as spool:
-            with contextlib.closing(await _fill_and_drain_behind_a_reader(spool, path)) as reader:
+            await spool.append([(1, "t/a", None, b"a")])
+            with _snapshot(path) as reader:
+                # The spool fills and drains behind it: the WAL holds every
+                # page the main file has yet to take in, and grows by every commit.
+                seqs = [1, *await _filled(spool, 530, 20)]
+                while seqs:  # Cassandra has them: the deletes
+                    await spool.delete(seqs[:100])
+                    del seqs[:100]
                 assert spool.depth == 0
                 # Cassandra keeps up: each message appended is deleted soon after.
                 taken = 0
@@ -618,44 +622,21 @@ async def test_a_backlog_too_large_for_one_commit_is_not_the_disk_full(
     with _tiny_disk(tmp_path / "disk", "2m") as disk:
         async with Spool(disk / "spool.sqlite", 100_000, 1 << 30) as spool:
             stats = Stats()
-            source = SpoolSource(spool, _Unfed(), _Unpaused(), stats, 1000)
-            acked: list[int] = []
+            source = SpoolSource(spool, Unfed(), Unpaused(), stats, 1000)
+            acks = Acks()
             appending = asyncio.create_task(source.append())
             for i in range(600):  # 600 KB: fits, but not in one commit
-                source.accept(Delivery("t/a", b"x" * 1000, None, i, _Acked(acked, i)))
+                source.accept(Delivery("t/a", b"x" * 1000, None, i, acks.of(str(i))))
             async with asyncio.timeout(30):
-                while len(acked) < 600:  # noqa: ASYNC110 - waiting for the commits
+                while len(acks.done) < 600:  # noqa: ASYNC110 - waiting for the commits
                     await asyncio.sleep(0.01)
             source.close()
             await appending
             assert spool.depth == 600
-    assert acked == list(range(600))
+    assert acks.done == [str(i) for i in range(600)]
     assert stats.spool_disk_full == 0
     said = [r.getMessage() for r in caplog.records if "spool disk" in r.getMessage()]
     assert said == []
-
-
-class _Acked:
-    comes_back = True
-
-    def __init__(self, acked: list[int], i: int) -> None:
-        self._acked, self._i = acked, i
-
-    def done(self) -> None:
-        self._acked.append(self._i)
-
-
-class _Unfed:
-    async def put(self, delivery: Delivery) -> None:
-        raise AssertionError("not fed in this test")
-
-
-class _Unpaused:
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
 
 
 async def test_deletes_wait_for_a_reader_rather_than_take_the_checkpoints_room(
@@ -671,15 +652,8 @@ async def test_deletes_wait_for_a_reader_rather_than_take_the_checkpoints_room(
         path = disk / "spool.sqlite"
         async with Spool(path, 100_000, 1 << 30) as spool:
             await spool.append([(1, "t/a", None, b"a")])
-            with contextlib.closing(
-                sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
-            ) as reader:
-                reader.execute("BEGIN")
-                reader.execute("SELECT count(*) FROM spool").fetchone()
-                seqs = [1]
-                with contextlib.suppress(SpoolDiskFull):
-                    while True:
-                        seqs += await spool.append([(2, "t/a", None, b"x" * 100)] * 100)
+            with _snapshot(path):
+                seqs = [1, *await _filled(spool, 100, 100)]
                 waited = []
                 for at in range(0, len(seqs), 1500):
                     try:
