@@ -149,7 +149,7 @@ class Stats:
     stale_latest: int = 0  # events older than the device's newest write: latest writes skipped
     spool: Any = None  # the Spool in spool mode (depth, bytes, oldest_age())
     spool_full_waits: int = 0  # times the spool was full: acks and reads paused
-    spool_disk_full: int = 0  # spool writes refused for a full disk (retried; nothing acked)
+    spool_disk_full: int = 0  # one-message appends and deletes refused for a full disk (retried)
     throttled_s: float = 0.0  # time with mqtt.receive_maximum messages unacknowledged
     throttle_events: int = 0  # times that limit was reached
     read_pauses: int = 0  # times the pipeline queue filled and socket reads paused

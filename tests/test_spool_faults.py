@@ -616,23 +616,27 @@ async def test_a_backlog_too_large_for_one_commit_is_not_the_disk_full(
     """A backlog's commit too large for the room left was refused, and the
     source took it for the disk full: each halving said "disk full", then
     "room again after 0 s", counted a refusal and waited half a second (22
-    times in one drain by hand). It now halves at once; a single message
-    refused is the disk full."""
+    times in one drain by hand), and /healthz said 503 through almost all of
+    each halving. It now halves at once; a single message refused is the
+    disk full."""
     caplog.set_level(logging.INFO, logger="gateway")
     with _tiny_disk(tmp_path / "disk", "2m") as disk:
         async with Spool(disk / "spool.sqlite", 100_000, 1 << 30) as spool:
             stats = Stats()
             source = SpoolSource(spool, Unfed(), Unpaused(), stats, 1000)
             acks = Acks()
+            states: set[str] = set()  # what /healthz would have said meanwhile
             appending = asyncio.create_task(source.append())
             for i in range(600):  # 600 KB: fits, but not in one commit
                 source.accept(Delivery("t/a", b"x" * 1000, None, i, acks.of(str(i))))
             async with asyncio.timeout(30):
-                while len(acks.done) < 600:  # noqa: ASYNC110 - waiting for the commits
-                    await asyncio.sleep(0.01)
+                while len(acks.done) < 600:
+                    states.add(spool.state())
+                    await asyncio.sleep(0)
             source.close()
             await appending
             assert spool.depth == 600
+            assert states == {"ok"}
     assert acks.done == [str(i) for i in range(600)]
     assert stats.spool_disk_full == 0
     said = [r.getMessage() for r in caplog.records if "spool disk" in r.getMessage()]
@@ -699,6 +703,14 @@ async def test_an_empty_spool_whose_wal_cannot_be_checkpointed_starts_a_new_file
         assert _files(disk)["spool.sqlite-wal"] > 6 << 20
         async with Spool(path, 100_000, 1 << 30) as spool:
             assert spool.depth == 0
+            with pytest.raises(SpoolDiskFull):  # a new file, but 3 MB do not fit even so
+                await spool.append([(3, "t/b", None, b"y" * 1500)] * 2000)
+            # Another program takes the room back before anything committed:
+            # a second new file, which numbered from 1 (review).
+            _fill(disk / "filler2")
+            with pytest.raises(SpoolDiskFull):
+                await spool.append([(3, "t/b", None, b"y" * 530)])
+            (disk / "filler2").unlink()
             seqs = await spool.append([(3, "t/b", None, b"y" * 530)])
             assert seqs == [last + 1]
             assert [r.seq for r in await spool.read(last, 10)] == seqs

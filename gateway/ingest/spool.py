@@ -200,7 +200,13 @@ def takes(free: int, freed: int, payload: int) -> bool:
     commit needed it to grow: a spool that filled its own disk sat empty with
     a 1 MB WAL, refusing every message for good. `gateway check` applies the
     same rule."""
-    return free + freed >= room_needed(payload) and free >= 3 * payload + 2 * COMMIT_SLACK
+    return free + freed >= room_needed(payload) and free >= disk_needed(payload)
+
+
+def disk_needed(payload: int) -> int:
+    """The free disk, beyond what the next checkpoint takes, an append of
+    ``payload`` bytes needs (:func:`takes`)."""
+    return 3 * payload + 2 * COMMIT_SLACK
 
 
 def nearest_existing(path: Path) -> Path | None:
@@ -411,19 +417,21 @@ class Spool:
 
     async def append(self, records: Sequence[Appended]) -> list[int]:
         """Commit (received_ms, topic, content_type, payload[, redelivered])
-        records; their seqs. :class:`SpoolDiskFull` if the disk is full:
-        nothing of them was committed."""
+        records; their seqs. :class:`SpoolDiskFull` if there is no room for
+        them: nothing of them was committed. Only a single message refused is
+        the disk full (``disk_full_since``, /healthz): a larger commit may
+        fit halved (SpoolSource._commit), and /healthz said 503 through
+        almost all of each halving."""
+        single = len(records) == 1
+        what = "a commit of 1 message" if single else f"a commit of {len(records)} messages"
         try:
             seqs: list[int] = await self._call(self._append, list(records))
         except sqlite3.Error as exc:
-            raise self._error(exc, f"a commit of {len(records)} messages") from None
+            raise self._error(exc, what, full=single) from None
         except _NoHeadroom as exc:
-            if self.disk_full_since is None:
+            if single and self.disk_full_since is None:
                 self.disk_full_since = time.time()
-            raise SpoolDiskFull(
-                f"spool disk full at {self.path}: a commit of {len(records)} messages "
-                f"refused ({exc})"
-            ) from None
+            raise SpoolDiskFull(f"spool disk full at {self.path}: {what} refused ({exc})") from None
         self.disk_full_since = None
         self.depth += len(records)
         self.bytes += sum(len(r[3]) for r in records)
@@ -487,13 +495,14 @@ class Spool:
             self._room.set()
             self.full_since = None
 
-    def _error(self, exc: sqlite3.Error, doing: str) -> SpoolError:
+    def _error(self, exc: sqlite3.Error, doing: str, *, full: bool = True) -> SpoolError:
         # SQLITE_FULL is what a write meeting ENOSPC returns (SQLite has rolled
         # the transaction back; the connection stays usable); SHMSIZE, the WAL
         # index (the -shm file, grown on open and as the WAL grows) meeting it.
+        # ``full``: whether that is the disk full (see append).
         code = exc.sqlite_errorcode
         if code & 0xFF == sqlite3.SQLITE_FULL or code == sqlite3.SQLITE_IOERR_SHMSIZE:
-            if self.disk_full_since is None:
+            if full and self.disk_full_since is None:
                 self.disk_full_since = time.time()
             return SpoolDiskFull(f"spool disk full at {self.path}: {doing} failed ({exc})")
         if damaged(exc):
@@ -678,9 +687,9 @@ class Spool:
             if not self._fits(payload):
                 free, freed = self._space()
                 raise _NoHeadroom(
-                    f"{free + freed} bytes of room ({free} free on disk beside what the next "
-                    f"checkpoint takes, {freed} freed inside the file), {need} kept for it "
-                    "and for deletes"
+                    f"{free + freed} bytes of room, {free} of them free on disk beside what the "
+                    f"next checkpoint takes; it needs {need} of room, kept for it and for "
+                    f"deletes, and {disk_needed(payload)} free on disk"
                 )
             db = self._db  # a new file's, if it started one
             assert db is not None
@@ -772,7 +781,9 @@ class Spool:
         if count:
             return
         row = db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'spool'").fetchone()
-        self._seq_floor = None if row is None else int(row[0])
+        # The larger: a second renew before any append committed found the
+        # first one's empty sqlite_sequence, and numbering started at 1.
+        self._seq_floor = max(self._seq_floor or 0, 0 if row is None else int(row[0])) or None
         wal = Path(f"{self.path}-wal")
         size = wal.stat().st_size if wal.exists() else 0
         db.close()

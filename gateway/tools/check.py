@@ -24,6 +24,7 @@ from ..config import Config
 from ..errors import ConfigError, SinkError
 from ..ingest.spool import (
     damaged,
+    disk_needed,
     nearest_existing,
     peek,
     room_needed,
@@ -149,9 +150,10 @@ def _spool(config: Config) -> Result:
 
     def full_disk(room: int) -> str:
         return (
-            f"the spool's disk is full ({room} bytes of room for {path}, which keeps "
-            f"{need} for a message of limits.max_payload_bytes and for deletes): "
-            "acknowledgements paused until there is room"
+            f"the spool's disk is full ({room} bytes of room for {path}; a message of "
+            f"limits.max_payload_bytes needs {need}, kept for it and for deletes, and "
+            f"{disk_needed(largest)} of it free on disk): acknowledgements paused until "
+            "there is room"
         )
 
     # The gateway's own refusal at start (ingest/spool.py, Spool._open), asked

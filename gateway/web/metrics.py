@@ -275,7 +275,8 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
     (
         "gateway_spool_disk_full_total",
         "spool_disk_full",
-        "Spool writes refused because the disk was full (nothing acknowledged; retried).",
+        "Spool writes refused because the disk was full: a single message's append, or a "
+        "delete (a larger append is first halved, not counted; nothing acknowledged; retried).",
     ),
     (
         "gateway_metadata_writes_total",
