@@ -835,16 +835,17 @@ class Spool:
         is room for it. All on the spool thread, so no append takes the room
         meanwhile."""
         records = size = 0
-        try:
-            self._same_file()
-            pending = [seqs] if self._space()[0] >= self._wal_for(len(seqs)) else _sliced(seqs)
-        except (sqlite3.Error, OSError) as exc:
-            return records, size, exc
+        self._same_file()
+        pending = [seqs]
         while pending:
             part = pending[0]
             try:
-                if self._space()[0] < self._wal_for(len(part)) and self._checkpoint() == "held":
-                    return records, size, HELD
+                if self._space()[0] < self._wal_for(len(part)):
+                    if len(part) > RESERVE_SLICE:  # near a full disk: a slice per commit
+                        pending = _sliced([seq for later in pending for seq in later])
+                        continue
+                    if self._checkpoint() == "held":
+                        return records, size, HELD
                 gone, payload = self._delete(part)
             except (sqlite3.Error, OSError) as exc:
                 if not _full(exc) or not self._reserved:
