@@ -196,7 +196,7 @@ class Requests:
                     if first_failed is None:
                         first_failed = now
                         self._failed(me, now, exc)
-                    if now - first_failed > self._give_up_after:
+                    if now - first_failed >= self._give_up_after:
                         raise WritesFailing(
                             f"Cassandra writes failing for over {self._give_up_after:.0f} s "
                             f"(cassandra.give_up_after); last error: {short(exc)}"
@@ -216,10 +216,16 @@ class Requests:
                 # compiled (mypyc) code suspended in one leaves the error as the
                 # thread's current exception, and every exception raised meanwhile,
                 # in any task, was chained to it (tests/test_outage.py).
-                delay = backoff(attempt, BACKOFF_MIN, BACKOFF_MAX)
+                # The last sleep ends at give_up_after, where one more attempt
+                # decides: a full one could end 2.6 times past it (a 3.2 s
+                # sleep begun at 1.9 s of 2), and a CI run's give-up took 5.2 s.
+                delay = min(
+                    backoff(attempt, BACKOFF_MIN, BACKOFF_MAX) * (0.5 + random.random() / 2),
+                    first_failed + self._give_up_after - time.monotonic(),
+                )
                 recovered = self._recovered
                 try:
-                    async with asyncio.timeout(delay * (0.5 + random.random() / 2)):
+                    async with asyncio.timeout(delay):
                         await recovered.wait()
                 except TimeoutError:
                     pass
