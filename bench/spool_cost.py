@@ -111,6 +111,7 @@ def run_case(case: Case, db: BenchDb, args: argparse.Namespace) -> None:
         root,
         SPOOL__ENABLED=str(case.spool).lower(),
         SPOOL__PATH=str(folder / "spool.sqlite"),
+        SPOOL__COMMIT_DELAY=args.commit_delay,
         CASSANDRA__DRIVER=args.driver,
     )
     proc = Proc(
@@ -204,7 +205,8 @@ def markdown(data: dict[str, Any]) -> str:
         f"Command: `{data['command']}` ({data['when']}).",
         f"Per case: a backlog of {args['count']:,} messages from {args['devices']:,} devices "
         f"drained, then {args['rate']:g} msg/s from {args['live_devices']} devices for "
-        f"{args['live_seconds']:g} s into the running gateway (driver {args['driver']}). "
+        f"{args['live_seconds']:g} s into the running gateway (driver {args['driver']}, "
+        f"spool.commit_delay {args.get('commit_delay', '0 (before it existed)')}). "
         "Off and on alternate; medians and [min-max] over "
         f"{len(cases) // 2} pairs. Bytes written: the gateway's /proc/PID/io "
         "`write_bytes` per message (without the spool, only its log). "
@@ -291,6 +293,9 @@ def main() -> None:
     parser.add_argument("--live-devices", type=int, default=100)
     parser.add_argument("--live-seconds", type=float, default=20.0)
     parser.add_argument("--driver", default="auto", help="cassandra.driver")
+    parser.add_argument(
+        "--commit-delay", default="100ms", help="spool.commit_delay (the gateway's default)"
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="cap per drain, s")
     parser.add_argument("--out", default=str(RESULTS / "spool_cost"), help="results path stem")
     args = parser.parse_args()

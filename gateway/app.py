@@ -475,6 +475,8 @@ async def open_gateway(
                 receiver,
                 stats,
                 config.pipeline.queue_size,
+                config.spool.commit_delay,
+                config.mqtt.receive_maximum,
             )
             if spool is not None
             else None

@@ -647,6 +647,11 @@ class SpoolConfig(_Model):
     path: FilePath = Path("gateway-spool.sqlite")
     max_records: int = Field(default=1_000_000, ge=1, le=1_000_000_000)
     max_bytes: Bytes = Field(default=1024**3, ge=1024, le=1024**4)
+    # How long a message may wait for others to share its commit (and its
+    # acknowledgement): every commit rewrites a few 4 KiB pages, so one message
+    # a commit wrote 14 KB per message (an SD card's wear; README, "Running on
+    # an edge host"). 0 commits each at once.
+    commit_delay: Annotated[float, BeforeValidator(parse_duration), Field(ge=0, le=1)] = 0.1
 
 
 class ApiConfig(_Model):

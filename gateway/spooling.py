@@ -140,6 +140,8 @@ async def spool_until_reachable(
             receiver,
             stats,
             config.pipeline.queue_size,
+            config.spool.commit_delay,
+            config.mqtt.receive_maximum,
         )
         if config.api.enabled:
 

@@ -18,7 +18,7 @@ import pytest
 
 from gateway.errors import SpoolError
 from gateway.ingest.receive import Delivery
-from gateway.ingest.spool import Appended, Spool, SpoolSource
+from gateway.ingest.spool import GROUP_ENOUGH, Appended, Spool, SpoolSource
 from gateway.stats import Stats
 from gateway.store.database import Database
 
@@ -112,6 +112,131 @@ async def test_closing_during_a_commit_with_a_delivery_behind_it_does_not_hang(
             await task
         assert acks.done == ["t/0", "t/1"]
         assert spool.depth == 2
+
+
+class _CountingSpool(Spool):
+    """The spool, its commits counted: appends' sizes, and deletes' times."""
+
+    def __init__(self, path: Path, max_records: int, max_bytes: int) -> None:
+        super().__init__(path, max_records, max_bytes)
+        self.appends: list[int] = []
+        self.deletes: list[tuple[float, int]] = []
+
+    async def append(self, records: Sequence[Appended]) -> list[int]:
+        self.appends.append(len(records))
+        return await super().append(records)
+
+    async def delete(self, seqs: Sequence[int]) -> None:
+        self.deletes.append((time.monotonic(), len(seqs)))
+        await super().delete(seqs)
+
+
+class _TimedAck:
+    comes_back = True
+
+    def __init__(self, at: list[float]) -> None:
+        self._at = at
+
+    def done(self) -> None:
+        self._at.append(time.monotonic())
+
+
+async def _trickle(tmp_path: Path, commit_delay: float) -> tuple[list[int], list[float]]:
+    """20 deliveries 10 ms apart through a SpoolSource: its commits' sizes,
+    and how long each delivery waited for its acknowledgement."""
+    acked: list[float] = []
+    accepted: list[float] = []
+    spool = _CountingSpool(tmp_path / f"s{commit_delay}.sqlite", 1000, 10**6)
+    async with spool:
+        source = SpoolSource(spool, Unfed(), Unpaused(), Stats(), 1000, commit_delay)
+        task = asyncio.create_task(source.append())
+        for n in range(20):
+            accepted.append(time.monotonic())
+            source.accept(Delivery(f"t/{n}", b"x" * 100, None, n, _TimedAck(acked)))
+            await asyncio.sleep(0.01)
+        async with asyncio.timeout(5):
+            while len(acked) < 20:  # noqa: ASYNC110 - waiting for the commits
+                await asyncio.sleep(0.01)
+        source.close()
+        await task
+        return spool.appends, [a - b for a, b in zip(acked, accepted, strict=True)]
+
+
+async def test_deliveries_a_little_apart_share_a_commit_within_the_delay(tmp_path: Path) -> None:
+    """A commit rewrites a few 4 KiB pages however little it holds: at 100
+    msg/s one message a commit wrote 27 KB per message. With
+    spool.commit_delay a delivery waits that long for others, no longer."""
+    alone, waited_alone = await _trickle(tmp_path, 0.0)
+    grouped, waited = await _trickle(tmp_path, 0.15)
+    assert sum(alone) == sum(grouped) == 20
+    assert len(alone) >= 10, alone  # about one a commit: each 10 ms apart
+    assert len(grouped) <= 3, grouped  # 0.15 s of 0.2 s each
+    assert max(waited_alone) < 0.1, waited_alone
+    assert max(waited) < 0.15 + 0.1, waited  # the delay and the commit
+    assert max(waited) >= 0.1, waited  # the first waited out (most of) the delay
+
+
+async def test_a_commits_worth_does_not_wait_out_the_delay(tmp_path: Path) -> None:
+    """GROUP_ENOUGH deliveries commit at once, and so do as many as the
+    broker sends unacknowledged."""
+    acked: list[float] = []
+    spool = _CountingSpool(tmp_path / "s.sqlite", 10_000, 10**7)
+    async with spool:
+        source = SpoolSource(spool, Unfed(), Unpaused(), Stats(), 1000, commit_delay=1.0)
+        task = asyncio.create_task(source.append())
+        began = time.monotonic()
+        for n in range(GROUP_ENOUGH):
+            source.accept(Delivery(f"t/{n}", b"x", None, n, _TimedAck(acked)))
+        async with asyncio.timeout(5):
+            while len(acked) < GROUP_ENOUGH:  # noqa: ASYNC110 - waiting for the commit
+                await asyncio.sleep(0.01)
+        assert acked[-1] - began < 0.5, acked[-1] - began
+        assert spool.appends == [GROUP_ENOUGH]
+        source.close()
+        await task
+        # Nor do mqtt.receive_maximum (10) deliveries: the broker sends no more
+        # until they are acknowledged, so waiting would stall every commit.
+        source = SpoolSource(spool, Unfed(), Unpaused(), Stats(), 1000, 1.0, receive_maximum=10)
+        task = asyncio.create_task(source.append())
+        acked.clear()
+        began = time.monotonic()
+        for n in range(10):
+            source.accept(Delivery(f"u/{n}", b"x", None, n, _TimedAck(acked)))
+        async with asyncio.timeout(5):
+            while len(acked) < 10:  # noqa: ASYNC110 - waiting for the commit
+                await asyncio.sleep(0.01)
+        assert acked[-1] - began < 0.5, acked[-1] - began
+        source.close()
+        await task
+
+
+async def test_deletes_are_grouped_unless_the_spool_is_full(tmp_path: Path) -> None:
+    """Deletes wait DELETE_DELAY (1 s), or DELETE_ENOUGH due, whatever
+    spool.commit_delay says: but at once when the spool is full, since
+    appends wait for their room."""
+    spool = _CountingSpool(tmp_path / "s.sqlite", 40, 10**6)
+    async with spool:
+        seqs = await spool.append([(n, f"t/{n}", None, b"x") for n in range(30)])
+        source = SpoolSource(spool, Unfed(), Unpaused(), Stats(), 100)
+        task = asyncio.create_task(source.delete())
+        for seq in seqs[:20]:
+            source.written(seq)
+            await asyncio.sleep(0.01)
+        async with asyncio.timeout(5):
+            while spool.depth > 10:  # noqa: ASYNC110 - waiting for the delete
+                await asyncio.sleep(0.01)
+        assert [n for _, n in spool.deletes] == [20], spool.deletes  # 0.2 s of 1 s
+        await spool.append([(n, f"t/{n}", None, b"x") for n in range(30)])
+        assert spool.full
+        full = time.monotonic()
+        source.written(seqs[20])
+        async with asyncio.timeout(5):
+            while spool.full:  # noqa: ASYNC110 - waiting for the delete
+                await asyncio.sleep(0.01)
+        assert spool.deletes[-1][0] - full < 0.2, spool.deletes[-1][0] - full
+        source.writes_stopped()
+        async with asyncio.timeout(5):
+            await task
 
 
 async def test_a_retained_copy_stays_one_through_the_spool(tmp_path: Path) -> None:
