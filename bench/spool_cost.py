@@ -230,13 +230,11 @@ def markdown(data: dict[str, Any]) -> str:
         "",
         f"SD-card wear with the spool: {wear['bytes_per_msg']:,.0f} bytes written per message "
         f"at {args['rate']:g} msg/s (live median, minus the log's "
-        f"{wear['log_bytes_per_msg']:,.0f}), so per day:",
-        "",
-        "| msg/s | GB written per day | TB per year |",
-        "|---:|---:|---:|",
+        f"{wear['log_bytes_per_msg']:,.0f}), so {wear['gb_per_day']:,.2f} GB a day and "
+        f"{wear['gb_per_day'] * 365 / 1000:,.2f} TB a year at that rate. Not at others: "
+        "the more messages share a commit, the fewer bytes each (spool.commit_delay), so "
+        "measure another rate with --rate.",
     ]
-    for rate, gb in wear["gb_per_day"].items():
-        lines.append(f"| {rate} | {gb:,.2f} | {gb * 365 / 1000:,.2f} |")
     lines += ["", "Every case:", ""]
     lines.append(
         "| case | pair | drain msg/s | drain µs/msg | drain B/msg | live msg/s | live µs/msg "
@@ -254,16 +252,15 @@ def markdown(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def wear(summary: dict[str, dict[str, dict[str, float]]]) -> dict[str, Any]:
-    """Bytes the spool writes per message at the live rate, and per day at some rates."""
+def wear(summary: dict[str, dict[str, dict[str, float]]], rate: float) -> dict[str, Any]:
+    """Bytes the spool writes per message at the live rate, and per day at it."""
     on = summary["spool on"]["live_write_bytes_per_msg"]["median"]
     log = summary["spool off"]["live_write_bytes_per_msg"]["median"]
     per_msg = max(on - log, 0.0)
-    rates = (1, 10, 100, 1000)
     return {
         "bytes_per_msg": per_msg,
         "log_bytes_per_msg": log,
-        "gb_per_day": {str(r): per_msg * r * DAY / 1e9 for r in rates},
+        "gb_per_day": per_msg * rate * DAY / 1e9,
     }
 
 
@@ -277,7 +274,7 @@ def save(cases: list[Case], args: argparse.Namespace, out: str) -> str:
     data["summary"] = summary(cases)
     text = ""
     if all(data["summary"][m] for m in ("spool off", "spool on")):
-        data["wear"] = wear(data["summary"])
+        data["wear"] = wear(data["summary"], args.rate)
         text = markdown(data)
         Path(out + ".md").write_text(text)
     Path(out + ".json").write_text(json.dumps(data, indent=1) + "\n")

@@ -184,7 +184,7 @@ class Gateway:
             feeding = [tasks.create_task(self._pipeline.write_loop())]
             if self._spool is not None:
                 spool = self._spool
-                tasks.create_task(spool.append())
+                tasks.create_task(spool.append(stop))
                 feeding.append(tasks.create_task(spool.feed()))
                 tasks.create_task(spool.delete())
                 handler = spool.accept

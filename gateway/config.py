@@ -650,7 +650,9 @@ class SpoolConfig(_Model):
     # How long a message may wait for others to share its commit (and its
     # acknowledgement): every commit rewrites a few 4 KiB pages, so one message
     # a commit wrote 14 KB per message (an SD card's wear; README, "Running on
-    # an edge host"). 0 commits each at once.
+    # an edge host"). 0 commits each at once. 256, or mqtt.receive_maximum,
+    # waiting commit at once: behind a broker that sends fewer unacknowledged
+    # (an in-flight limit of its own), set mqtt.receive_maximum to that limit.
     commit_delay: Annotated[float, BeforeValidator(parse_duration), Field(ge=0, le=1)] = 0.1
 
 

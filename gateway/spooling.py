@@ -169,7 +169,7 @@ async def spool_until_reachable(
         notifier.notify("READY=1", f"STATUS={state.state}")
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(notifier.keep_alive(done))
-            tasks.create_task(source.append())
+            tasks.create_task(source.append(done))
             tasks.create_task(_receive(receiver, source, done))
             tasks.create_task(_connect(config.cassandra, state, reachable, done, stop))
             tasks.create_task(_status(stats, state, done, config.pipeline.status_interval))

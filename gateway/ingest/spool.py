@@ -3,7 +3,8 @@
 With ``[spool] enabled``, every message the broker hands over is appended here
 first and acknowledged to the broker once the append is committed; the
 pipeline then reads the spool in arrival order, writes to Cassandra, and
-deletes records once Cassandra has them. So the gateway keeps taking (and
+deletes records once Cassandra has them (within DELETE_DELAY: a SIGKILL leaves
+those to be written again, idempotently). So the gateway keeps taking (and
 acknowledging) messages while Cassandra is unreachable or slower than ingest,
 and a restart, even after SIGKILL, resumes from what is still spooled.
 
@@ -12,7 +13,10 @@ checksummed, fsynced group commits and crash recovery (a torn last write is
 rolled back by SQLite, never half-read) for a few hundred lines less code, and
 appends plus deletes stay cheap at the rates one edge host sees. Each commit
 is one transaction for a whole batch (group commit), fsynced
-(``synchronous=FULL``). All SQLite calls run on one dedicated thread.
+(``synchronous=FULL``); a message waits up to ``spool.commit_delay`` for
+others to share its commit, since each commit rewrites a few 4 KiB pages
+however little it holds (SpoolSource._gather). All SQLite calls run on one
+dedicated thread.
 
 Bounds: at most ``max_records`` records and ``max_bytes`` of payload (the
 last message taken may cross ``max_bytes``, so that one larger than the whole
@@ -989,11 +993,10 @@ class SpoolSource:
         self._inbox: list[Delivery] = []
         self._inbox_limit = queue_size
         self._inbox_ready = asyncio.Event()
-        # Group commits: the inbox's oldest delivery arrived at (monotonic),
-        # and set when it holds a commit's worth (or the source closes).
+        # Group commits: set when the inbox holds a commit's worth, or the
+        # source closes, or the gateway stops (nothing more comes: _gather).
         self._commit_delay = commit_delay
         self._group = min(GROUP_ENOUGH, queue_size, receive_maximum)
-        self._oldest_at = 0.0
         self._grouped = asyncio.Event()
         self._spooled = asyncio.Event()
         self._to_delete: list[int] = []
@@ -1020,8 +1023,6 @@ class SpoolSource:
     def accept(self, delivery: Delivery) -> None:
         """The receiver's handler: append first, acknowledge once committed."""
         inbox = self._inbox
-        if not inbox:
-            self._oldest_at = time.monotonic()
         inbox.append(delivery)
         self._inbox_ready.set()
         if len(inbox) >= self._group:
@@ -1051,7 +1052,20 @@ class SpoolSource:
         if len(to_delete) >= DELETE_ENOUGH:
             self._delete_now.set()
 
-    async def append(self) -> None:
+    async def append(self, stopping: asyncio.Event | None = None) -> None:
+        """Commit and acknowledge deliveries until closed; once ``stopping``
+        is set (the receiver takes no more and waits for its acknowledgements)
+        nothing waits out spool.commit_delay."""
+        if stopping is not None:
+            stopped = asyncio.ensure_future(stopping.wait())
+            stopped.add_done_callback(lambda _: self._grouped.set())
+        try:
+            await self._append(stopping)
+        finally:
+            if stopping is not None:
+                stopped.cancel()
+
+    async def _append(self, stopping: asyncio.Event | None) -> None:
         while True:
             await self._inbox_ready.wait()
             self._inbox_ready.clear()
@@ -1059,19 +1073,17 @@ class SpoolSource:
                 if self._closing:
                     return
                 continue
-            await self._gather()
+            if not (stopping is not None and stopping.is_set()):
+                await self._gather()
             if not await self._room():
                 return  # stopping while full: the inbox is unacknowledged, redelivered later
             # No more than the bound allows (at least one: there is room).
             taken = self.spool.fits(len(d.payload) for d in self._inbox)
-            began = time.monotonic()
             taken = await self._commit(self._inbox[:taken])
             if not taken:
                 return  # stopping while the disk is full: as above
             batch = self._inbox[:taken]
             del self._inbox[:taken]  # deliveries that arrived meanwhile stay behind
-            # Those arrived after the commit began (or were left out of it).
-            self._oldest_at = began
             if len(self._inbox) < self._group:
                 self._grouped.clear()
             for delivery in batch:
@@ -1088,11 +1100,14 @@ class SpoolSource:
                 self._inbox_ready.set()
 
     async def _gather(self) -> None:
-        """Wait until the inbox's oldest delivery has waited ``commit_delay``,
-        unless the inbox holds a commit's worth (GROUP_ENOUGH) or the source
-        closes: commits of one message each wrote 14 KB per message, and of
-        ten 3.3 KB (bench/spool_commit_bytes.py)."""
-        wait = self._oldest_at + self._commit_delay - time.monotonic()
+        """Wait until the inbox's oldest delivery has waited ``commit_delay``
+        since it was received, unless the inbox holds a commit's worth
+        (GROUP_ENOUGH, or mqtt.receive_maximum) or the source closes: commits
+        of one message each wrote 14 KB per message, and of ten 3.3 KB
+        (bench/spool_commit_bytes.py). The wait is clamped to the delay, so a
+        step of the wall clock costs at most one delay."""
+        waited = time.time() - self._inbox[0].received_ms / 1000
+        wait = min(self._commit_delay, self._commit_delay - waited)
         if wait > 0 and not (self._grouped.is_set() or self._closing):
             await _sleep_unless(self._grouped, wait)
 
