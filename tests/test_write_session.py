@@ -345,13 +345,12 @@ class OneRangeDown:
         raise ConnectionError("Unavailable: 2 replicas needed, 1 alive")
 
 
-@on_session_loop
-async def test_one_failing_request_backs_off_and_gives_up_while_others_succeed(
-    session: WriteSession, tenant: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Other requests' answers neither cut a failing request's backoff short
-    nor reset its give_up_after; /healthz's failing_for stays on meanwhile, and
-    the failure is logged once, not once per retry."""
+async def _one_range_down(
+    session: WriteSession, tenant: str, give_up: float
+) -> tuple[Requests, OneRangeDown, Prepared]:
+    """Requests over ``session`` giving up after ``give_up`` s, one write of
+    which (``faulty.down``) fails as a token range short of replicas does;
+    and the insert it binds."""
     insert = await session.prepare(
         "INSERT INTO {keyspace}.latest_events_by_device (tenant, device_id, state, ts, value) "
         "VALUES (?, ?, ?, ?, ?) USING TIMESTAMP ?",
@@ -360,10 +359,21 @@ async def test_one_failing_request_backs_off_and_gives_up_while_others_succeed(
     faulty = OneRangeDown(session)
     stats = Stats()
     limit = InFlightLimit(stats, initial=64, minimum=64, maximum=64)
-    give_up = 2.0
     config = session.config.model_copy(update={"give_up_after": give_up})
     requests = Requests(session, config, stats, limit)
     faulty.down = requests.bind(insert, (tenant, "down", "on", 1_000, "x", 10))
+    return requests, faulty, insert
+
+
+@on_session_loop
+async def test_one_failing_request_backs_off_and_gives_up_while_others_succeed(
+    session: WriteSession, tenant: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Other requests' answers neither cut a failing request's backoff short
+    nor reset its give_up_after; /healthz's failing_for stays on meanwhile, and
+    the failure is logged once, not once per retry."""
+    give_up = 2.0
+    requests, faulty, insert = await _one_range_down(session, tenant, give_up)
     stop = asyncio.Event()
     answered = 0
     failing_for: list[float] = []
@@ -410,18 +420,8 @@ async def test_the_give_up_comes_at_give_up_after_not_a_backoff_later(
     and 800 (1.5 s in all) and fails a fifth time short of give_up_after 1.6
     s; its next sleep, 1.6 s in full, would give up at 3.1 s. The sleep ends
     at 1.6 s instead, and one more attempt decides."""
-    insert = await session.prepare(
-        "INSERT INTO {keyspace}.latest_events_by_device (tenant, device_id, state, ts, value) "
-        "VALUES (?, ?, ?, ?, ?) USING TIMESTAMP ?",
-        timestamps=(3,),
-    )
-    faulty = OneRangeDown(session)
-    stats = Stats()
-    limit = InFlightLimit(stats, initial=64, minimum=64, maximum=64)
     give_up = 1.6
-    config = session.config.model_copy(update={"give_up_after": give_up})
-    requests = Requests(session, config, stats, limit)
-    faulty.down = requests.bind(insert, (tenant, "down", "on", 1_000, "x", 10))
+    requests, faulty, _ = await _one_range_down(session, tenant, give_up)
     monkeypatch.setattr(random, "random", lambda: 1.0)  # every sleep drawn in full
     started = time.monotonic()
     with pytest.raises(SinkError, match="give_up_after"):
