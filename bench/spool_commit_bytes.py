@@ -2,10 +2,10 @@
 
 Appends N messages in commits of ``a`` and deletes them in commits of ``d``,
 for each (a, d) pair given, on a fresh spool under ``--dir``; prints this
-process's ``write_bytes`` (/proc/self/io: what reached the page cache, so the
-disk) per message for each. Shows why the spool groups its commits
-(spool.commit_delay): a commit rewrites a few 4 KiB pages however little it
-holds.
+process's ``write_bytes`` (benchlib.write_bytes: what reached the page
+cache, so the disk) per message for each. Shows why the spool groups its
+commits (spool.commit_delay): a commit rewrites a few 4 KiB pages however
+little it holds.
 
 Usage: .venv/bin/python bench/spool_commit_bytes.py [--pairs 1:1,10:10,1:50] [--count 2000]
 """
@@ -19,16 +19,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchlib import write_bytes
+
 from gateway.ingest.spool import Appended, Spool
 
 PAYLOAD = b'{"device_id":"dev-000001","state":"on","value":20.5,"ts":"2026-11-28T14:00:00Z"}' * 6
-
-
-def write_bytes() -> int:
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("write_bytes:"):
-            return int(line.split()[1])
-    raise SystemExit("no write_bytes in /proc/self/io")
 
 
 async def measure(folder: Path, append_by: int, delete_by: int, count: int) -> tuple[float, float]:
@@ -37,14 +32,14 @@ async def measure(folder: Path, append_by: int, delete_by: int, count: int) -> t
     async with Spool(folder / f"spool-{append_by}-{delete_by}.sqlite", 10**6, 10**10) as spool:
         await spool.delete(await spool.append([record] * 50))  # the file's first pages
         os.sync()
-        before = write_bytes()
+        before = write_bytes(os.getpid())
         seqs: list[int] = []
         for _ in range(0, count, append_by):
             seqs += await spool.append([record] * append_by)
-        appended = write_bytes()
+        appended = write_bytes(os.getpid())
         for at in range(0, len(seqs), delete_by):
             await spool.delete(seqs[at : at + delete_by])
-        deleted = write_bytes()
+        deleted = write_bytes(os.getpid())
     return (appended - before) / len(seqs), (deleted - appended) / len(seqs)
 
 
