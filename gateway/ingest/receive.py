@@ -187,7 +187,7 @@ class Done(Protocol):
     def done(self) -> None: ...
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Delivery:
     topic: str
     payload: bytes
@@ -198,6 +198,25 @@ class Delivery:
     # A retained copy, sent because we subscribed (live messages come with
     # retain cleared): as old as the message the broker kept, of any age.
     retained: bool = False
+
+    # Written out: a dataclass's generated __init__ is interpreted (event.py).
+    def __init__(
+        self,
+        topic: str,
+        payload: bytes,
+        content_type: str | None,
+        received_ms: int,
+        ack: Done,
+        redelivered: bool = False,
+        retained: bool = False,
+    ) -> None:
+        self.topic = topic
+        self.payload = payload
+        self.content_type = content_type
+        self.received_ms = received_ms
+        self.ack = ack
+        self.redelivered = redelivered
+        self.retained = retained
 
 
 # Called on the event loop for every message, in receive order. It must not

@@ -56,7 +56,7 @@ class Pending:
             self.on_done()
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Write:
     """One statement for one partition, on behalf of one message."""
 
@@ -64,6 +64,15 @@ class Write:
     prepared: Prepared
     values: tuple[Any, ...]  # bound when sent (write_session.UNSET leaves one unset)
     pending: Pending
+
+    # Written out: a dataclass's generated __init__ is interpreted (event.py).
+    def __init__(
+        self, partition: Hashable, prepared: Prepared, values: tuple[Any, ...], pending: Pending
+    ) -> None:
+        self.partition = partition
+        self.prepared = prepared
+        self.values = values
+        self.pending = pending
 
 
 @dataclass(slots=True)
