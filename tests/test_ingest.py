@@ -36,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.config import LimitsConfig
 from gateway.identity import event_identity, state_bucket
 from gateway.ingest.decode import Decoder
+from gateway.ingest.pipeline import ItemQueue
 from gateway.lru import LRU
 from gateway.stats import Stats
 from gateway.store import telemetry as telemetry_module
@@ -694,3 +695,37 @@ def test_a_device_split_in_two_stays_split_while_its_halves_are_warm(
     assert window([75, 75]) == 2  # each half over 50: it stays split
     assert window([75, 75]) == 2
     assert window([40, 40]) is None  # cool: one partition again
+
+
+async def test_the_item_queue_holds_its_bound_and_wakes_waiters_in_order() -> None:
+    """The pipeline's queue (compiled in place of asyncio.Queue): put_nowait
+    refuses at the bound, a getter waits for an item and a putter for room,
+    first come first served, and a waiter cancelled after its wake-up passes
+    it on (or an item would wait while a getter sleeps)."""
+    queue = ItemQueue(2)
+    queue.put_nowait("a")
+    queue.put_nowait("b")
+    assert queue.full() and queue.qsize() == 2
+    with pytest.raises(asyncio.QueueFull):
+        queue.put_nowait("c")
+    putters = [asyncio.create_task(queue.put(x)) for x in ("c", "d")]
+    await asyncio.sleep(0)
+    assert not any(p.done() for p in putters)
+    assert queue.get_nowait() == "a"  # room for one: the first putter
+    await asyncio.sleep(0)
+    assert putters[0].done() and not putters[1].done()
+    assert [await queue.get(), queue.get_nowait()] == ["b", "c"]
+    await asyncio.sleep(0)
+    assert putters[1].done() and queue.get_nowait() == "d"
+    with pytest.raises(asyncio.QueueEmpty):
+        queue.get_nowait()
+    assert queue.empty()
+
+    getters = [asyncio.create_task(queue.get()) for _ in range(2)]
+    await asyncio.sleep(0)
+    queue.put_nowait("e")  # wakes the first getter ...
+    getters[0].cancel()  # ... cancelled before it ran: the second gets it
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert getters[0].cancelled()
+    assert await asyncio.wait_for(getters[1], 1) == "e"

@@ -2,7 +2,7 @@
 
     source        MQTT (receive.py), or the spool (spool.py) in spool mode
     classify      topics.py → decode.py → sampling.py: an Event, or a Rejection
-    (queue)       bounded asyncio.Queue of pipeline.queue_size
+    (queue)       bounded queue of pipeline.queue_size (ItemQueue)
     write loop    chunks of the queue → the device quota (store/quota.py) for the
                   devices it must settle → the table writers in gateway/store/
                   (latest, telemetry, roll-up marks, metadata, rejects) → the sink;
@@ -21,6 +21,7 @@ in an overflow list. A pull source (the spool) awaits :meth:`Pipeline.put`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -51,7 +52,7 @@ _KEEP_ALL = Verdict(keep_raw=True, update_latest=True, reason="normal")
 _BACKFILL = Verdict(keep_raw=True, update_latest=True, reason="backfill")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Item:
     """A classified delivery: an event with its verdict, or a rejection."""
 
@@ -62,6 +63,21 @@ class Item:
     # Of a device whose tenant's quota the write loop must settle first.
     quota_pending: bool = False
 
+    # Written out: a dataclass's generated __init__ is interpreted (event.py).
+    def __init__(
+        self,
+        delivery: Delivery,
+        event: Event | None,
+        rejection: Rejection | None,
+        verdict: Verdict = _KEEP_ALL,
+        quota_pending: bool = False,
+    ) -> None:
+        self.delivery = delivery
+        self.event = event
+        self.rejection = rejection
+        self.verdict = verdict
+        self.quota_pending = quota_pending
+
 
 log = logging.getLogger(__name__)
 # A message no filter of ours matches is said at most this often (s).
@@ -70,6 +86,84 @@ STALE_SUBSCRIPTION_EVERY = 60.0
 _STOP = object()
 # Asks the write loop to start due state-partition rotations (see tick()).
 _TICK = object()
+
+
+class ItemQueue:
+    """The bounded queue between classifying and writing: what asyncio.Queue
+    does for it (put_nowait, get, and put for pull sources), compiled.
+    asyncio.Queue's methods are interpreted Python: about 15 calls of them
+    per message here (bench/PERFORMANCE.md). Waiters are woken in order, and
+    a waiter cancelled after its wake-up passes it on, as asyncio.Queue does."""
+
+    def __init__(self, maxsize: int) -> None:
+        self._items: deque[Item | object] = deque()
+        self._maxsize = maxsize
+        self._getters: deque[asyncio.Future[None]] = deque()
+        self._putters: deque[asyncio.Future[None]] = deque()
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def full(self) -> bool:
+        return len(self._items) >= self._maxsize
+
+    def put_nowait(self, item: Item | object) -> None:
+        if len(self._items) >= self._maxsize:
+            raise asyncio.QueueFull
+        self._items.append(item)
+        _wake_next(self._getters)
+
+    def get_nowait(self) -> Item | object:
+        if not self._items:
+            raise asyncio.QueueEmpty
+        item = self._items.popleft()
+        _wake_next(self._putters)
+        return item
+
+    async def get(self) -> Item | object:
+        while not self._items:
+            getter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._getters.append(getter)
+            try:
+                await getter
+            except BaseException:
+                _give_up(self._getters, getter, bool(self._items))
+                raise
+        return self.get_nowait()
+
+    async def put(self, item: Item | object) -> None:
+        while len(self._items) >= self._maxsize:
+            putter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._putters.append(putter)
+            try:
+                await putter
+            except BaseException:
+                _give_up(self._putters, putter, len(self._items) < self._maxsize)
+                raise
+        self.put_nowait(item)
+
+
+def _wake_next(waiters: deque[asyncio.Future[None]]) -> None:
+    while waiters:
+        waiter = waiters.popleft()
+        if not waiter.done():
+            waiter.set_result(None)
+            return
+
+
+def _give_up(
+    waiters: deque[asyncio.Future[None]], waiter: asyncio.Future[None], could_go: bool
+) -> None:
+    """A waiter cancelled: out of the line. If it had been woken (it is done,
+    not cancelled) and the queue still lets one go, the next one is woken."""
+    waiter.cancel()  # nothing if it was woken
+    with contextlib.suppress(ValueError):  # woken: no longer in line
+        waiters.remove(waiter)
+    if could_go and not waiter.cancelled():
+        _wake_next(waiters)
 
 
 class Flow(Protocol):
@@ -292,7 +386,7 @@ class Pipeline:
         self._sink = sink
         self._stats = stats
         self._flow = flow
-        self._queue: asyncio.Queue[Item | object] = asyncio.Queue(config.pipeline.queue_size)
+        self._queue = ItemQueue(config.pipeline.queue_size)
         self._overflow: deque[Item | object] = deque()
         self._low_water = config.pipeline.queue_size // 2
         self._batch = config.pipeline.batch_max_events
