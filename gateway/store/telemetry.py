@@ -33,7 +33,7 @@ import logging
 import time
 from collections.abc import Hashable
 
-from ..config import Config
+from ..config import Config, TenantConfig
 from ..event import Event
 from ..lru import LRU
 from ..stats import Cache
@@ -52,12 +52,29 @@ def bucket_start_ms(ts_ms: int, bucket_seconds: int) -> int:
     return ts_ms - ts_ms % size
 
 
+class _Buckets:
+    """A tenant's TTL and bucket sizes, read once from its TenantConfig (a
+    pydantic model: config.tenant() and its fields cost interpreted calls and
+    lookups per message)."""
+
+    def __init__(self, cfg: TenantConfig) -> None:
+        self.ttl = int(cfg.ttl)
+        self.adaptive = cfg.adaptive_buckets
+        self.bucket = int(cfg.telemetry_bucket)
+        self.fast_above = cfg.fast_above
+        self.fast_bucket = int(cfg.fast_bucket)
+        self.slow_below = cfg.slow_below
+        self.slow_bucket = int(cfg.slow_bucket)
+
+
 class Telemetry:
     _insert_row: Prepared
     _insert_partition: Prepared
 
     def __init__(self, config: Config) -> None:
-        self._config = config
+        # Each tenant the config names, and the one every other tenant gets.
+        self._buckets = {name: _Buckets(config.tenant(name)) for name in config.tenants}
+        self._other_buckets = _Buckets(config.tenant("default"))
         size = config.pipeline.partition_cache_size
         self._shards: LRU[tuple[str, str], int] = LRU(size)
         # Per device: (last event time, smoothed gap between events), both ms.
@@ -105,15 +122,12 @@ class Telemetry:
         self._gaps.put(key, (event.ts_ms, gap))
         return 1000.0 / max(gap, 1.0)
 
+    def _tenant(self, tenant: str) -> _Buckets:
+        found = self._buckets.get(tenant)
+        return found if found is not None else self._other_buckets
+
     def bucket_seconds(self, tenant: str, rate: float | None) -> int:
-        cfg = self._config.tenant(tenant)
-        if not cfg.adaptive_buckets or rate is None:
-            return int(cfg.telemetry_bucket)
-        if rate > cfg.fast_above:
-            return int(cfg.fast_bucket)
-        if rate < cfg.slow_below:
-            return int(cfg.slow_bucket)
-        return int(cfg.telemetry_bucket)
+        return _bucket_seconds(self._tenant(tenant), rate)
 
     def mark_hot(self, partition: Hashable) -> None:
         """Sink callback: a partition went over the hot threshold."""
@@ -136,9 +150,9 @@ class Telemetry:
                 self._shards.pop(device)
 
     def writes(self, event: Event, pending: Pending) -> list[Write]:
-        tenant_cfg = self._config.tenant(event.tenant)
-        bucket_seconds = self.bucket_seconds(event.tenant, self._rate(event))
-        ttl = int(tenant_cfg.ttl)
+        buckets = self._tenant(event.tenant)
+        bucket_seconds = _bucket_seconds(buckets, self._rate(event))
+        ttl = buckets.ttl
         start = bucket_start_ms(event.ts_ms, bucket_seconds)
         shards = self._shards.peek((event.tenant, event.device_id)) or 1
         shard = event.event_id % shards
@@ -195,6 +209,16 @@ class Telemetry:
             )
             self._indexed.put(indexed, now)
         return out
+
+
+def _bucket_seconds(cfg: _Buckets, rate: float | None) -> int:
+    if not cfg.adaptive or rate is None:
+        return cfg.bucket
+    if rate > cfg.fast_above:
+        return cfg.fast_bucket
+    if rate < cfg.slow_below:
+        return cfg.slow_bucket
+    return cfg.bucket
 
 
 def _or_unset(value: object) -> object:
