@@ -34,6 +34,7 @@ COMPILED = [
     "gateway/event.py",
     "gateway/identity.py",
     "gateway/lru.py",
+    "gateway/topic_filters.py",
     "gateway/ingest/connection.py",
     "gateway/ingest/decode.py",
     "gateway/ingest/pipeline.py",

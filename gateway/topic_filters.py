@@ -79,5 +79,7 @@ NO_URL_REASON = "a URL drops a . or .. path segment, so the page and API could n
 
 def has_control(text: str) -> bool:
     """Whether ``text`` holds a C0 or C1 control character (or DEL), which no
-    tenant, device id or label may: they would break log lines and listings."""
-    return _CONTROL.search(text) is not None
+    tenant, device id or label may: they would break log lines and listings.
+    Every such character is unprintable, so a printable text (nearly all of
+    them; a C-level scan) needs no regular expression."""
+    return not text.isprintable() and _CONTROL.search(text) is not None
