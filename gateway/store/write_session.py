@@ -340,12 +340,12 @@ class AcsyllaSession(WriteSession):
             value = listed[index]
             if value is not None and value is not UNSET:
                 listed[index] = _seconds(value)
-        if UNSET not in listed:
+        first_unset = _first_unset(listed)
+        if first_unset < 0:
             return prepared.native.bind(listed)  # about half the CPU of one by one
         # Values up to the first UNSET in one call, then one by one, leaving
         # each UNSET unbound: protocol v4 sends "unset", not null.
         statement = prepared.native.bind()
-        first_unset = listed.index(UNSET)
         if first_unset:
             statement.bind_list(listed[:first_unset])
         for index in range(first_unset + 1, len(listed)):
@@ -585,6 +585,15 @@ def every_node_holds_everything(replication: dict[str, str], data_centres: list[
     except (KeyError, ValueError):
         return False
     return False
+
+
+def _first_unset(values: list[Any]) -> int:
+    """The index of the first UNSET, or -1. By identity: ``UNSET in values``
+    compared each value with ``==`` (a map's __eq__ among them)."""
+    for index in range(len(values)):
+        if values[index] is UNSET:
+            return index
+    return -1
 
 
 def _seconds(ms: int) -> float:
