@@ -705,7 +705,8 @@ async def test_the_item_queue_holds_its_bound_and_wakes_waiters_in_order() -> No
     queue = ItemQueue(2)
     queue.put_nowait("a")
     queue.put_nowait("b")
-    assert queue.full() and queue.qsize() == 2
+    assert queue.full()
+    assert queue.qsize() == 2
     with pytest.raises(asyncio.QueueFull):
         queue.put_nowait("c")
     putters = [asyncio.create_task(queue.put(x)) for x in ("c", "d")]
@@ -713,10 +714,12 @@ async def test_the_item_queue_holds_its_bound_and_wakes_waiters_in_order() -> No
     assert not any(p.done() for p in putters)
     assert queue.get_nowait() == "a"  # room for one: the first putter
     await asyncio.sleep(0)
-    assert putters[0].done() and not putters[1].done()
+    assert putters[0].done()
+    assert not putters[1].done()
     assert [await queue.get(), queue.get_nowait()] == ["b", "c"]
     await asyncio.sleep(0)
-    assert putters[1].done() and queue.get_nowait() == "d"
+    assert putters[1].done()
+    assert queue.get_nowait() == "d"
     with pytest.raises(asyncio.QueueEmpty):
         queue.get_nowait()
     assert queue.empty()
