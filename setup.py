@@ -32,6 +32,7 @@ MANIFEST = HERE / "gateway" / "compiled.txt"
 # Receive, decode, classify, sample and write: what each message runs through.
 COMPILED = [
     "gateway/event.py",
+    "gateway/histogram.py",
     "gateway/identity.py",
     "gateway/lru.py",
     "gateway/topic_filters.py",

@@ -9,13 +9,13 @@ never imports the HTTP side.
 
 from __future__ import annotations
 
-import bisect
-import math
 import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from .histogram import Histogram
 
 # Distinct label values kept per labelled count (tenants, say); later ones are
 # added under OTHER, and how many were folded is counted.
@@ -40,24 +40,6 @@ WRITE_LATENCY_BUCKETS: tuple[float, ...] = (
     60.0,
 )
 BATCH_ROWS_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(11))  # 1 .. 1024
-
-
-class Histogram:
-    """Observations counted into buckets (``value <= bound``; the last is +Inf)."""
-
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = (*bounds, math.inf) if not bounds or bounds[-1] != math.inf else bounds
-        self.counts = [0] * len(self.bounds)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        index = (
-            len(self.bounds) - 1 if math.isnan(value) else bisect.bisect_left(self.bounds, value)
-        )
-        self.counts[index] += 1
-        self.sum += value
 
 
 class Cache(Protocol):

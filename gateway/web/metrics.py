@@ -39,8 +39,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from ..histogram import Histogram as StatsHistogram
 from ..stats import WRITE_LATENCY_BUCKETS, Cache, Stats
-from ..stats import Histogram as StatsHistogram
 
 # What ``generate_latest`` writes. Not prometheus_client's CONTENT_TYPE_LATEST:
 # in recent releases (0.26 here; 0.20-0.22 still said 0.0.4) that names text
