@@ -125,7 +125,8 @@ class AckTracker:
     def track(self, mid: int, qos: int) -> Ack:
         ack = Ack(self, mid, qos)
         self._queue.append(ack)
-        self._empty.clear()
+        if len(self._queue) == 1:
+            self._empty.clear()  # set while the queue was empty, and only then
         if len(self._queue) >= self._limit and self._throttled_since is None:
             self._throttled_since = time.monotonic()
             self._stats.throttle_events += 1
