@@ -52,6 +52,14 @@ def bucket_start_ms(ts_ms: int, bucket_seconds: int) -> int:
     return ts_ms - ts_ms % size
 
 
+class _Gap:
+    """A device's last event time and smoothed gap between its events (ms)."""
+
+    def __init__(self, last_ts: int) -> None:
+        self.last_ts = last_ts
+        self.gap: float | None = None  # until a second event
+
+
 class _Buckets:
     """A tenant's TTL and bucket sizes, read once from its TenantConfig (a
     pydantic model: config.tenant() and its fields cost interpreted calls and
@@ -77,8 +85,8 @@ class Telemetry:
         self._other_buckets = _Buckets(config.tenant("default"))
         size = config.pipeline.partition_cache_size
         self._shards: LRU[tuple[str, str], int] = LRU(size)
-        # Per device: (last event time, smoothed gap between events), both ms.
-        self._gaps: LRU[tuple[str, str], tuple[int, float | None]] = LRU(size)
+        # Per device: its last event time and smoothed gap between events.
+        self._gaps: LRU[tuple[str, str], _Gap] = LRU(size)
         self._max_shards = config.hot_partitions.max_shards
         # When each partition's index entry was last written (monotonic s).
         self._indexed: LRU[tuple[str, str, int, int, int], float] = LRU(size)
@@ -112,14 +120,15 @@ class Telemetry:
         key = (event.tenant, event.device_id)
         known = self._gaps.get(key)
         if known is None:
-            self._gaps.put(key, (event.ts_ms, None))
+            self._gaps.put(key, _Gap(event.ts_ms))
             return None
-        last_ts, gap = known
-        step = event.ts_ms - last_ts
+        gap = known.gap
+        step = event.ts_ms - known.last_ts
         if step <= 0:  # out of order or duplicate: no new information
             return None if gap is None else 1000.0 / max(gap, 1.0)
         gap = step if gap is None else gap + GAP_ALPHA * (step - gap)
-        self._gaps.put(key, (event.ts_ms, gap))
+        known.last_ts = event.ts_ms  # in place: get() marked it used
+        known.gap = gap
         return 1000.0 / max(gap, 1.0)
 
     def _tenant(self, tenant: str) -> _Buckets:
