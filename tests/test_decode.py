@@ -17,7 +17,7 @@ from gateway.config import LimitsConfig
 from gateway.errors import DecodeError
 from gateway.event import Event
 from gateway.identity import event_identity
-from gateway.ingest.decode import REASONS, Decoder
+from gateway.ingest.decode import REASONS, Decoder, _finite
 
 LIMITS = LimitsConfig()
 DECODER = Decoder(LIMITS)
@@ -358,6 +358,22 @@ def test_non_finite_numbers_in_msgpack_rejected(bad: float, where: str) -> None:
     detail = reject(_mp(obj), "invalid_field")
     assert "finite" in detail
     assert detail.startswith("metrics.temp:" if where == "metric" else f"{where}:")
+
+
+def test_a_number_is_an_exact_int_or_a_finite_float() -> None:
+    """The fast path's number check (``_finite``), as compiled (it tests
+    finiteness by arithmetic there): not a bool, an infinity, NaN or a float
+    subclass. What it refuses goes to the pydantic model, which decides."""
+
+    class Sub(float):
+        pass
+
+    assert _finite(1)
+    assert _finite(-1.5)
+    assert _finite(0.0)
+    assert _finite(1.7976931348623157e308)
+    bad = (True, Sub(1.0), float("inf"), float("-inf"), float("nan"), "1", None)
+    assert [x for x in bad if _finite(x)] == []
 
 
 def test_non_finite_numbers_in_json_are_invalid_json() -> None:

@@ -114,7 +114,7 @@ def _finite(number: object) -> bool:
     # x - x is 0.0 for a finite float and NaN for an infinity or NaN: native
     # arithmetic when compiled, where math.isfinite is a module lookup and a
     # call, several times per message.
-    return isinstance(number, float) and type(number) is float and number - number == 0.0
+    return type(number) is float and number - number == 0.0
 
 
 class Decoder:
