@@ -700,8 +700,9 @@ def test_a_device_split_in_two_stays_split_while_its_halves_are_warm(
 async def test_the_item_queue_holds_its_bound_and_wakes_waiters_in_order() -> None:
     """The pipeline's queue (compiled in place of asyncio.Queue): put_nowait
     refuses at the bound, a getter waits for an item and a putter for room,
-    first come first served, and a waiter cancelled after its wake-up passes
-    it on (or an item would wait while a getter sleeps)."""
+    first come first served, one woken per item or slot; a woken getter that
+    finds the item gone waits on; and a waiter cancelled after its wake-up
+    passes it on (or an item would wait while a getter sleeps)."""
     queue = ItemQueue(2)
     queue.put_nowait("a")
     queue.put_nowait("b")
@@ -724,11 +725,43 @@ async def test_the_item_queue_holds_its_bound_and_wakes_waiters_in_order() -> No
         queue.get_nowait()
     assert queue.empty()
 
-    getters = [asyncio.create_task(queue.get()) for _ in range(2)]
+    getters = [asyncio.create_task(queue.get()) for _ in range(3)]
     await asyncio.sleep(0)
-    queue.put_nowait("e")  # wakes the first getter ...
-    getters[0].cancel()  # ... cancelled before it ran: the second gets it
+    queue.put_nowait("e")  # wakes the first getter only
+    await asyncio.sleep(0)
+    assert [g.done() for g in getters] == [True, False, False]
+    assert getters[0].result() == "e"
+    queue.put_nowait("f")  # wakes the second getter ...
+    assert queue.get_nowait() == "f"  # ... which finds the queue empty again, and waits on
+    await asyncio.sleep(0)
+    assert not getters[1].done()
+    queue.put_nowait("g")  # wakes the second getter again ...
+    getters[1].cancel()  # ... cancelled before it ran: the third gets it
     await asyncio.sleep(0)
     await asyncio.sleep(0)
-    assert getters[0].cancelled()
-    assert await asyncio.wait_for(getters[1], 1) == "e"
+    assert getters[1].cancelled()
+    assert await asyncio.wait_for(getters[2], 1) == "g"
+
+    queue.put_nowait("h")
+    queue.put_nowait("i")
+    putters = [asyncio.create_task(queue.put(x)) for x in ("j", "k")]
+    await asyncio.sleep(0)
+    assert queue.get_nowait() == "h"  # room: wakes the first putter ...
+    putters[0].cancel()  # ... cancelled before it ran: the second takes the room
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert putters[0].cancelled()
+    await asyncio.wait_for(putters[1], 1)
+    assert [queue.get_nowait(), queue.get_nowait()] == ["i", "k"]
+
+    queue.put_nowait("l")
+    queue.put_nowait("m")
+    putter = asyncio.create_task(queue.put("n"))
+    await asyncio.sleep(0)
+    assert queue.get_nowait() == "l"  # room: wakes the putter ...
+    queue.put_nowait("o")  # ... but the room is taken before it runs: it waits on
+    await asyncio.sleep(0)
+    assert not putter.done()
+    assert queue.get_nowait() == "m"
+    await asyncio.wait_for(putter, 1)
+    assert [queue.get_nowait(), queue.get_nowait()] == ["o", "n"]
