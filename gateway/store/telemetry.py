@@ -135,9 +135,6 @@ class Telemetry:
         found = self._buckets.get(tenant)
         return found if found is not None else self._other_buckets
 
-    def bucket_seconds(self, tenant: str, rate: float | None) -> int:
-        return _bucket_seconds(self._tenant(tenant), rate)
-
     def mark_hot(self, partition: Hashable) -> None:
         """Sink callback: a partition went over the hot threshold."""
         if isinstance(partition, tuple) and partition[0] == "telemetry":
