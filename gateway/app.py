@@ -196,6 +196,7 @@ class Gateway:
             tasks.create_task(self._until_stop(self._probe_loop(), stop))
             tasks.create_task(self._until_stop(self._watch_link(), stop))
             if self._rollups is not None:
+                self._rollups.backlogged = self._pipeline.backlogged
                 tasks.create_task(self._until_stop(self._rollups.run(), stop))
             if self._clock is not None:
                 tasks.create_task(self._until_stop(self._clock.run(), stop))

@@ -637,6 +637,50 @@ async def test_a_minute_is_spread_over_what_is_left_before_the_next_is_due(
     assert seen[-1] == pytest.approx(7.0)
 
 
+@pytest.mark.asyncio(loop_scope="session")
+async def test_while_the_write_path_is_behind_no_minute_goes_faster_than_the_spread(
+    session: WriteSession,
+) -> None:
+    """A minute found after the next one came due (an outage) goes at full
+    speed, except while the write path is behind (Pipeline.backlogged, set by
+    the application object): then its groups are spaced over rollups.spread
+    as a minute on time is, so a draining backlog keeps the CPU and
+    Cassandra. The backlog is looked at again while the worker waits: once it
+    has drained, the rest goes at once."""
+    stats = Stats()
+    config = make_config(GATEWAY_ROLLUPS__SPREAD="6s")
+    w = RollupWorker(session, config, stats, name=f"test-{uuid.uuid4().hex[:8]}")
+    await w.start()
+    tenant = f"behind-{uuid.uuid4().hex[:8]}"
+    start = minute_now() - 10 * MINUTE_MS
+    windows = {(tenant, f"d{i:04d}", start) for i in range(2 * rollups.GROUP + 1)}  # 3 groups
+
+    began = time.monotonic()
+    await w.recompute(windows)  # nothing behind: full speed, no waiting
+    assert stats.rollup_paced_s == 0
+    full_speed = time.monotonic() - began
+
+    behind = [True]
+    w.backlogged = lambda: behind[0]
+    began = time.monotonic()
+    await w.recompute(windows)
+    took = time.monotonic() - began
+    # Six groups counted (three of windows, at most three of hours): the
+    # third starts no sooner than 2/6 of 6 s.
+    assert took >= 1.99, (took, full_speed)
+    assert stats.rollup_paced_s > 1.5
+
+    # The backlog drains 0.5 s into the next one: the remaining groups go at once.
+    async def drained() -> None:
+        await asyncio.sleep(0.5)
+        behind[0] = False
+
+    began = time.monotonic()
+    await asyncio.gather(w.recompute(windows), drained())
+    took = time.monotonic() - began
+    assert 0.5 <= took < 1.5 + full_speed, (took, full_speed)
+
+
 async def test_rollup_ttls_are_the_tenants_own(
     db: Database, session: WriteSession, tenant: str, gateway: RunningGateway
 ) -> None:

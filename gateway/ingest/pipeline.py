@@ -404,6 +404,13 @@ class Pipeline:
     def queue_depth(self) -> int:
         return self._queue.qsize()
 
+    def backlogged(self) -> bool:
+        """More than half the queue waits (the mark below which reading
+        resumes): the writer is behind what arrives (a backlog drains, or
+        Cassandra is slower than the stream). The roll-up worker then goes no
+        faster than ``rollups.spread`` (store/rollups.py)."""
+        return bool(self._overflow) or self._queue.qsize() > self._low_water
+
     @property
     def idle(self) -> bool:
         """Nothing queued or held and no Cassandra request in flight."""

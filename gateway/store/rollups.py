@@ -38,7 +38,12 @@ How, and why this way (the tsdb-cassandra README's "re-write the window"):
   minute. A minute found late (after a restart, or a pass that ran long) is
   spread over what is left before the next minute comes due, if that is
   less; once the next minute is due too (an outage), the worker goes at full
-  speed. ``rollup_paced_seconds_total`` counts the waiting.
+  speed, except while the write path is behind (half its queue waiting: a
+  backlog drains, after an outage of the link or of the gateway): then no
+  minute goes faster than ``rollups.spread``, so the backlog, which waits to
+  be acknowledged, keeps the CPU and Cassandra, and the worker still gains on
+  the clock (spread is at most 50 s a minute). ``rollup_paced_seconds_total``
+  counts the waiting.
   A crash (or a lost lease) in between repeats the minute when a worker
   next takes the lease, here or on another instance; recomputing twice
   writes the same rows. Marks left by an earlier run are picked up from the
@@ -152,9 +157,16 @@ REBUILD_OLDEST = (
 # warning. So a batch carries at most PACK_BYTES of values (2 KiB), as the
 # sink's do (write_session.PACK_BYTES).
 PACK_WINDOWS = 10
+# Seconds between two looks at the write path's backlog while the worker
+# waits to start its next group (RollupWorker.recompute).
+PACE_CHECK = 0.25
 Window = tuple[str, str, int]  # (tenant, device_id, start in epoch ms)
 RawRows = dict[tuple[int, int], tuple[float | None, dict[str, float]]]  # (ts, event_id) ->
 _Bound = tuple[list[Any], int]  # a window's bound statements, and the bytes of their values
+
+
+def _never() -> bool:
+    return False
 
 
 def _by_start_first(window: Window) -> tuple[str, int, str]:
@@ -338,6 +350,10 @@ class RollupWorker:
         self._interval = config.rollups.interval
         self._slots = asyncio.Semaphore(config.rollups.concurrency)
         self._spread = config.rollups.spread
+        # Whether the write path is behind (the application object sets
+        # Pipeline.backlogged): while it is, no minute goes faster than
+        # rollups.spread (module docstring).
+        self.backlogged: Callable[[], bool] = _never
         self._cursor = 0
         self._retries_seen = stats.retries
         self._quiet_since = time.monotonic()
@@ -584,7 +600,8 @@ class RollupWorker:
             self._behind = True
             log.warning(
                 "roll-ups: %d min behind, done up to %s; catching up (after an outage or a "
-                "restart it goes at full speed; if this lasts, the worker is slower than the "
+                "restart it goes at full speed, or one minute per rollups.spread while a backlog "
+                "drains; if this lasts, the worker is slower than the "
                 "marks come: gateway_rollup_lag_seconds, rollups.concurrency)",
                 lag_s // 60,
                 queries.iso(datetime.fromtimestamp(self._cursor / 1000, UTC)),
@@ -632,11 +649,16 @@ class RollupWorker:
 
         async def pace() -> None:
             nonlocal paced
-            if spread > 0 and paced < groups:
-                wait = began + spread * paced / groups - time.monotonic()
-                if wait > 0:
-                    self._stats.rollup_paced_s += wait
-                    await asyncio.sleep(wait)
+            while paced < groups:
+                # Checked again every PACE_CHECK s of a wait: a backlog that
+                # begins or ends meanwhile changes the pace at once.
+                over = max(spread, self._spread) if self.backlogged() else spread
+                wait = began + over * paced / groups - time.monotonic()
+                if wait <= 0:
+                    break
+                wait = min(wait, PACE_CHECK)
+                self._stats.rollup_paced_s += wait
+                await asyncio.sleep(wait)
             paced += 1
 
         for first in range(0, len(ordered), GROUP):
