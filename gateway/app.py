@@ -104,6 +104,14 @@ class Gateway:
         self._rollups = rollups
         self._clock = clock
 
+    def _behind(self) -> bool:
+        """The write path is behind what arrives: half the broker's window of
+        unacknowledged messages waits (Receiver.behind), or, where that window
+        does not hold the backlog back (the spool, QoS 0, a broker that sends
+        past it), more than half the queue (Pipeline.backlogged). The roll-up
+        worker goes no faster than ``rollups.spread`` meanwhile."""
+        return self._receiver.behind() or self._pipeline.backlogged()
+
     # -- answers for the HTTP side -------------------------------------------
 
     def health(self) -> tuple[bool, dict[str, object]]:
@@ -196,7 +204,7 @@ class Gateway:
             tasks.create_task(self._until_stop(self._probe_loop(), stop))
             tasks.create_task(self._until_stop(self._watch_link(), stop))
             if self._rollups is not None:
-                self._rollups.backlogged = self._pipeline.backlogged
+                self._rollups.backlogged = self._behind
                 tasks.create_task(self._until_stop(self._rollups.run(), stop))
             if self._clock is not None:
                 tasks.create_task(self._until_stop(self._clock.run(), stop))

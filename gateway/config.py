@@ -614,10 +614,10 @@ class RollupsConfig(_Model):
     # writes beside it (p99 receipt to write sent 134 ms against 27 ms with
     # roll-ups off at 3,000 msg/s; bench/PERFORMANCE.md, "The load generator"). A minute
     # found late (a restart) gets what is left before the next one comes due,
-    # if that is less; once the next is due too (an outage), full speed, but
-    # never faster than this while the write path's queue is more than half
-    # full (a backlog drains: store/rollups.py). 50 s measured no better than
-    # 20. "0s" turns the spreading off.
+    # if that is less; once the next is due too (an outage), full speed. While
+    # the write path is behind (a backlog drains), every minute gets this
+    # long however late (store/rollups.py). 50 s measured no better than 20.
+    # "0s" turns the spreading off.
     spread: Annotated[float, BeforeValidator(parse_duration), Field(ge=0, le=50)] = 20.0
     # (device, window, minute) marks this process remembers as written (LRU);
     # past it one is forgotten, which costs one more idempotent mark write.

@@ -293,6 +293,43 @@ async def test_an_error_raised_while_the_receiver_waits_to_reconnect_is_not_chai
     assert context is None, f"chained to {context!r}"
 
 
+async def test_the_receiver_is_behind_while_half_its_window_waits_for_acknowledgement() -> None:
+    """Receiver.behind: half of mqtt.receive_maximum messages or more not yet
+    acknowledged (the roll-up worker spreads its minutes meanwhile: app.py).
+    Acknowledging them in order ends it; a receiver with no connection is not
+    behind."""
+    held: list[Delivery] = []
+
+    def script(writer: asyncio.StreamWriter, _s: Session, n: int) -> None:
+        if n == 0:
+            writer.write(b"".join(publish_packet(pid) for pid in (1, 2, 3, 4)))
+
+    broker = ScriptedBroker(script)
+    stats = Stats()
+    stop = asyncio.Event()
+    async with broker.running():
+        config = scripted_config(broker).model_copy(update={"receive_maximum": 4})
+        receiver = Receiver(config, ["tenants/+/devices/+/events"], stats)
+        assert not receiver.behind()
+        task = asyncio.create_task(receiver.run(held.append, stop))
+        try:
+            await wait_until(lambda: len(held) == 4, 10, "four messages")
+            assert receiver.behind()  # 4 of 4 wait
+            for delivery in held[:2]:
+                delivery.ack.done()
+            await wait_until(lambda: stats.acked == 2, 5, "two PUBACKs")
+            assert receiver.behind()  # 2 of 4: half
+            held[2].ack.done()
+            await wait_until(lambda: stats.acked == 3, 5, "the third PUBACK")
+            assert not receiver.behind()  # 1 of 4
+            held[3].ack.done()
+        finally:
+            stop.set()
+            async with asyncio.timeout(10):
+                await task
+    assert not receiver.behind()
+
+
 async def test_acks_finished_during_the_reconnect_wait_are_dropped_not_counted() -> None:
     """The tracker was closed only after the wait: what finished meanwhile was
     counted acknowledged, though no connection could carry its PUBACK."""

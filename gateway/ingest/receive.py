@@ -244,6 +244,7 @@ class Receiver:
         self._max_packet_size = max_packet_size(max_payload_bytes)
         self._shutdown_deadline = shutdown_deadline
         self._connection: Connection | None = None
+        self._tracker: AckTracker | None = None  # the connection's (behind())
         self._tls: ssl.SSLContext | None = None
         self._paused = False
         self._had_session = False
@@ -312,6 +313,14 @@ class Receiver:
             self._config.client_id,
         )
 
+    def behind(self) -> bool:
+        """Half of ``mqtt.receive_maximum`` messages or more wait for their
+        acknowledgement: the write path is behind what the broker sends (a
+        backlog drains, or Cassandra is slower than the stream). The roll-up
+        worker then goes no faster than ``rollups.spread`` (app.py)."""
+        tracker = self._tracker
+        return tracker is not None and 2 * tracker.pending >= self._config.receive_maximum
+
     # -- the session --------------------------------------------------------
 
     async def run(self, handler: Handler, stop: asyncio.Event) -> None:
@@ -323,7 +332,7 @@ class Receiver:
             connected_at: float | None = None
             retry_in: float | None = None
             try:
-                tracker = AckTracker(self._puback, self._stats, cfg.receive_maximum)
+                tracker = self._tracker = AckTracker(self._puback, self._stats, cfg.receive_maximum)
                 conn = Connection(self._on_publish(tracker, handler), self._max_packet_size)
                 self._connection = conn
                 connack = await connect(
@@ -391,6 +400,7 @@ class Receiver:
                 if self._connection is not None:
                     self._connection.close()
                 self._connection = None
+                self._tracker = None
                 self.connected.clear()
                 if tracker is not None:
                     tracker.close()

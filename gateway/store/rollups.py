@@ -38,12 +38,13 @@ How, and why this way (the tsdb-cassandra README's "re-write the window"):
   minute. A minute found late (after a restart, or a pass that ran long) is
   spread over what is left before the next minute comes due, if that is
   less; once the next minute is due too (an outage), the worker goes at full
-  speed, except while the write path is behind (half its queue waiting: a
-  backlog drains, after an outage of the link or of the gateway): then no
-  minute goes faster than ``rollups.spread``, so the backlog, which waits to
-  be acknowledged, keeps the CPU and Cassandra, and the worker still gains on
-  the clock (spread is at most 50 s a minute). ``rollup_paced_seconds_total``
-  counts the waiting.
+  speed. But while the write path is behind (half the broker's window of
+  unacknowledged messages, or more than half the queue, waiting: a backlog
+  drains after an outage; app.py, Gateway._behind), every minute is spread
+  over ``rollups.spread`` however late it is, as one on time is, so the
+  backlog keeps the CPU and Cassandra; the worker still gains on the clock
+  (the spread is at most 50 s). ``rollup_paced_seconds_total`` counts the
+  waiting.
   A crash (or a lost lease) in between repeats the minute when a worker
   next takes the lease, here or on another instance; recomputing twice
   writes the same rows. Marks left by an earlier run are picked up from the
@@ -351,7 +352,7 @@ class RollupWorker:
         self._slots = asyncio.Semaphore(config.rollups.concurrency)
         self._spread = config.rollups.spread
         # Whether the write path is behind (the application object sets
-        # Pipeline.backlogged): while it is, no minute goes faster than
+        # Gateway._behind): while it is, every minute is spread over
         # rollups.spread (module docstring).
         self.backlogged: Callable[[], bool] = _never
         self._cursor = 0
@@ -600,8 +601,8 @@ class RollupWorker:
             self._behind = True
             log.warning(
                 "roll-ups: %d min behind, done up to %s; catching up (after an outage or a "
-                "restart it goes at full speed, or one minute per rollups.spread while a backlog "
-                "drains; if this lasts, the worker is slower than the "
+                "restart it goes at full speed, or spreads each minute over rollups.spread while "
+                "a backlog drains; if this lasts, the worker is slower than the "
                 "marks come: gateway_rollup_lag_seconds, rollups.concurrency)",
                 lag_s // 60,
                 queries.iso(datetime.fromtimestamp(self._cursor / 1000, UTC)),
@@ -650,13 +651,15 @@ class RollupWorker:
         async def pace() -> None:
             nonlocal paced
             while paced < groups:
-                # Checked again every PACE_CHECK s of a wait: a backlog that
-                # begins or ends meanwhile changes the pace at once.
-                over = max(spread, self._spread) if self.backlogged() else spread
+                behind = spread < self._spread and self.backlogged()
+                over = self._spread if behind else spread
                 wait = began + over * paced / groups - time.monotonic()
                 if wait <= 0:
                     break
-                wait = min(wait, PACE_CHECK)
+                if behind:
+                    # Looked at again every PACE_CHECK s: once the backlog
+                    # has drained, the minute goes on at its own pace.
+                    wait = min(wait, PACE_CHECK)
                 self._stats.rollup_paced_s += wait
                 await asyncio.sleep(wait)
             paced += 1
