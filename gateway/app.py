@@ -109,7 +109,7 @@ class Gateway:
         unacknowledged messages waits (Receiver.behind), or, where that window
         does not hold the backlog back (the spool, QoS 0, a broker that sends
         past it), more than half the queue (Pipeline.backlogged). The roll-up
-        worker goes no faster than ``rollups.spread`` meanwhile."""
+        worker spreads every minute over ``rollups.spread`` meanwhile."""
         return self._receiver.behind() or self._pipeline.backlogged()
 
     # -- answers for the HTTP side -------------------------------------------
