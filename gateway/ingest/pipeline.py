@@ -111,37 +111,37 @@ class ItemQueue:
         return len(self._items) >= self._maxsize
 
     def put_nowait(self, item: Item | object) -> None:
-        if len(self._items) >= self._maxsize:
+        if self.full():
             raise asyncio.QueueFull
         self._items.append(item)
         _wake_next(self._getters)
 
     def get_nowait(self) -> Item | object:
-        if not self._items:
+        if self.empty():
             raise asyncio.QueueEmpty
         item = self._items.popleft()
         _wake_next(self._putters)
         return item
 
     async def get(self) -> Item | object:
-        while not self._items:
+        while self.empty():
             getter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._getters.append(getter)
             try:
                 await getter
             except BaseException:
-                _give_up(self._getters, getter, bool(self._items))
+                _give_up(self._getters, getter, not self.empty())
                 raise
         return self.get_nowait()
 
     async def put(self, item: Item | object) -> None:
-        while len(self._items) >= self._maxsize:
+        while self.full():
             putter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._putters.append(putter)
             try:
                 await putter
             except BaseException:
-                _give_up(self._putters, putter, len(self._items) < self._maxsize)
+                _give_up(self._putters, putter, not self.full())
                 raise
         self.put_nowait(item)
 
