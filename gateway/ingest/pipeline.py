@@ -407,10 +407,8 @@ class Pipeline:
     def backlogged(self) -> bool:
         """More than half the queue waits (the mark below which reading
         resumes): the writer is behind what arrives. With QoS 1 the broker's
-        window (``mqtt.receive_maximum``) bounds the queue, by default at that
-        mark (Receiver.behind says it then); from the spool, with QoS 0, or
-        behind a broker that sends past the window the queue is what shows it
-        (app.py, Gateway._behind)."""
+        window (``mqtt.receive_maximum``) bounds the queue, by default at
+        that mark."""
         return bool(self._overflow) or self._queue.qsize() > self._low_water
 
     @property

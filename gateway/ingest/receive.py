@@ -316,9 +316,7 @@ class Receiver:
     def behind(self) -> bool:
         """Half of ``mqtt.receive_maximum`` messages or more are held, not yet
         written and acknowledged: the write path is behind what the broker
-        sends (a backlog drains, or Cassandra is slower than the stream). The
-        roll-up worker then spreads every minute over ``rollups.spread``
-        (app.py, Gateway._behind)."""
+        sends (a backlog drains, or Cassandra is slower than the stream)."""
         tracker = self._tracker
         return tracker is not None and 2 * tracker.pending >= self._config.receive_maximum
 
