@@ -354,6 +354,42 @@ async def test_a_retained_copy_stays_one_through_the_spool(tmp_path: Path) -> No
     ]
 
 
+async def test_the_receive_microsecond_goes_through_the_spool(tmp_path: Path) -> None:
+    """An event without ts is written at its receive µs (Delivery.received_us),
+    which orders a device's untimed events of one millisecond: the spool
+    keeps it, so a replay after a restart orders them as the first run did.
+    A spool written before it was kept gets the column, null (0: not known)
+    for its records, and takes new ones with it."""
+    acks = Acks()
+    path = tmp_path / "s.sqlite"
+    with sqlite3.connect(path) as old:  # a spool of before the column
+        old.execute(
+            "CREATE TABLE spool (seq INTEGER PRIMARY KEY AUTOINCREMENT, received_ms INTEGER "
+            "NOT NULL, topic TEXT NOT NULL, content_type TEXT, payload BLOB NOT NULL, "
+            "redelivered INTEGER NOT NULL DEFAULT 0)"
+        )
+        old.execute("INSERT INTO spool (received_ms, topic, payload) VALUES (999, 't/old', x'30')")
+    async with Spool(path, 1000, 10**6) as spool:
+        source = SpoolSource(spool, Unfed(), Unpaused(), Stats(), 100)
+        task = asyncio.create_task(source.append())
+        for i in range(3):
+            source.accept(
+                Delivery(f"t/{i}", b"0", None, 1000, acks.of(f"t/{i}"), received_us=1_000_007 + i)
+            )
+        async with asyncio.timeout(5):
+            while len(acks.done) < 3:  # noqa: ASYNC110 - waiting for the commits
+                await asyncio.sleep(0.01)
+        source.close()
+        await task
+        records = await spool.read(0, 10)
+    assert [(r.topic, r.received_ms, r.received_us) for r in records] == [
+        ("t/old", 999, 0),
+        ("t/0", 1000, 1_000_007),
+        ("t/1", 1000, 1_000_008),
+        ("t/2", 1000, 1_000_009),
+    ]
+
+
 async def test_a_spool_folder_that_cannot_be_made_is_a_spool_error(tmp_path: Path) -> None:
     """It was a PermissionError traceback (or NotADirectoryError, as here)."""
     (tmp_path / "file").write_text("")

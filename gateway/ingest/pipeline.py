@@ -288,7 +288,12 @@ class Classifier:
             except DecodeError as exc:
                 tenant, device = self._unsubscribed(delivery.topic, exc)
             event = self._decoder.decode(
-                tenant, device, delivery.payload, delivery.content_type, delivery.received_ms
+                tenant,
+                device,
+                delivery.payload,
+                delivery.content_type,
+                delivery.received_ms,
+                delivery.received_us,
             )
         except DecodeError as exc:
             if not tenant:

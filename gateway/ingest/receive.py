@@ -199,6 +199,10 @@ class Delivery:
     # A retained copy, sent because we subscribed (live messages come with
     # retain cleared): as old as the message the broker kept, of any age.
     retained: bool = False
+    # The receive time in µs, strictly increasing in the order of arrival
+    # (Receiver, kept in the spool); 0 when not known (a spool record written
+    # before it was kept). An event without ts is written at it (decode.py).
+    received_us: int = 0
 
     # Written out: a dataclass's generated __init__ is interpreted (event.py).
     def __init__(
@@ -210,6 +214,7 @@ class Delivery:
         ack: Done,
         redelivered: bool = False,
         retained: bool = False,
+        received_us: int = 0,
     ) -> None:
         self.topic = topic
         self.payload = payload
@@ -218,6 +223,7 @@ class Delivery:
         self.ack = ack
         self.redelivered = redelivered
         self.retained = retained
+        self.received_us = received_us
 
 
 # Called on the event loop for every message, in receive order. It must not
@@ -248,6 +254,7 @@ class Receiver:
         self._tls: ssl.SSLContext | None = None
         self._paused = False
         self._had_session = False
+        self._last_us = 0  # the last message's receive time, µs (Delivery.received_us)
         # When recent connections were closed by the broker soon after they
         # opened (bounded: the last TWIN_CLOSES), and when that was last said.
         self._short_lived: deque[float] = deque(maxlen=TWIN_CLOSES)
@@ -472,15 +479,20 @@ class Receiver:
                 # Stopping: leave it unacknowledged; the broker redelivers it.
                 return
             stats.received += 1
+            now_us = time.time_ns() // 1000
+            if now_us <= self._last_us:
+                now_us = self._last_us + 1  # the same µs, or the clock stepped back
+            self._last_us = now_us
             handler(
                 Delivery(
                     topic=packet.topic,
                     payload=packet.payload,
                     content_type=packet.content_type,
-                    received_ms=int(time.time() * 1000),
+                    received_ms=now_us // 1000,
                     ack=tracker.track(packet.packet_id or 0, int(packet.qos)),
                     redelivered=packet.duplicate,
                     retained=packet.retain,
+                    received_us=now_us,
                 )
             )
 

@@ -134,19 +134,28 @@ CREATE TABLE IF NOT EXISTS spool (
     topic        TEXT NOT NULL,
     content_type TEXT,
     payload      BLOB NOT NULL,
-    redelivered  INTEGER NOT NULL DEFAULT 0
+    redelivered  INTEGER NOT NULL DEFAULT 0,
+    received_us  INTEGER
 )
 """
 
-# What a spool table has had from the start (redelivered came later).
+# What a spool table has had from the start (redelivered and received_us came later).
 _COLUMNS = frozenset({"seq", "received_ms", "topic", "content_type", "payload"})
 
-# Spools written before the DUP flag was kept get the column (false) on open.
+# Spools written before the DUP flag was kept get the column (false) on open,
+# and those written before the receive time was kept to the µs get that one
+# (null: their events without ts are ordered by the hash tie-break, as then).
 _ADD_REDELIVERED = "ALTER TABLE spool ADD COLUMN redelivered INTEGER NOT NULL DEFAULT 0"
+_ADD_RECEIVED_US = "ALTER TABLE spool ADD COLUMN received_us INTEGER"
 
-# (received_ms, topic, content_type, payload[, flags]): the flags are the
-# redelivered column, REDELIVERED | RETAINED (spools before RETAINED hold 0 or 1).
-Appended = tuple[int, str, str | None, bytes] | tuple[int, str, str | None, bytes, int]
+# (received_ms, topic, content_type, payload[, flags[, received_us]]): the
+# flags are the redelivered column, REDELIVERED | RETAINED (spools before
+# RETAINED hold 0 or 1); received_us is Delivery.received_us.
+Appended = (
+    tuple[int, str, str | None, bytes]
+    | tuple[int, str, str | None, bytes, int]
+    | tuple[int, str, str | None, bytes, int, int]
+)
 REDELIVERED = 1  # MQTT DUP
 RETAINED = 2  # a retained copy sent because we subscribed
 
@@ -160,6 +169,7 @@ class Record:
     payload: bytes
     redelivered: bool = False
     retained: bool = False
+    received_us: int = 0  # 0: not kept (an older spool's record)
 
 
 class Peeked(NamedTuple):
@@ -429,9 +439,9 @@ class Spool:
         await self._room.wait()
 
     async def append(self, records: Sequence[Appended]) -> list[int]:
-        """Commit (received_ms, topic, content_type, payload[, redelivered])
-        records; their seqs. :class:`SpoolDiskFull` if there is no room for
-        them: nothing of them was committed. Only a single message refused is
+        """Commit records (:data:`Appended`); their seqs.
+        :class:`SpoolDiskFull` if there is no room for them: nothing of them
+        was committed. Only a single message refused is
         the disk full (``disk_full_since``, /healthz): a larger commit may
         fit halved (SpoolSource._commit), and /healthz said 503 through
         almost all of each halving."""
@@ -603,6 +613,8 @@ class Spool:
             columns = {row[1] for row in db.execute("PRAGMA table_info(spool)")}
             if "redelivered" not in columns:
                 db.execute(_ADD_REDELIVERED)
+            if "received_us" not in columns:
+                db.execute(_ADD_RECEIVED_US)
             count, size, oldest = db.execute(
                 "SELECT count(*), coalesce(sum(length(payload)), 0), min(received_ms) FROM spool"
             ).fetchone()
@@ -717,9 +729,9 @@ class Spool:
             seqs = []
             for record in records:
                 cursor = db.execute(
-                    "INSERT INTO spool (received_ms, topic, content_type, payload, redelivered) "
-                    "VALUES (?, ?, ?, ?, ?)",
-                    record if len(record) == 5 else (*record, 0),
+                    "INSERT INTO spool (received_ms, topic, content_type, payload, redelivered, "
+                    "received_us) VALUES (?, ?, ?, ?, ?, ?)",
+                    (*record, 0, None)[:6] if len(record) == 4 else (*record, None)[:6],
                 )
                 assert cursor.lastrowid is not None
                 seqs.append(cursor.lastrowid)
@@ -820,12 +832,21 @@ class Spool:
         db = self._db
         assert db is not None
         rows = db.execute(
-            "SELECT seq, received_ms, topic, content_type, payload, redelivered FROM spool "
-            "WHERE seq > ? ORDER BY seq LIMIT ?",
+            "SELECT seq, received_ms, topic, content_type, payload, redelivered, received_us "
+            "FROM spool WHERE seq > ? ORDER BY seq LIMIT ?",
             (after, limit),
         ).fetchall()
         return [
-            Record(r[0], r[1], r[2], r[3], r[4], bool(r[5] & REDELIVERED), bool(r[5] & RETAINED))
+            Record(
+                r[0],
+                r[1],
+                r[2],
+                r[3],
+                r[4],
+                bool(r[5] & REDELIVERED),
+                bool(r[5] & RETAINED),
+                r[6] or 0,
+            )
             for r in rows
         ]
 
@@ -1127,6 +1148,7 @@ class SpoolSource:
                 d.content_type,
                 d.payload,
                 (REDELIVERED if d.redelivered else 0) | (RETAINED if d.retained else 0),
+                d.received_us,
             )
             for d in batch
         ]
@@ -1238,6 +1260,7 @@ class SpoolSource:
                         _Deleted(self, record.seq),
                         record.redelivered,
                         record.retained,
+                        record.received_us,
                     )
                 )
                 last = record.seq
