@@ -121,8 +121,12 @@ def test_minimal_events() -> None:
     assert event.metrics == {}
     assert event.tags == {}
     assert event.sent_at_ms is None
-    nulls = decode(_json({"ts": None, "state": None, "value": None, "sent_at": None}))
-    assert nulls == event
+    # A null is as if left out, for every field (metrics and tags were refused).
+    nulls = {"ts": None, "state": None, "value": None, "sent_at": None}
+    nulls |= {"metrics": None, "tags": None}
+    assert decode(_json(nulls)) == event
+    assert decode(_mp(nulls)) == event
+    assert decode(_json({"metrics": None, "state": "on"})).state == "on"
 
 
 @pytest.mark.parametrize(
@@ -302,6 +306,30 @@ def test_missing_ts_uses_received_time() -> None:
     assert event.write_ts // 1000 == NOW_MS + 42
 
 
+def test_an_event_without_ts_is_written_at_its_receive_microsecond() -> None:
+    """Its write timestamp is the receive time to the µs (strictly increasing
+    in the order of arrival: Delivery.received_us), not the hash tie-break,
+    so of several in one millisecond the last to arrive is the newest; its
+    event id stays the content's and the millisecond's (a replayed spool
+    record is the same raw row)."""
+    received = NOW_MS + 42
+    payloads = [_json({"state": s, "value": i}) for i, s in enumerate(["on", "off", "on", "off"])]
+    events = [
+        DECODER.decode("acme", "dev-1", p, None, received, received * 1000 + 5 + i)
+        for i, p in enumerate(payloads)
+    ]
+    assert [e.write_ts for e in events] == [received * 1000 + 5 + i for i in range(4)]
+    assert [e.event_id for e in events] == [
+        decode(p, received_ms=received).event_id for p in payloads
+    ]
+    # Without the µs (an older spool's record): the hash tie-break, as before.
+    hashed = decode(payloads[0], received_ms=received)
+    assert hashed.write_ts == event_identity("acme", "dev-1", received, "on", 0.0, {}, {})[1]
+    # A time the event gives is not touched.
+    timed = DECODER.decode("acme", "dev-1", _json({"ts": received - 10}), None, received, 7)
+    assert timed.write_ts // 1000 == received - 10
+
+
 # --- strict types ------------------------------------------------------------------
 
 
@@ -339,7 +367,6 @@ def test_non_integer_ts_rejected(ts: Any) -> None:
         ({"tags": {"a": 1}}, "tags.a"),
         ({"tags": ["a"]}, "tags"),
         ({"metrics": [1]}, "metrics"),
-        ({"metrics": None}, "metrics"),
         ({"value": [1]}, "value"),
         ({"value": {"a": 1}}, "value"),
     ],
@@ -376,10 +403,37 @@ def test_a_number_is_an_exact_int_or_a_finite_float() -> None:
     assert [x for x in bad if _finite(x)] == []
 
 
-def test_non_finite_numbers_in_json_are_invalid_json() -> None:
-    reject(b'{"value": NaN}', "invalid_json")
-    reject(b'{"value": Infinity}', "invalid_json")
-    reject(b'{"value": 1e400}', "invalid_json")
+@pytest.mark.parametrize("bad", ["NaN", "Infinity", "-Infinity", "1e400", "-1e400"])
+@pytest.mark.parametrize("where", ["value", "metric", "sent_at"])
+def test_non_finite_numbers_in_json_are_named_by_their_field(bad: str, where: str) -> None:
+    """orjson refuses them with a place ("line 1 column 32 (char 31)"), not a
+    field (CLI probe); the field is named as for MessagePack."""
+    body = (
+        f'{{"metrics": {{"ok": 1.0, "temp": {bad}}}}}'
+        if where == "metric"
+        else f'{{"{where}": {bad}}}'
+    )
+    detail = reject(body.encode(), "invalid_field")
+    assert detail.startswith("metrics.temp:" if where == "metric" else f"{where}:"), detail
+    assert "finite" in detail
+
+
+def test_what_orjson_refuses_stays_refused_when_python_s_json_takes_it() -> None:
+    """Nothing orjson refused is accepted because Python's json read it: a
+    lone surrogate, which Python's json reads, the model refuses by its
+    field; a NaN beside an unknown field is refused for one or the other."""
+    assert reject(b'{"value": "\\ud800"}', "invalid_field").startswith("value:")
+    with pytest.raises(DecodeError):
+        decode(b'{"value": NaN, "colour": "red"}')
+
+
+def test_json_that_is_not_utf8_says_so_and_where() -> None:
+    """orjson read such bytes as "surrogates not allowed" at char 0 (CLI
+    probe), MessagePack sent as JSON too."""
+    detail = reject(b'{"value": "\xff"}', "invalid_json")
+    assert "not UTF-8 text (byte 0xff at offset 11)" in detail
+    detail = reject(_mp({"value": 1}), "invalid_json", "application/json")
+    assert "MessagePack? Its content type is application/msgpack" in detail
 
 
 def test_non_utf8_text_in_msgpack_rejected() -> None:
@@ -575,7 +629,8 @@ def test_invalid_json(payload: bytes) -> None:
 
 def test_invalid_utf8_in_json() -> None:
     reject(b'{"value": "\xff"}', "invalid_json")
-    reject(b'{"value": "\\ud800"}', "invalid_json")  # lone surrogate escape
+    # A lone surrogate escape: Python's json reads it, the model names the field.
+    reject(b'{"value": "\\ud800"}', "invalid_field")
 
 
 def test_truncated_msgpack() -> None:
@@ -746,7 +801,9 @@ def test_the_fast_path_accepts_only_what_the_model_accepts(raw: dict[str, Any]) 
     if fast is None:
         return  # the model decides, as before
     model = _SMALL_DECODER._payload.model_validate(raw)  # raises if the fast path was wrong
-    assert fast == (model.ts, model.state, model.value, model.metrics, model.tags, model.sent_at)
+    # None (left out, or null) is no metrics and no tags, as Decoder.decode takes it.
+    metrics, tags = model.metrics or {}, model.tags or {}
+    assert fast == (model.ts, model.state, model.value, metrics, tags, model.sent_at)
 
 
 def test_the_fast_path_takes_a_typical_event() -> None:

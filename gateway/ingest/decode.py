@@ -23,6 +23,7 @@ through the model, so every rejection and its message come from pydantic.
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -50,6 +51,7 @@ REASONS = (
     "unknown_field",
     "invalid_ts",  # unparseable, or outside the plausible range
     "too_many_states",  # set by the writer: the tenant's state budget is spent
+    "quota",  # set by the pipeline: a new device over the tenant's device quota
 )
 
 _RFC3339 = re.compile(
@@ -167,7 +169,8 @@ class Decoder:
                 data = self._payload.model_validate(raw)
             except ValidationError as exc:
                 raise _reason(exc) from None
-            fields = (data.ts, data.state, data.value, data.metrics, data.tags, data.sent_at)
+            metrics, tags = data.metrics or {}, data.tags or {}
+            fields = (data.ts, data.state, data.value, metrics, tags, data.sent_at)
         return self._event(tenant, device_id, received_ms, received_us, *fields)
 
     def _fields(self, raw: dict[Any, Any]) -> _Fields | None:
@@ -194,15 +197,19 @@ class Decoder:
         sent_at = raw.get("sent_at")
         if sent_at is not None and not _finite(sent_at):
             return None
-        metrics = raw.get("metrics", _EMPTY)
-        if type(metrics) is not dict or len(metrics) > self._max_metrics:
+        metrics = raw.get("metrics")
+        if metrics is None:  # left out, or null: as every field
+            metrics = _EMPTY
+        elif type(metrics) is not dict or len(metrics) > self._max_metrics:
             return None
         max_key = self._max_key
         for name, number in metrics.items():
             if not (type(name) is str and 0 < len(name) <= max_key and _finite(number)):
                 return None
-        tags = raw.get("tags", _EMPTY)
-        if type(tags) is not dict or len(tags) > self._max_tags:
+        tags = raw.get("tags")
+        if tags is None:
+            tags = _EMPTY
+        elif type(tags) is not dict or len(tags) > self._max_tags:
             return None
         max_text = self._max_text
         for key, text in tags.items():
@@ -293,14 +300,13 @@ class Decoder:
             write_ts=write_ts,
         )
 
-    @staticmethod
-    def _parse(payload: bytes, content_type: str | None) -> Any:
+    def _parse(self, payload: bytes, content_type: str | None) -> Any:
         kind = _kind(payload, content_type)
         if kind == "json":
             try:
                 return orjson.loads(payload)
             except orjson.JSONDecodeError as exc:
-                raise DecodeError("invalid_json", f"not valid JSON: {exc}") from None
+                raise self._json_error(payload, exc) from None
         try:
             # strict_map_key: keys must be str/bytes; raw=False: str must be UTF-8.
             return msgpack.unpackb(payload, raw=False, strict_map_key=True)
@@ -314,6 +320,39 @@ class Decoder:
                 # and "not valid MessagePack" alone puzzled (CLI probe).
                 text = "; it is text, but no JSON event either: that starts with '{'"
             raise DecodeError("invalid_msgpack", f"not valid MessagePack: {why}{text}") from None
+
+    def _json_error(self, payload: bytes, exc: orjson.JSONDecodeError) -> DecodeError:
+        """Why orjson refused ``payload``, said for its sender. orjson's own
+        message places the error by character but names no field, and reads
+        bytes that are not UTF-8 as "surrogates not allowed" at the start
+        (CLI probe). Python's json takes NaN, infinities and numbers past a
+        double's range, which orjson refuses: when it reads the payload, the
+        model names the field (as for MessagePack); should the model take it
+        (a lone surrogate, an integer past 64 bits), orjson's reason stands."""
+        try:
+            text = payload.decode()
+        except UnicodeDecodeError as bad:
+            first = payload[0]
+            hint = (
+                "; MessagePack? Its content type is application/msgpack"
+                if 0x80 <= first <= 0x8F or first in (0xDE, 0xDF)  # a msgpack map
+                else ""
+            )
+            return DecodeError(
+                "invalid_json",
+                f"not valid JSON: not UTF-8 text (byte 0x{payload[bad.start]:02x} at offset "
+                f"{bad.start}){hint}",
+            )
+        try:
+            loose = json.loads(text)
+        except (ValueError, RecursionError):
+            loose = None
+        if isinstance(loose, dict):
+            try:
+                self._payload.model_validate(loose)
+            except ValidationError as refused:
+                return _reason(refused)
+        return DecodeError("invalid_json", f"not valid JSON: {exc}")
 
     @staticmethod
     def _timestamp(ts: int | str) -> tuple[int, int | None]:

@@ -32,8 +32,9 @@ def payload_model(limits: LimitsConfig) -> type[Any]:
             Annotated[StrictStr, Field(min_length=1, max_length=limits.max_state_length)] | None
         ) = None
         value: text | number | None = None
-        metrics: Annotated[dict[key, number], Field(max_length=limits.max_metrics)] = {}
-        tags: Annotated[dict[key, text], Field(max_length=limits.max_tags)] = {}
+        # None (null) is as if left out, as for every field.
+        metrics: Annotated[dict[key, number], Field(max_length=limits.max_metrics)] | None = None
+        tags: Annotated[dict[key, text], Field(max_length=limits.max_tags)] | None = None
         sent_at: number | None = None
 
     return Payload
