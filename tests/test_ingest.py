@@ -8,6 +8,7 @@ convergence under shuffling and duplicates, bad payloads, and a SIGKILL.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import random
 import re
@@ -151,6 +152,31 @@ async def test_gateway_device_shows_a_missing_value_as_a_dash(tenant: str) -> No
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("nv  state=on  ts="), result.stdout
     assert result.stdout.splitlines()[0].endswith("  value=—"), result.stdout
+
+
+async def test_the_cli_shows_control_characters_a_device_sent_escaped(tenant: str) -> None:
+    """A text value with a line break split a row of `history` and
+    `devices` in two (cut -f broke), and an escape sequence in it reached
+    the terminal (CLI probe). They are shown escaped, as JSON shows them."""
+    value = "line1\nline2\tcol\x1b[31mRED\x9b0m"
+    event = {"state": "on", "value": value, "tags": {"note": "a\x7fb"}}
+    async with running_gateway(make_config()) as gw:
+        await publish([(topic(tenant, "esc"), orjson.dumps(event))])
+        await gw.wait_handled(1)
+    shown = "line1\\nline2\\tcol\\x1b[31mRED\\x9b0m"
+    for args in (("history", "--tenant", tenant, "esc"), ("devices", "--tenant", tenant)):
+        result = run_cli(*args, "--state", "on") if args[0] == "devices" else run_cli(*args)
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.splitlines()
+        assert len(lines) == 1, result.stdout
+        assert shown in lines[0].split("\t"), lines
+    result = run_cli("device", "--tenant", tenant, "esc")
+    assert f"value={shown}" in result.stdout, result.stdout
+    assert '"note":"a\\u007fb"' in result.stdout, result.stdout
+    for out in (result.stdout, run_cli("history", "--tenant", tenant, "esc", "--json").stdout):
+        assert not any((ord(c) < 0x20 and c != "\n") or 0x7F <= ord(c) < 0xA0 for c in out), out
+    listed = orjson.loads(run_cli("history", "--tenant", tenant, "esc", "--json").stdout)
+    assert listed[0]["value"] == value  # JSON escapes, and reads back the same
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -401,6 +427,27 @@ async def test_bad_payloads_rejected_with_reasons_and_good_ones_written(
             assert sorted(r["reason"] for r in orjson.loads(listed.stdout)) == sorted(
                 reasons.values()
             )
+        # With the payload as kept: text, base64 for bytes that are not
+        # UTF-8, and whether more was sent (there was no way to see it).
+        listed = run_cli("rejected", "--tenant", tenant, "--since", "10m", "--json")
+        by_device = {r["topic"].split("/")[3] or "b4": r for r in orjson.loads(listed.stdout)}
+        b1, b3, b5 = by_device["b1"], by_device["b3"], by_device["b5"]
+        assert (b1["payload"], b1["payload_encoding"], b1["payload_truncated"]) == (
+            "{not json",
+            "utf-8",
+            False,
+        )
+        packed = msgpack.packb({"ts": now, "value": 1.5})[:-3]
+        assert (b3["payload_encoding"], base64.b64decode(b3["payload"])) == ("base64", packed)
+        assert b5["payload_truncated"]
+        assert len(b5["payload"]) == 2048
+        text = run_cli("rejected", "--tenant", tenant, "--since", "10m")
+        lines = {
+            line.split("\t")[2].split("/")[3] or "b4": line for line in text.stdout.splitlines()
+        }
+        assert lines["b1"].endswith("\t{not json")
+        assert lines["b3"].endswith("\t" + repr(packed))
+        assert lines["b5"].endswith("xxx...")  # cut at limits.rejected_payload_bytes
         # Since a moment after they were all rejected (with a local offset):
         # none (a --since in the future is refused).
         later = datetime.now().astimezone().isoformat()

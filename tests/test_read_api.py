@@ -404,6 +404,20 @@ async def test_rejected_says_when_its_limit_left_some_out(
             status, body, _ = await api.get(f"/api/v1/tenants/{tenant}/rejected?limit={limit}")
             assert status == 200, body
             assert (len(body["rejected"]), body["truncated"]) == (shown, truncated), body
+        # With what was kept of each payload.
+        kept = {
+            (r["payload"], r["payload_encoding"], r["payload_truncated"]) for r in body["rejected"]
+        }
+        assert kept == {("{oops", "utf-8", False)}
+        # A since in the future is refused by name, as the CLI refuses it (it
+        # answered an empty list, and said nothing of why).
+        status, body, _ = await api.get(
+            f"/api/v1/tenants/{tenant}/rejected?since=2099-01-01T00:00:00Z"
+        )
+        assert status == 400, body
+        assert body["error"] == "bad_parameter", body
+        assert body["detail"].startswith("since: 2099-01-01T00:00:00"), body
+        assert body["detail"].endswith("is in the future"), body
 
 
 async def test_an_event_a_fast_clock_dated_ahead_is_in_the_default_history(

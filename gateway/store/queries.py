@@ -752,8 +752,34 @@ class RejectedRow:
     reason: str
     detail: str
     payload_size: int | None
+    # As kept: its first limits.rejected_payload_bytes (None: none kept).
+    payload: bytes | None = None
+
+    def payload_truncated(self) -> bool:
+        """More was sent than kept."""
+        return (
+            self.payload is not None
+            and self.payload_size is not None
+            and self.payload_size > len(self.payload)
+        )
+
+    def payload_text(self) -> str | None:
+        """The kept payload as text when it is UTF-8 (cut inside a character
+        by the limit: up to that character), else None."""
+        if self.payload is None:
+            return None
+        try:
+            return self.payload.decode()
+        except UnicodeDecodeError as exc:
+            if self.payload_truncated() and exc.reason == "unexpected end of data":
+                return self.payload[: exc.start].decode()
+            return None
 
     def as_json(self) -> dict[str, Any]:
+        text = self.payload_text()
+        encoded, encoding = (text, "utf-8") if text is not None else (None, None)
+        if self.payload is not None and text is None:
+            encoded, encoding = base64.b64encode(self.payload).decode(), "base64"
         return {
             "received_at": iso(self.received_at),
             "topic": self.topic,
@@ -761,6 +787,9 @@ class RejectedRow:
             "reason": self.reason,
             "detail": self.detail,
             "payload_size": self.payload_size,
+            "payload": encoded,
+            "payload_encoding": encoding,
+            "payload_truncated": self.payload_truncated(),
         }
 
 
@@ -776,7 +805,7 @@ async def rejected(
     now_ms = int(datetime.now(UTC).timestamp() * 1000)
     since_ms = max(epoch_ms(since), now_ms - MAX_REJECTED_HOURS * hour)
     stmt = await db.prepared(
-        f"SELECT received_at, topic, device_id, reason, detail, payload_size "
+        f"SELECT received_at, topic, device_id, reason, detail, payload_size, payload "
         f"FROM {db.keyspace}.rejected_messages "
         "WHERE tenant = ? AND hour_start = ? AND received_at >= ? LIMIT ?"
     )
@@ -785,7 +814,9 @@ async def rejected(
     while start + hour > since_ms and len(out) < limit:
         rows = await db.execute(stmt, (tenant, start, since_ms, limit - len(out)))
         out += [
-            RejectedRow(r.received_at, r.topic, r.device_id, r.reason, r.detail, r.payload_size)
+            RejectedRow(
+                r.received_at, r.topic, r.device_id, r.reason, r.detail, r.payload_size, r.payload
+            )
             for r in rows
         ]
         start -= hour
@@ -857,6 +888,14 @@ def check_order(
         now = "" if until_given else f" ({default}, unless {flag}until is given)"
         raise bad_parameter(f"{flag}since", f"must be before {flag}until{now}")
     raise bad_parameter(f"{flag}until", f"must be after {flag}since, 24 h ago unless given")
+
+
+def check_rejected_since(since: datetime, now: datetime, *, flag: str = "") -> None:
+    """``since`` of a rejected-messages read, refused in the future: nothing
+    was rejected then, and an empty answer said nothing of why. The CLI's and
+    the API's rule (``flag``: ``--`` for the CLI's option names)."""
+    if since > now:
+        raise bad_parameter(f"{flag}since", f"{iso(since)} is in the future")
 
 
 def check_rollup_range(

@@ -205,6 +205,14 @@ def _command(sub: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
     return parser
 
 
+def _action(sub: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """An action of a command (``schema apply``, ``token add``): its --help
+    says what it does, as a command's does."""
+    kwargs.setdefault("description", kwargs.get("help"))
+    parser: argparse.ArgumentParser = sub.add_parser(name, **kwargs)
+    return parser
+
+
 def _version() -> str:
     try:
         return importlib.metadata.version("mqtt-cassandra-gateway")
@@ -273,13 +281,15 @@ def _parser() -> argparse.ArgumentParser:
 
     sch = _command(sub, "schema", parents=[common], help="manage the Cassandra schema")
     sch_sub = sch.add_subparsers(dest="schema_command", required=True, metavar="ACTION")
-    sch_sub.add_parser(
+    _action(
+        sch_sub,
         "apply",
         parents=[common],
         help="create the keyspace and tables (idempotent)",
     )
-    sch_sub.add_parser("print", parents=[common], help="print the CQL that apply would run")
-    mig = sch_sub.add_parser(
+    _action(sch_sub, "print", parents=[common], help="print the CQL that apply would run")
+    mig = _action(
+        sch_sub,
         "migrate",
         parents=[common],
         help="rebuild latest_events_by_state in the current layout (once; gateways stopped)",
@@ -365,15 +375,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     meta_sub = meta.add_subparsers(dest="meta_command", required=True, metavar="WHAT")
     for name, what in (("metrics", "metric names"), ("tags", "tag keys")):
-        one_meta = meta_sub.add_parser(name, parents=[common], help=f"the tenant's {what}")
+        one_meta = _action(meta_sub, name, parents=[common], help=f"the tenant's {what}")
         one_meta.add_argument("--tenant", type=_tenant, required=True, help=TENANT_HELP)
         one_meta.add_argument("--json", action="store_true", help="print JSON")
-    values = meta_sub.add_parser("values", parents=[common], help="the values of a tag key")
+    values = _action(meta_sub, "values", parents=[common], help="the values of a tag key")
     values.add_argument("key", type=_name, metavar="KEY")
     values.add_argument("--tenant", type=_tenant, required=True, help=TENANT_HELP)
     values.add_argument("--json", action="store_true", help="print JSON")
-    tagged = meta_sub.add_parser(
-        "devices", parents=[common], help="devices that carry a tag value (KEY=VALUE)"
+    tagged = _action(
+        meta_sub, "devices", parents=[common], help="devices that carry a tag value (KEY=VALUE)"
     )
     tagged.add_argument(
         "tag",
@@ -384,7 +394,8 @@ def _parser() -> argparse.ArgumentParser:
     tagged.set_defaults(usage_parser=tagged)
     tagged.add_argument("--tenant", type=_tenant, required=True, help=TENANT_HELP)
     tagged.add_argument("--json", action="store_true", help="print JSON")
-    counted = meta_sub.add_parser(
+    counted = _action(
+        meta_sub,
         "count",
         parents=[common],
         help="entries the tenant has taken against metadata.max_per_tenant",
@@ -465,7 +476,8 @@ def _parser() -> argparse.ArgumentParser:
         sub, "token", parents=[common], help="read tokens of the HTTP API (api.tokens_file)"
     )
     tok_sub = tok.add_subparsers(dest="token_command", required=True, metavar="ACTION")
-    add = tok_sub.add_parser(
+    add = _action(
+        tok_sub,
         "add",
         parents=[common],
         help="make a read token; it is printed once, as the last line of the output",
@@ -476,9 +488,9 @@ def _parser() -> argparse.ArgumentParser:
     add.add_argument(
         "--label", type=_checked(tokens.check_label), default="", help="who or what it is for"
     )
-    lst = tok_sub.add_parser("list", parents=[common], help="the tokens (never their secrets)")
+    lst = _action(tok_sub, "list", parents=[common], help="the tokens (never their secrets)")
     lst.add_argument("--json", action="store_true", help="print JSON")
-    rev = tok_sub.add_parser("revoke", parents=[common], help="revoke a token by its id")
+    rev = _action(tok_sub, "revoke", parents=[common], help="revoke a token by its id")
     rev.add_argument(
         "token_id",
         metavar="ID",
@@ -640,8 +652,41 @@ def _first_names(names: list[str], most: int = 20) -> str:
     return ", ".join(ordered[:most]) + (", ..." if len(ordered) > most else "")
 
 
+# Control characters a device may have sent in a value, a tag, a metric's name
+# or a topic (C0, DEL, C1): shown escaped, so that a row stays one line (cut
+# -f takes the tab-separated fields) and no escape sequence it carries reaches
+# the terminal. JSON escapes C0 itself; DEL and C1 are escaped there too.
+_TEXT_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))} | {
+    0x09: "\\t",
+    0x0A: "\\n",
+    0x0D: "\\r",
+}
+_JSON_ESCAPES = {c: f"\\u{c:04x}" for c in range(0x7F, 0xA0)}
+
+
+def _shown(text: object) -> str:
+    """Device-supplied text for a line of output, control characters escaped."""
+    return str(text).translate(_TEXT_ESCAPES)
+
+
+def _payload_shown(row: queries.RejectedRow) -> str:
+    """A rejected message's kept payload for a line: its text, or the bytes
+    as Python writes them (b'\\x81...') when it is not UTF-8; "..." after it
+    when more was sent than kept (limits.rejected_payload_bytes)."""
+    if row.payload is None:
+        return ""
+    text = row.payload_text()
+    shown = _shown(text) if text is not None else repr(row.payload)
+    return shown + ("..." if row.payload_truncated() else "")
+
+
+def _json_text(value: Any, option: int | None = None) -> str:
+    """``value`` as JSON, DEL and C1 control characters escaped too."""
+    return orjson.dumps(value, option=option).decode().translate(_JSON_ESCAPES)
+
+
 def _print_json(value: Any) -> None:
-    sys.stdout.write(orjson.dumps(value, option=orjson.OPT_INDENT_2).decode() + "\n")
+    sys.stdout.write(_json_text(value, orjson.OPT_INDENT_2) + "\n")
 
 
 async def _serve(config: Config) -> int:
@@ -997,14 +1042,17 @@ async def _devices(config: Config, args: argparse.Namespace) -> int:
     elif args.state not in known:
         # Likely a misspelt --state: say which ones the tenant has.
         hint = f": the tenant has no such state; its states: {_first_names(known)}"
-    summary = f"({len(rows)} devices in state {args.state!r} for tenant {args.tenant!r}{hint})"
+    summary = (
+        f"({_count(len(rows), 'device')} in state {args.state!r} for tenant {args.tenant!r}{hint})"
+    )
     if args.json:
         if hint:
             print(summary, file=sys.stderr)
         _print_json([r.as_json() for r in rows])
     else:
         for r in rows:
-            print(f"{r.device_id}\t{queries.iso(r.ts)}\t{r.value if r.value is not None else ''}")
+            value = "" if r.value is None else _shown(r.value)
+            print(f"{r.device_id}\t{queries.iso(r.ts)}\t{value}")
         print(summary, file=sys.stderr)
     return 0
 
@@ -1022,10 +1070,10 @@ async def _device(config: Config, args: argparse.Namespace) -> int:
         _print_json(row.as_json())
     else:
         # "—" for none, not Python's None.
-        state, value = ("—" if v is None else v for v in (row.state, row.value))
+        state, value = ("—" if v is None else _shown(v) for v in (row.state, row.value))
         print(f"{row.device_id}  state={state}  ts={queries.iso(row.ts)}  value={value}")
         # As history prints them: JSON, not Python's repr.
-        metrics, tags = orjson.dumps(row.metrics).decode(), orjson.dumps(row.tags).decode()
+        metrics, tags = _json_text(row.metrics), _json_text(row.tags)
         print(f"  metrics={metrics}  tags={tags}")
     return 0
 
@@ -1063,10 +1111,8 @@ async def _history(config: Config, args: argparse.Namespace) -> int:
         _print_json([r.as_json() for r in rows])
     else:
         for r in rows:
-            print(
-                f"{queries.iso(r.ts)}\t{r.state or ''}\t{'' if r.value is None else r.value}"
-                f"\t{orjson.dumps(r.metrics).decode()}"
-            )
+            value = "" if r.value is None else _shown(r.value)
+            print(f"{queries.iso(r.ts)}\t{r.state or ''}\t{value}\t{_json_text(r.metrics)}")
     if more or hint or not args.json:  # with --json, said only when cut or explained
         print(f"({_count(len(rows), 'event')}{_more(more)}{hint})", file=sys.stderr)
     return 0
@@ -1273,10 +1319,13 @@ async def _meta(config: Config, args: argparse.Namespace) -> int:
         _print_json(found)
     else:
         for entry in found:
-            print(entry)
+            print(_shown(entry))
     if cut or hint or not args.json:  # with --json, said only when cut or explained
         more = f"; the list is longer, cut at {queries.MAX_META:,}" if cut else ""
-        print(f"({len(found)} for tenant {args.tenant!r}{more}{hint})", file=sys.stderr)
+        noun = {"metrics": "metric", "tags": "tag", "values": "value"}.get(what, "device")
+        print(
+            f"({_count(len(found), noun)} for tenant {args.tenant!r}{more}{hint})", file=sys.stderr
+        )
     return 0
 
 
@@ -1384,9 +1433,10 @@ async def _rejected(config: Config, args: argparse.Namespace) -> int:
     now = datetime.now(UTC)
     if args.since is not None:
         since = _time_arg("--since", args.since, now, now)
-        if since > now:
-            # Nothing was ever rejected then: an empty answer said nothing of why.
-            raise UsageError(f"--since: {queries.iso(since)} is in the future")
+        try:
+            queries.check_rejected_since(since, now, flag="--")
+        except QueryError as exc:
+            raise UsageError(str(exc)) from None
         span = f"since {queries.iso(since)}"
         kept = now - timedelta(hours=queries.MAX_REJECTED_HOURS)
         if since < kept:
@@ -1404,7 +1454,10 @@ async def _rejected(config: Config, args: argparse.Namespace) -> int:
         _print_json([r.as_json() for r in out])
     else:
         for r in out:
-            print(f"{queries.iso(r.received_at)}\t{r.reason}\t{r.topic}\t{r.detail}")
+            print(
+                f"{queries.iso(r.received_at)}\t{r.reason}\t{_shown(r.topic)}"
+                f"\t{_shown(r.detail)}\t{_payload_shown(r)}"
+            )
     if more or not args.json:  # with --json, said only when the list is cut
         print(
             f"({len(out)} rejected {span} for tenant {args.tenant!r}{_more(more)})",
@@ -1456,7 +1509,7 @@ def _noisy(config: Config, args: argparse.Namespace) -> int:
             f"{d['device_id']}\tobserved={d['observed_rate']:.1f}/s\tkept={d['kept_rate']:.2f}/s"
             f"\tsince={d['since']}\tsampled_out={d['sampled_out']}"
         )
-    print(f"({len(devices)} noisy devices for tenant {args.tenant!r})", file=sys.stderr)
+    print(f"({_count(len(devices), 'noisy device')} for tenant {args.tenant!r})", file=sys.stderr)
     return 0
 
 

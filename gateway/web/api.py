@@ -405,6 +405,7 @@ class ReadApi:
         query = request.query
         now = datetime.now(UTC)
         since = _time(query, "since", now - timedelta(hours=1), now)
+        queries.check_rejected_since(since, now)
         limit = _int(query, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
 
         async def compute() -> tuple[Any, float]:

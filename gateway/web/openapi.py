@@ -238,6 +238,16 @@ _SCHEMAS: dict[str, Any] = {
         reason=_STRING,
         detail=_STRING,
         payload_size={"type": ["integer", "null"]},
+        payload={
+            "type": ["string", "null"],
+            "description": "the payload as kept (its first `limits.rejected_payload_bytes`, "
+            "2,048 by default): the text when it is UTF-8, else base64",
+        },
+        payload_encoding={"type": ["string", "null"], "enum": ["utf-8", "base64", None]},
+        payload_truncated={
+            "type": "boolean",
+            "description": "true when the payload was longer than what was kept",
+        },
     ),
     "Rejected": _object(
         f"The tenant's rejected messages, newest first (kept "

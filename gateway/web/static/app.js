@@ -113,6 +113,15 @@
       h("span", { text }));
   }
 
+  // A rejected message's payload as kept (the API's payload fields): its text,
+  // or base64 said as such, and whether more was sent than kept.
+  function payloadCell(m, key, open) {
+    if (m.payload == null) return "";
+    const text = (m.payload_encoding === "base64" ? "base64: " : "") + m.payload
+      + (m.payload_truncated ? " … (cut: only the start is kept)" : "");
+    return textCell(text, key, open.has(key));
+  }
+
   // The keys of the long texts open under ``box``, to draw them open again.
   function openTexts(box) {
     return new Set([...box.querySelectorAll("details.long-text[open]")].map((d) => d.dataset.key));
@@ -1550,12 +1559,15 @@
             + `${formatTime(tsMillis(items[items.length - 1].received_at))}; older ones of `
             + "the last 24 hours are not listed."
           : "";
+        const open = openTexts($("rejected-rows"));
         $("rejected-rows").replaceChildren(...items.map((m) => h("tr", null,
           h("td", { "data-label": "Received" }, timeEl(m.received_at)),
           h("td", { "data-label": "Device", class: "wrap-anywhere",
             text: m.device_id == null ? m.topic : m.device_id, title: m.topic }),
           h("td", { "data-label": "Reason", class: "nowrap", text: m.reason }),
           h("td", { "data-label": "Detail", class: "detail", text: m.detail == null ? "" : m.detail }),
+          h("td", { "data-label": "Payload", class: "detail payload" },
+            payloadCell(m, `${m.received_at} ${m.topic}`, open)),
           h("td", { "data-label": "Size", class: "nowrap",
             text: m.payload_size == null ? "" : `${m.payload_size} B` }))));
         show($("rejected-empty"), items.length === 0);
