@@ -299,12 +299,21 @@ async def test_a_week_of_a_busy_device_is_charted_from_its_rollups(
         _event(tenant, "boiler", i * step_s + 30, "on" if (i // 50) % 2 else "off", 60 + i % 7)
         for i in range(600)
     ]
+    # And a device whose 510 readings all fall in one hour of the week: one
+    # window, which drew an empty plot (a path of one point has no length).
+    now = int(time.time() * 1000)
+    hour = now - now % 3_600_000 - 3_600_000
+    lone = [
+        (topic(tenant, "kettle"), orjson.dumps({"ts": hour + i * 5_000, "state": "on", "value": 7}))
+        for i in range(510)
+    ]
     async with running_gateway(config) as gw:
-        await publish(events)
-        await gw.wait_handled(600, deadline=60)
+        await publish(events + lone)
+        await gw.wait_handled(600 + 510, deadline=60)
         windows = {
-            (tenant, "boiler", ms - ms % MINUTE_MS)
-            for ms in (orjson.loads(payload)["ts"] for _, payload in events)
+            (tenant, device, ms - ms % MINUTE_MS)
+            for device, batch in (("boiler", events), ("kettle", lone))
+            for ms in (orjson.loads(payload)["ts"] for _, payload in batch)
         }
         async with open_write_session(config.cassandra) as session:
             worker = RollupWorker(session, config, Stats(), name=f"test-{uuid.uuid4().hex[:8]}")
@@ -315,9 +324,20 @@ async def test_a_week_of_a_busy_device_is_charted_from_its_rollups(
         chart = page.locator('[data-testid="chart-svg"]')
         await expect(chart).to_have_attribute("data-series", "rollups-1h")
         await expect(chart.locator("path.band")).to_have_count(1)
+        # A point per hour, at its middle.
+        hours = {ms - ms % 3_600_000 for ms in (orjson.loads(p)["ts"] for _, p in events)}
+        await expect(chart.locator("circle.rollup-point")).to_have_count(len(hours))
         caption = page.locator("#chart figcaption")
         await expect(caption).to_contain_text("the average of each hour with readings")
         await expect(caption).to_contain_text("between 60 and 66")
+        await page.goto(f"{url}#/t/{tenant}/d/kettle?range=7d")
+        await expect(chart).to_have_attribute("data-series", "rollups-1h")
+        point = chart.locator("circle.rollup-point")
+        await expect(point).to_have_count(1)
+        await expect(caption).to_contain_text("(1 hour, shaded from lowest to highest), all 7;")
+        await screenshot(page, "live-week-one-hour")
+        await page.goto(f"{url}#/t/{tenant}/d/boiler?range=7d")
+        await expect(chart.locator("path.band")).to_have_count(1)
         await expect(page.locator('[data-testid="chart-limit"]')).to_contain_text(
             "The value covers the whole range"
         )

@@ -242,11 +242,19 @@ async def test_device_detail_chart_and_history(
     await expect(chart.locator("line.change")).to_have_count(2)
     await screenshot(page, "device-strip")
 
-    # An unknown device: the 404's detail.
+    # An unknown device: the 404's detail, a way back, and no empty chart
+    # and history under it; its first event shows without a reload.
     await page.goto(f"{url}#/t/acme/d/nope")
     await expect(page.locator('[data-testid="device-missing"]')).to_have_text(
         "404 not_found: no device 'nope' in 'acme'"
     )
+    await expect(page.locator('[data-testid="device-missing-back"]')).to_have_attribute(
+        "href", "#/t/acme"
+    )
+    await expect(page.locator('[data-testid="device-history"]')).to_be_hidden()
+    api.put("acme", "nope", "on", 1.0)
+    await expect(page.locator('[data-testid="device-state"]')).to_have_text("on", timeout=LIVE_MS)
+    await expect(page.locator('[data-testid="device-history"]')).to_be_visible()
 
 
 async def test_phone_layout_has_no_horizontal_overflow(
@@ -375,7 +383,21 @@ async def test_history_range_and_rejected_messages(page: Page, url: str, api: Fa
             "reason": "bad_json",
             "detail": "<script>alert(1)</script> is not JSON",
             "payload_size": 31,
-        }
+            "payload": '{"value": <b>NaN</b>, "x": 1}',
+            "payload_encoding": "utf-8",
+            "payload_truncated": False,
+        },
+        {
+            "received_at": rfc3339(ago(180)),
+            "topic": "tenants/acme/devices/d2/events",
+            "device_id": "d2",
+            "reason": "invalid_msgpack",
+            "detail": "not valid MessagePack: unpack(b) received extra data.",
+            "payload_size": 5000,
+            "payload": "gaV2YWx1ZQE" + "A" * 200,
+            "payload_encoding": "base64",
+            "payload_truncated": True,
+        },
     ]
     await log_in(page, url, TENANT_TOKEN)
     # A one-tenant token lands on its tenant; go on from there, not mid-redirect.
@@ -392,10 +414,18 @@ async def test_history_range_and_rejected_messages(page: Page, url: str, api: Fa
 
     await page.goto(f"{url}#/t/acme")
     await page.locator("#rejected-link").click()
-    row = page.locator("#rejected-rows tr")
-    await expect(row).to_have_count(1)
+    rows = page.locator("#rejected-rows tr")
+    await expect(rows).to_have_count(2)
+    row = rows.first
     await expect(row).to_contain_text("bad_json")
     await expect(row.locator(".detail")).to_have_text("<script>alert(1)</script> is not JSON")
+    # What the device sent, as text (never markup), and bytes said as base64,
+    # long ones cut under a tap with how much more was sent.
+    await expect(row.locator(".payload")).to_have_text('{"value": <b>NaN</b>, "x": 1}')
+    payload = rows.nth(1).locator(".payload details")
+    await expect(payload.locator("summary")).to_contain_text("base64: gaV2YWx1ZQE")
+    await payload.locator("summary").click()
+    await expect(payload).to_contain_text("(cut: only the start is kept)")
 
 
 async def test_rejected_says_when_it_shows_only_the_newest_and_never_another_tenants_nothing(

@@ -214,6 +214,39 @@ async def test_a_4xx_shows_its_message_stops_and_offers_a_way_back(
     await expect(page.locator("#device-rows tr")).to_have_count(3)
 
 
+async def test_a_proxy_s_error_page_is_quoted_by_its_title_and_busy_is_no_outage(
+    page: Page, url: str, api: FakeApi, screenshot: Shot
+) -> None:
+    """Behind nginx (as the README suggests), a 502's HTML page went into the
+    banner as markup; and a 503 for too many requests at once read as
+    "cannot reach its database" (page probe)."""
+    await log_in(page, url, TENANT_TOKEN)
+    await expect(page.locator('[data-state="on"]')).to_be_visible()
+    nginx = (
+        "<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n"
+        "<center><h1>502 Bad Gateway</h1></center>\r\n<hr><center>nginx</center>\r\n"
+        "</body>\r\n</html>\r\n"
+    )
+    await page.route(
+        "**/api/v1/**",
+        lambda route: route.fulfill(status=502, body=nginx, content_type="text/html"),
+    )
+    error = page.locator("#error")
+    await expect(error).to_contain_text("The gateway failed to answer.", timeout=LIVE_MS + 9_000)
+    await expect(error).to_contain_text("502 Bad Gateway: 502 Bad Gateway)")
+    for shown in (error, page.locator("#status")):
+        assert "<" not in await shown.inner_text(), await shown.inner_text()
+    await screenshot(page, "proxy-502")
+    await page.unroute("**/api/v1/**")
+    api.fault = ApiError(503, "busy", "busy: 64 requests under way, retry shortly")
+    await expect(error).to_contain_text(
+        "The gateway is busy answering other requests", timeout=LIVE_MS + 9_000
+    )
+    await expect(error).not_to_contain_text("database")
+    api.fault = None
+    await expect(page.locator("#live")).to_contain_text("live", timeout=15_000)
+
+
 async def test_login_says_what_to_do_when_the_gateway_is_unreachable(
     page: Page, url: str, api: FakeApi
 ) -> None:

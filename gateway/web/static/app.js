@@ -270,6 +270,19 @@
     return url.toString();
   }
 
+  // What a non-JSON error answer says, for a line: a proxy's HTML error
+  // page (nginx's "502 Bad Gateway") went into the banner as markup (page
+  // probe): its title, else its text without the tags, cut.
+  function plainText(text) {
+    if (!text) return "";
+    if (/^\s*</.test(text)) {
+      const doc = new DOMParser().parseFromString(text, "text/html");
+      const said = (doc.title || doc.body?.textContent || "").replace(/\s+/g, " ").trim();
+      return said.slice(0, 200);
+    }
+    return text.replace(/\s+/g, " ").trim().slice(0, 200);
+  }
+
   function pathOf(...segments) {
     return segments.map(encodeURIComponent).join("/");
   }
@@ -321,7 +334,7 @@
     }
     if (!response.ok) {
       const code = (body && body.error) || response.statusText || "error";
-      const detail = (body && (body.detail || body.error)) || text.slice(0, 300)
+      const detail = (body && (body.detail || body.error)) || plainText(text)
         || `HTTP ${response.status}`;
       throw new ApiError(response.status, code, detail);
     }
@@ -589,6 +602,11 @@
 
   function plainWords(err) {
     if (!(err instanceof ApiError)) return null;
+    if (err.status === 503 && err.code === "busy") {
+      // Too many requests at once, not an outage (page probe).
+      return "The gateway is busy answering other requests: what is shown may be "
+        + "out of date. The page will try again by itself.";
+    }
     if (err.status === 503) {
       return "The gateway cannot reach its database right now: what is shown may be "
         + "out of date. The page will try again by itself.";
@@ -1249,6 +1267,7 @@
     document.title = `${r.device} · ${r.tenant} · Device states`;
     $("range").value = r.range;
     $("device-latest").replaceChildren(h("p", { class: "hint", text: "Loading…" }));
+    show($("device-history"), true);
     $("chart").replaceChildren();
     $("history-rows").replaceChildren();
     $("history-meta").textContent = "";
@@ -1314,9 +1333,18 @@
 
   function renderLatest(r, d, missing, again) {
     const box = $("device-latest");
+    // A device not known (yet): its message and a way back, and no empty
+    // chart and history under it (page probe). The page keeps asking, so a
+    // device's first event shows here without a reload.
+    show($("device-history"), Boolean(d));
     if (!d) {
-      box.replaceChildren(h("p", { class: "error", "data-testid": "device-missing",
-        text: missing ? missing.describe() : "No such device." }));
+      box.replaceChildren(
+        h("p", { class: "error", "data-testid": "device-missing",
+          text: missing ? missing.describe() : "No such device." }),
+        h("p", { class: "hint", text: "Nothing has come from this device, or its id is "
+          + "misspelt. It shows here as soon as it sends its first event." }),
+        h("p", null, h("a", { class: "button-link", "data-testid": "device-missing-back",
+          href: href(["t", r.tenant]), text: `Back to ${r.tenant}` })));
       return;
     }
     const badge = h("a", { class: "badge", href: href(["t", r.tenant, "s", d.state]),
@@ -1381,10 +1409,16 @@
       figure.replaceChildren(h("p", { class: "hint", text: "No events to chart." }));
       return;
     }
+    const stepMs = rollups && rollups.step === "1h" ? 3600e3 : 60e3;
     const windows = rollups ? rollups.rows
-      .map((w) => ({ ms: tsMillis(w.start), value: w.sum == null ? null : w.sum / w.count,
+      .map((w) => ({ start: tsMillis(w.start), value: w.sum == null ? null : w.sum / w.count,
         min: w.min, max: w.max, count: w.count }))
-      .filter((w) => w.ms != null && isNumber(w.value)).sort((a, b) => a.ms - b.ms) : [];
+      .filter((w) => w.start != null && isNumber(w.value)).sort((a, b) => a.start - b.start)
+      // Drawn at the middle of its window (at its start, the hourly line ended
+      // up to an hour before the newest reading: page probe), the window
+      // still under way at most at now.
+      .map((w) => ({ ...w, ms: Math.min(w.start + stepMs / 2, Math.max(Date.now(), w.start)) }))
+      : [];
     const fromRollups = windows.length > 0;
     const numeric = fromRollups ? windows : evs.filter((e) => isNumber(e.value));
     const W = Math.max(280, Math.floor(figure.clientWidth || 600));
@@ -1400,7 +1434,7 @@
     // The newest state holds until now, the end of the chosen range: the
     // strip reaches it however long ago the last event was (it used to stop
     // a minute after a lone event, and the caption read "from 1:08 to 1:08").
-    let t0 = fromRollups ? Math.min(evs[0].ms, windows[0].ms) : evs[0].ms;
+    let t0 = fromRollups ? Math.min(evs[0].ms, windows[0].start) : evs[0].ms;
     const t1 = Math.max(now, last);
     const untilNow = t1 === now;
     if (t1 - t0 < 60e3) t0 = t1 - 60e3;
@@ -1413,20 +1447,26 @@
     const held = `${newest == null ? "—" : newest} since ${formatTime(heldFrom)}`;
     const changeCount = changes.length === 1 ? "1 change of state" : `${changes.length} changes of state`;
     const per = rollups && rollups.step === "1h" ? "hour" : "minute";
+    // "between 1 and 3", or "all 1" when they are one value ("between 1 and 1").
+    const span = (lowest, highest, all) => (lowest === highest
+      ? `${all} ${formatValue(lowest)}` : `between ${formatValue(lowest)} and ${formatValue(highest)}`);
+    const windowCount = numeric.length === 1 ? `1 ${per}` : `${numeric.length} ${per}s`;
+    // From the axis's start: the chart spans at least a minute, so a lone
+    // (or future-dated) event read "from 9:13:42 to 9:13:42" (page probe).
     const summary = fromRollups
       ? `Value from ${formatTime(t0)} to ${end}: the average of each ${per} with readings `
-        + `(${numeric.length} ${per}s, shaded from lowest to highest), between `
-        + `${formatValue(Math.min(...numeric.map((w) => w.min)))} and `
-        + `${formatValue(Math.max(...numeric.map((w) => w.max)))}; states from `
-        + `${formatTime(evs[0].ms)}: ${changes.length ? changeCount : "no change of state"}; ${held}.`
+        + `(${windowCount}, shaded from lowest to highest), `
+        + `${span(Math.min(...numeric.map((w) => w.min)), Math.max(...numeric.map((w) => w.max)), "all")}`
+        + `; states from ${formatTime(evs[0].ms)}: `
+        + `${changes.length ? changeCount : "no change of state"}; ${held}.`
       : numeric.length
-      ? `Value from ${formatTime(evs[0].ms)} to ${end}: ${numeric.length} `
-        + `${numeric.length === 1 ? "reading" : "readings"} between `
-        + `${formatValue(Math.min(...numeric.map((e) => e.value)))} and `
-        + `${formatValue(Math.max(...numeric.map((e) => e.value)))}; `
+      ? `Value from ${formatTime(t0)} to ${end}: ${numeric.length} `
+        + `${numeric.length === 1 ? "reading" : "readings"} `
+        + `${span(Math.min(...numeric.map((e) => e.value)), Math.max(...numeric.map((e) => e.value)),
+          numeric.length === 1 ? "of" : "all")}; `
         + `${changes.length ? changeCount : "no change of state"}; ${held}.`
       : changes.length
-        ? `State from ${formatTime(evs[0].ms)} to ${end}: ${changeCount}; ${held}.`
+        ? `State from ${formatTime(t0)} to ${end}: ${changeCount}; ${held}.`
         : `State ${held}: no change of state in this range.`;
     const svg = s("svg", { viewBox: `0 0 ${W} ${H}`, width: W, height: H, role: "img",
       "aria-label": summary, "data-testid": "chart-svg", "data-numeric": numeric.length > 0,
@@ -1449,6 +1489,17 @@
           text: formatValue(hi - pad) }),
         s("text", { class: "axis", x: padL - 4, y: plotTop + plotH, "text-anchor": "end",
           text: formatValue(lo + pad) }));
+      if (fromRollups && numeric.length <= 200) {
+        // A point per window, so that one window (a week's chart of a device
+        // seen only this hour) is not an empty plot: a path of one point has
+        // no length (page probe).
+        for (const w of numeric) {
+          svg.append(s("circle", { class: "point rollup-point", cx: x(w.ms).toFixed(1),
+            cy: y(w.value).toFixed(1), r: 3 },
+          s("title", { text: `${per} from ${formatTime(w.start)}: average ${formatValue(w.value)}, `
+            + `${span(w.min, w.max, "all")} (${w.count} ${w.count === 1 ? "reading" : "readings"})` })));
+        }
+      }
       if (fromRollups) {
         // Lowest to highest of each window: along the maxima, back along the minima.
         const top = numeric.map((w, i) => `${i ? "L" : "M"}${x(w.ms).toFixed(1)},${y(w.max).toFixed(1)}`);
@@ -1566,7 +1617,7 @@
             text: m.device_id == null ? m.topic : m.device_id, title: m.topic }),
           h("td", { "data-label": "Reason", class: "nowrap", text: m.reason }),
           h("td", { "data-label": "Detail", class: "detail", text: m.detail == null ? "" : m.detail }),
-          h("td", { "data-label": "Payload", class: "detail payload" },
+          h("td", { "data-label": "Payload", class: "payload" },
             payloadCell(m, `${m.received_at} ${m.topic}`, open)),
           h("td", { "data-label": "Size", class: "nowrap",
             text: m.payload_size == null ? "" : `${m.payload_size} B` }))));
