@@ -427,6 +427,15 @@ def test_what_orjson_refuses_stays_refused_when_python_s_json_takes_it() -> None
         decode(b'{"value": NaN, "colour": "red"}')
 
 
+def test_a_key_only_python_s_json_reads_is_a_rejection_not_an_error() -> None:
+    """A lone surrogate in a key: orjson refuses it, Python's json reads it,
+    and the model's error has no field to name (an empty location), which
+    raised IndexError out of the decoder, a message the receiver could not
+    take (review)."""
+    detail = reject(b'{"\\ud800": 1}', "invalid_field")
+    assert detail.startswith("payload: Input should be a valid string"), detail
+
+
 def test_json_that_is_not_utf8_says_so_and_where() -> None:
     """orjson read such bytes as "surrogates not allowed" at char 0 (CLI
     probe), MessagePack sent as JSON too."""

@@ -124,6 +124,40 @@ async def test_packets_cut_at_every_byte_and_coalesced_arrive_whole_and_in_order
     assert stats.connects == 1
 
 
+async def test_receive_times_increase_in_order_but_follow_a_step_back_of_the_clock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Delivery.received_us orders a device's untimed events: messages read
+    in the same µs are a µs apart, in order. A clock stepped back by more
+    than a millisecond is followed: pinned to the old time instead, every
+    message a µs apart looked a flood to the sampler and to max_rate for as
+    long as the step (review)."""
+    base = time.time_ns() // 1000 * 1000
+    calls = 0
+
+    def clock() -> int:  # the same µs for the first 20 reads, then 5 s back
+        nonlocal calls
+        calls += 1
+        return base if calls <= 20 else base - 5_000_000_000
+
+    packets = b"".join(publish_packet(pid) for pid in range(1, 41))
+
+    def script(writer: asyncio.StreamWriter, _s: Session, _n: int) -> None:
+        monkeypatch.setattr(time, "time_ns", clock)
+        writer.write(packets)
+
+    broker = ScriptedBroker(script)
+    async with broker.running(), receiving(broker) as (got, _, _):
+        await wait_until(lambda: len(got) == 40, 10, "40 messages")
+    monkeypatch.undo()
+    stamps = [d.received_us for d in got]
+    base_us = base // 1000
+    assert stamps[:20] == [base_us + i for i in range(20)]
+    assert all(d.received_ms == d.received_us // 1000 for d in got)
+    assert stamps[-1] < base_us - 4_000_000, stamps  # the step back, taken
+    assert stamps[20:] == sorted(stamps[20:])
+
+
 async def test_the_connect_packet_says_what_we_promise() -> None:
     broker = ScriptedBroker(lambda w, s, n: None)
     async with broker.running(), receiving(broker) as (_, _stats, receiver):

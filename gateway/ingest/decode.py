@@ -147,7 +147,7 @@ class Decoder:
     ) -> Event:
         """The event of a payload, or :class:`DecodeError`. An event without
         ``ts`` takes ``received_ms`` as its time, and is written at
-        ``received_us`` (strictly increasing in the order of arrival:
+        ``received_us`` (increasing in the order of arrival:
         Delivery.received_us) when given, else by the hash tie-break."""
         size = len(payload)
         if size == 0:
@@ -326,9 +326,10 @@ class Decoder:
         message places the error by character but names no field, and reads
         bytes that are not UTF-8 as "surrogates not allowed" at the start
         (CLI probe). Python's json takes NaN, infinities and numbers past a
-        double's range, which orjson refuses: when it reads the payload, the
-        model names the field (as for MessagePack); should the model take it
-        (a lone surrogate, an integer past 64 bits), orjson's reason stands."""
+        double's range, and lone surrogates, which orjson refuses: when it
+        reads the payload, the model names the field (as for MessagePack).
+        Should the model take what orjson refused, orjson's reason stands:
+        nothing is accepted for being read by Python's json."""
         try:
             text = payload.decode()
         except UnicodeDecodeError as bad:
@@ -423,6 +424,9 @@ def _reason(exc: ValidationError) -> DecodeError:
     errors = exc.errors(include_url=False)
     err = errors[0]
     parts = _clean_loc(err["loc"])
+    # The payload itself ("()": a key Python's json read that no field can
+    # be, a lone surrogate): named as the payload, not an IndexError below.
+    head = parts[0] if parts else ""
     field = ".".join(part if len(part) <= 40 else part[:37] + "..." for part in parts) or "payload"
     if err["type"] == "extra_forbidden":
         return DecodeError("unknown_field", f"unknown field {field!r}")
@@ -436,16 +440,16 @@ def _reason(exc: ValidationError) -> DecodeError:
     if any(e["type"] == "finite_number" for e in same_field):
         value = next(e["input"] for e in same_field if e["type"] == "finite_number")
         message = f"must be a finite number, got {value!r}"
-    elif len(same_field) > 1 and parts[0] in _EXPECTED and err["type"].endswith("_type"):
+    elif len(same_field) > 1 and head in _EXPECTED and err["type"].endswith("_type"):
         # A union member failed on type: say what the field accepts.
-        message = f"expected {_EXPECTED[parts[0]]}, got {_type_name(value)}"
+        message = f"expected {_EXPECTED[head]}, got {_type_name(value)}"
     else:
         message = str(err["msg"])
         if isinstance(value, str | int | float | bool) and len(repr(value)) <= 40:
             message += f" (got {value!r})"
         elif isinstance(value, str):
             message += f" (got {len(value)} characters)"
-    reason = "invalid_ts" if parts[0] == "ts" else "invalid_field"
+    reason = "invalid_ts" if head == "ts" else "invalid_field"
     return DecodeError(reason, f"{field}: {message}")
 
 

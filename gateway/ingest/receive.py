@@ -199,9 +199,10 @@ class Delivery:
     # A retained copy, sent because we subscribed (live messages come with
     # retain cleared): as old as the message the broker kept, of any age.
     retained: bool = False
-    # The receive time in µs, strictly increasing in the order of arrival
-    # (Receiver, kept in the spool); 0 when not known (a spool record written
-    # before it was kept). An event without ts is written at it (decode.py).
+    # The receive time in µs, increasing in the order of arrival (Receiver;
+    # but after a step back of the clock past a millisecond), kept in the
+    # spool; 0 when not known (a spool record written before it was kept).
+    # An event without ts is written at it (decode.py).
     received_us: int = 0
 
     # Written out: a dataclass's generated __init__ is interpreted (event.py).
@@ -480,8 +481,12 @@ class Receiver:
                 return
             stats.received += 1
             now_us = time.time_ns() // 1000
-            if now_us <= self._last_us:
-                now_us = self._last_us + 1  # the same µs, or the clock stepped back
+            if self._last_us - 1000 < now_us <= self._last_us:
+                # The same µs (or a step back within a millisecond): after the
+                # last. A larger step back is taken as it is: pinned to the
+                # old time, every message a µs apart looked a flood to the
+                # sampler and to max_rate for as long as the step (review).
+                now_us = self._last_us + 1
             self._last_us = now_us
             handler(
                 Delivery(

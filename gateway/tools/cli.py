@@ -649,7 +649,8 @@ def _write_new(path: Path, text: str, force: bool) -> int:
 def _first_names(names: list[str], most: int = 20) -> str:
     """The first ``most`` of ``names`` in order, for a hint after a misspelt name."""
     ordered = sorted(names)
-    return ", ".join(ordered[:most]) + (", ..." if len(ordered) > most else "")
+    shown = ", ".join(_shown(name) for name in ordered[:most])
+    return shown + (", ..." if len(ordered) > most else "")
 
 
 # Control characters a device may have sent in a value, a tag, a metric's name

@@ -277,6 +277,7 @@
     if (!text) return "";
     if (/^\s*</.test(text)) {
       const doc = new DOMParser().parseFromString(text, "text/html");
+      for (const el of doc.querySelectorAll("script, style")) el.remove();
       const said = (doc.title || doc.body?.textContent || "").replace(/\s+/g, " ").trim();
       return said.slice(0, 200);
     }
@@ -1403,6 +1404,7 @@
   // average as the line and its min to max shaded; the state strip still
   // comes from the events, the newest of the range.
   function renderChart(figure, events, more, rollups) {
+    const now = Date.now();
     const evs = events.map((e) => ({ ...e, ms: tsMillis(e.ts) })).filter((e) => e.ms != null)
       .sort((a, b) => a.ms - b.ms);
     if (!evs.length) {
@@ -1417,7 +1419,7 @@
       // Drawn at the middle of its window (at its start, the hourly line ended
       // up to an hour before the newest reading: page probe), the window
       // still under way at most at now.
-      .map((w) => ({ ...w, ms: Math.min(w.start + stepMs / 2, Math.max(Date.now(), w.start)) }))
+      .map((w) => ({ ...w, ms: Math.min(w.start + stepMs / 2, Math.max(now, w.start)) }))
       : [];
     const fromRollups = windows.length > 0;
     const numeric = fromRollups ? windows : evs.filter((e) => isNumber(e.value));
@@ -1429,8 +1431,7 @@
     const stripTop = plotTop + plotH + (numeric.length ? 8 : 0);
     const stripH = 26;
     const H = stripTop + stripH + 22;
-    const now = Date.now();
-    const last = evs[evs.length - 1].ms;
+    const last = Math.max(evs[evs.length - 1].ms, ...windows.map((w) => w.ms));
     // The newest state holds until now, the end of the chosen range: the
     // strip reaches it however long ago the last event was (it used to stop
     // a minute after a lone event, and the caption read "from 1:08 to 1:08").
