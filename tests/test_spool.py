@@ -11,7 +11,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import orjson
@@ -20,7 +20,14 @@ import pytest
 from gateway.errors import SpoolError
 from gateway.ingest import spool as spool_module
 from gateway.ingest.receive import Delivery
-from gateway.ingest.spool import DELETE_ENOUGH, GROUP_ENOUGH, Appended, Spool, SpoolSource
+from gateway.ingest.spool import (
+    DELETE_ENOUGH,
+    GROUP_ENOUGH,
+    Appended,
+    Record,
+    Spool,
+    SpoolSource,
+)
 from gateway.stats import Stats
 from gateway.store.database import Database
 
@@ -326,26 +333,37 @@ async def test_deletes_are_grouped_unless_the_spool_is_full(
         await deletes
 
 
+async def spooled_through(path: Path, deliveries: Callable[[Acks], list[Delivery]]) -> list[Record]:
+    """The records a SpoolSource committed for ``deliveries`` (made with the
+    Acks they are acknowledged to), read back once all were acknowledged."""
+    acks = Acks()
+    batch = deliveries(acks)
+    async with Spool(path, 1000, 10**6) as spool:
+        source = SpoolSource(spool, Unfed(), Unpaused(), Stats(), 100)
+        task = asyncio.create_task(source.append())
+        for delivery in batch:
+            source.accept(delivery)
+        async with asyncio.timeout(5):
+            while len(acks.done) < len(batch):  # noqa: ASYNC110 - waiting for the commits
+                await asyncio.sleep(0.01)
+        source.close()
+        await task
+        return await spool.read(0, 10)
+
+
 async def test_a_retained_copy_stays_one_through_the_spool(tmp_path: Path) -> None:
     """A retained copy and a redelivery are placed differently in the state
     view (the first may be older than anything, the second is newer than what
     was acknowledged before it): the spool keeps both flags apart."""
-    acks = Acks()
-    async with Spool(tmp_path / "s.sqlite", 1000, 10**6) as spool:
-        source = SpoolSource(spool, Unfed(), Unpaused(), Stats(), 100)
-        task = asyncio.create_task(source.append())
-        source.accept(Delivery("t/0", b"0", None, 1000, acks.of("t/0")))
-        source.accept(Delivery("t/1", b"1", None, 1001, acks.of("t/1"), redelivered=True))
-        source.accept(Delivery("t/2", b"2", None, 1002, acks.of("t/2"), retained=True))
-        source.accept(
-            Delivery("t/3", b"3", None, 1003, acks.of("t/3"), redelivered=True, retained=True)
-        )
-        async with asyncio.timeout(5):
-            while len(acks.done) < 4:  # noqa: ASYNC110 - waiting for the commits
-                await asyncio.sleep(0.01)
-        source.close()
-        await task
-        records = await spool.read(0, 10)
+    records = await spooled_through(
+        tmp_path / "s.sqlite",
+        lambda acks: [
+            Delivery("t/0", b"0", None, 1000, acks.of("t/0")),
+            Delivery("t/1", b"1", None, 1001, acks.of("t/1"), redelivered=True),
+            Delivery("t/2", b"2", None, 1002, acks.of("t/2"), retained=True),
+            Delivery("t/3", b"3", None, 1003, acks.of("t/3"), redelivered=True, retained=True),
+        ],
+    )
     assert [(r.topic, r.redelivered, r.retained) for r in records] == [
         ("t/0", False, False),
         ("t/1", True, False),
@@ -360,7 +378,6 @@ async def test_the_receive_microsecond_goes_through_the_spool(tmp_path: Path) ->
     keeps it, so a replay after a restart orders them as the first run did.
     A spool written before it was kept gets the column, null (0: not known)
     for its records, and takes new ones with it."""
-    acks = Acks()
     path = tmp_path / "s.sqlite"
     with sqlite3.connect(path) as old:  # a spool of before the column
         old.execute(
@@ -369,19 +386,13 @@ async def test_the_receive_microsecond_goes_through_the_spool(tmp_path: Path) ->
             "redelivered INTEGER NOT NULL DEFAULT 0)"
         )
         old.execute("INSERT INTO spool (received_ms, topic, payload) VALUES (999, 't/old', x'30')")
-    async with Spool(path, 1000, 10**6) as spool:
-        source = SpoolSource(spool, Unfed(), Unpaused(), Stats(), 100)
-        task = asyncio.create_task(source.append())
-        for i in range(3):
-            source.accept(
-                Delivery(f"t/{i}", b"0", None, 1000, acks.of(f"t/{i}"), received_us=1_000_007 + i)
-            )
-        async with asyncio.timeout(5):
-            while len(acks.done) < 3:  # noqa: ASYNC110 - waiting for the commits
-                await asyncio.sleep(0.01)
-        source.close()
-        await task
-        records = await spool.read(0, 10)
+    records = await spooled_through(
+        path,
+        lambda acks: [
+            Delivery(f"t/{i}", b"0", None, 1000, acks.of(f"t/{i}"), received_us=1_000_007 + i)
+            for i in range(3)
+        ],
+    )
     assert [(r.topic, r.received_ms, r.received_us) for r in records] == [
         ("t/old", 999, 0),
         ("t/0", 1000, 1_000_007),
