@@ -256,6 +256,14 @@ async def test_device_detail_chart_and_history(
     await expect(page.locator('[data-testid="device-state"]')).to_have_text("on", timeout=LIVE_MS)
     await expect(page.locator('[data-testid="device-history"]')).to_be_visible()
 
+    # A device by its id from the states page, whatever its state (the tiles
+    # asked for the state first); a pasted id's spaces at the ends dropped.
+    await page.goto(f"{url}#/t/acme")
+    await page.locator("#device-id").fill("  door ")
+    await page.locator("#device-form button").click()
+    await expect(page).to_have_url(f"{url}#/t/acme/d/door")
+    await expect(page.locator('[data-testid="device-value"]')).to_have_text("shut")
+
 
 async def test_phone_layout_has_no_horizontal_overflow(
     new_page: Callable[..., Awaitable[Page]], url: str, api: FakeApi, screenshot: Shot

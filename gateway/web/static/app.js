@@ -795,8 +795,19 @@
     if (name) go(href(["t", name]));
   });
 
+  // A device by its exact id, whatever its state: the tiles asked for the
+  // state first, which someone looking for one device may not know (page
+  // probe). Spaces at the ends are dropped, as a pasted id may carry them.
+  $("device-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const r = current && current.route;
+    const id = $("device-id").value.trim();
+    if (r && r.tenant && id) go(href(["t", r.tenant, "d", id]));
+  });
+
   function statesView(r) {
     showView("states");
+    $("device-id").value = "";
     $("states-title").textContent = `States of ${r.tenant}`;
     document.title = `${r.tenant} · Device states`;
     $("rejected-link").setAttribute("href", href(["t", r.tenant, "rejected"]));
