@@ -305,6 +305,21 @@ async def test_phone_layout_has_no_horizontal_overflow(
     await no_horizontal_overflow(page)
     await screenshot(page, "phone-device")
 
+    # A long id in the breadcrumbs is cut with an ellipsis (a flex box showed
+    # none: page probe), and stays a 44 px target.
+    await page.goto(f"{url}#/t/acme/d/a-device-with-a-very-long-identifier-0123456789abcdef")
+    await expect(page.locator("#device-title")).to_contain_text("a-device-with")
+    crumb = await page.evaluate(
+        """() => { const el = [...document.querySelectorAll('#crumbs span, #crumbs a')].pop();
+             const cs = getComputedStyle(el);
+             return [el.scrollWidth > el.clientWidth, cs.textOverflow, cs.display,
+                     el.getBoundingClientRect().height]; }"""
+    )
+    assert crumb[:2] == [True, "ellipsis"], crumb
+    assert "flex" not in crumb[2], crumb  # a flex box draws no ellipsis
+    assert crumb[3] >= 44, crumb
+    await no_horizontal_overflow(page)
+
 
 async def test_data_is_shown_as_text_never_as_markup(page: Page, url: str, api: FakeApi) -> None:
     evil = '<img src=x onerror="window.injected=1">'
