@@ -16,9 +16,9 @@ and the broker's persistent session holds the rest.
 Once a connection opens, the intake stops (what it received is committed and
 acknowledged; what the broker sends during the switch waits in the persistent
 session) and ``app.run`` opens the full gateway, which drains the spool in
-arrival order. Until then the read API and the page are not served (they
-read Cassandra); nothing is sampled either: the sampler judges each spooled
-message at its arrival time when it is drained.
+arrival order. Until then the page is served and the read API answers 503
+with Retry-After (it reads Cassandra); nothing is sampled either: the
+sampler judges each spooled message at its arrival time when it is drained.
 """
 
 from __future__ import annotations
