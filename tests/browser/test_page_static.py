@@ -128,7 +128,7 @@ async def test_admin_picks_a_tenant_pages_and_filters(
     await page.locator("#tag").fill("floor:1")
     await page.locator("#tag").press("Enter")
     await expect(rows).to_have_count(3)  # dev-021, dev-025, dev-029
-    await expect(meta).to_have_text("3 match on this page · 250 devices in on in all")
+    await expect(meta).to_have_text("3 match on this page · 250 devices in on, unfiltered")
     await screenshot(page, "filtered")
     # Clicking a tag chip filters by it.
     await page.locator("#clear-filter").click()

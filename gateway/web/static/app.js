@@ -1198,7 +1198,8 @@
     if (left) parts.push(`${left} left ${whole ? r.state : "this page"}`);
     if (fresh) parts.push(`${fresh} new`);
     if (total != null) {
-      parts.push(`${total} ${total === 1 ? "device" : "devices"} in ${r.state}${filtered ? " in all" : ""}`);
+      // "250 devices in on in all" read oddly (page probe).
+      parts.push(`${total} ${total === 1 ? "device" : "devices"} in ${r.state}${filtered ? ", unfiltered" : ""}`);
     }
     const text = parts.join(" · ");
     if ($("devices-meta").textContent !== text) $("devices-meta").textContent = text;
