@@ -40,7 +40,12 @@ class SinkError(GatewayError):
 class WritesFailing(SinkError):
     """Cassandra writes kept failing for ``cassandra.give_up_after``. In spool
     mode ``gateway run`` closes the gateway and spools until Cassandra answers
-    again (gateway/spooling.py); without the spool it stops."""
+    again (gateway/spooling.py); without the spool it stops. ``since``: when
+    they began to fail (time.time())."""
+
+    def __init__(self, message: str, since: float) -> None:
+        super().__init__(message)
+        self.since = since
 
 
 class CassandraUnreachable(SinkError):

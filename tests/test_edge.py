@@ -542,7 +542,7 @@ def test_check_finds_a_spool_full_by_its_bytes(tmp_path: Path) -> None:
     assert result.stdout.splitlines()[0] == (
         "the spool is full (3000 bytes, spool.max_bytes): acknowledgements paused"
     )
-    assert "spool: FULL (acknowledgements paused), 1 messages (3000 bytes) waiting" in result.stdout
+    assert "spool: FULL (acknowledgements paused), 1 message (3000 bytes) waiting" in result.stdout
 
 
 def test_init_writes_the_example_config_and_keeps_an_existing_file(tmp_path: Path) -> None:

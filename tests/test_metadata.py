@@ -76,8 +76,11 @@ async def test_metadata_is_kept_on_ingest_and_served(
     assert "nothing recorded for the tenant; a misspelt --tenant?" in result.stderr
     result = run_cli("history", "--tenant", tenant, "d9")
     assert f"tenant {tenant!r} has no device 'd9'; a misspelt id or --tenant?" in result.stderr
+    # Not found is 1, as `gateway device` says it (history and rollup said 0).
+    assert result.returncode == 1, result.stderr
     result = run_cli("rollup", "--tenant", tenant, "d9", "--metric", "temp")
     assert f"tenant {tenant!r} has no device 'd9'" in result.stderr
+    assert result.returncode == 1, result.stderr
     result = run_cli(
         "history",
         "--tenant",

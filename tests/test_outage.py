@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 import orjson
 import pytest
 
+from gateway.errors import WritesFailing
 from gateway.store import requests, write_session
 from gateway.store.database import Database
 
@@ -80,6 +81,7 @@ async def test_giving_up_stops_the_gateway_and_the_broker_keeps_the_rest(
         gave_up: BaseExceptionGroup[BaseException] | None = None
         try:
             async with running_gateway(config) as gw:
+                cut = time.time()
                 await p.cut()
                 await publish(messages)
                 async with asyncio.timeout(60):
@@ -88,11 +90,26 @@ async def test_giving_up_stops_the_gateway_and_the_broker_keeps_the_rest(
             gave_up = group
         assert gave_up is not None, "the gateway should stop after give_up_after"
         assert "give_up_after" in repr(gave_up.exceptions)
+        # It says when the writes began to fail (/healthz's "unreachable
+        # since" in spool mode): at least give_up_after before it gave up.
+        failing, _ = gave_up.split(WritesFailing)
+        assert failing is not None
+        first = _leaves(failing)[0]
+        assert isinstance(first, WritesFailing)
+        assert cut <= first.since <= time.time() - 3, (cut, first.since)
     # The same session, Cassandra reachable again: everything arrives.
     config = make_config(GATEWAY_MQTT__CLIENT_ID=client_id, GATEWAY_SAMPLING__ENABLED="false")
     async with running_gateway(config) as gw:
         await gw.wait_for(lambda s: s.written >= 50, deadline=60)
     assert len(await telemetry_keys(db, tenant, "g")) == 50
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    return [
+        leaf
+        for exc in group.exceptions
+        for leaf in (_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    ]
 
 
 @asynccontextmanager

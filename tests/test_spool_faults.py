@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import orjson
@@ -36,7 +37,7 @@ import pytest
 
 from gateway.errors import SpoolDiskFull, SpoolError
 from gateway.ingest.receive import Delivery
-from gateway.ingest.spool import READ_ONLY_WHY, Spool, SpoolSource
+from gateway.ingest.spool import READ_ONLY_WHY, Record, Spool, SpoolSource
 from gateway.stats import Stats
 from gateway.store.database import Database
 
@@ -208,6 +209,7 @@ async def test_writes_failing_past_give_up_after_go_back_to_spooling(
             return (await _metrics(api))["gateway_events_written_total"] >= at_least
 
         await wait_until(lambda: written(rate), 30, "the fleet being written", interval=0.2)
+        cut = time.time()
         await link.cut()
         await wait_until(
             lambda: "closing the gateway; taking messages into the spool" in gw.output(),
@@ -227,6 +229,12 @@ async def test_writes_failing_past_give_up_after_go_back_to_spooling(
         code, checks = await _healthz(api)
         assert code == 503
         assert str(checks["cassandra"]).startswith("spooling, Cassandra unreachable since "), checks
+        # Since the writes began to fail, soon after the cut: not now less
+        # give_up_after, which the close's wait had moved on (field probe).
+        since = datetime.fromisoformat(str(checks["cassandra"]).rsplit(" ", 1)[1]).timestamp()
+        assert cut - 1.5 <= since <= cut + 3, (cut, checks)
+        # Closing after give_up_after is not a stop: the log said "stopping".
+        assert "stopping with Cassandra writes unfinished" not in gw.output()
         # The closed gateway's queue is not shown as still queued (it said
         # what the queue held when the gateway closed, for as long as it spooled).
         assert (await _metrics(api))["gateway_queue_depth"] == 0
@@ -794,7 +802,10 @@ async def test_check_says_the_disk_is_full_before_the_spool_is_created(tmp_path:
         roomy = await asyncio.to_thread(run_cli, "check", env=env)
     assert done.returncode == 1, done.stdout
     assert done.stdout.splitlines()[0].startswith("the spool's disk is full"), done.stdout
-    assert f"spool: DISK FULL (acknowledgements paused), {path} not created yet" in done.stdout
+    assert (
+        f"spool: DISK FULL (no room for a message of limits.max_payload_bytes), {path} "
+        "not created yet"
+    ) in done.stdout
     assert roomy.returncode == 0, roomy.stdout
     assert f"spool: empty ({path} not created yet)" in roomy.stdout
 
@@ -948,7 +959,10 @@ def test_a_damaged_spool_is_said_with_what_to_do(tmp_path: Path) -> None:
     with path.open("r+b") as file:
         file.seek(4096 * 20)
         file.write(b"\xff" * 4096)
-    advice = f"the file is damaged: stop the gateway, move it aside (mv {path} {path}.damaged)"
+    advice = (
+        f"the file is damaged: stop the gateway and move it and its WAL aside (mv {path} "
+        f"{path}.damaged; mv {path}-wal {path}.damaged-wal; rm -f {path}-shm)"
+    )
     env = base_env(GATEWAY_SPOOL__ENABLED="true", GATEWAY_SPOOL__PATH=str(path))
     checked = run_cli("check", env=env)
     assert checked.returncode == 1
@@ -964,6 +978,31 @@ def test_a_damaged_spool_is_said_with_what_to_do(tmp_path: Path) -> None:
     assert off.returncode == 2
     assert f"spool.enabled is false, but the spool {path} cannot be read" in off.stderr
     assert advice in off.stderr, off.stderr
+    # The advice, followed as given, puts what can still be read into a new
+    # spool that the gateway opens (`.recover` gave nothing on this sqlite3,
+    # and the WAL left behind was lost: field-engineer probe).
+    steps = first.split("; then `", 1)[1].split("` (Debian package sqlite3)", 1)[0]
+    moved = subprocess.run(
+        [
+            "bash",
+            "-c",
+            f"mv {path} {path}.damaged; mv {path}-wal {path}.damaged-wal 2>/dev/null; "
+            f"rm -f {path}-shm; {steps}",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert moved.returncode == 0, moved.stderr
+
+    async def recovered() -> list[Record]:
+        async with Spool(path, 1000, 1 << 24) as spool:
+            return await spool.read(0, 100)
+
+    records = asyncio.run(recovered())
+    assert 0 < len(records) < 50, len(records)  # the damaged page's are gone
+    assert {(r.topic, r.payload) for r in records} == {("t/a", b"x" * 3000)}
+    assert "DAMAGED" not in run_cli("check", env=env).stdout  # it opens
 
 
 async def test_healthz_says_the_link_is_down_with_nothing_to_write(

@@ -199,7 +199,8 @@ class Requests:
                     if now - first_failed >= self._give_up_after:
                         raise WritesFailing(
                             f"Cassandra writes failing for over {self._give_up_after:.0f} s "
-                            f"(cassandra.give_up_after); last error: {short(exc)}"
+                            f"(cassandra.give_up_after); last error: {short(exc)}",
+                            time.time() - (now - first_failed),
                         ) from None
                     attempt += 1
                     stats.retries += 1

@@ -148,13 +148,18 @@ def _spool(config: Config) -> Result:
     largest = config.limits.max_payload_bytes
     need = room_needed(largest)
 
+    # Not "acknowledgements paused": a smaller message may still fit, and the
+    # gateway on a disk this check failed took and acknowledged 100 of 100
+    # (field-engineer probe); one of the largest size would wait for room.
     def full_disk(room: int) -> str:
         return (
             f"the spool's disk is full ({room} bytes of room for {path}; a message of "
             f"limits.max_payload_bytes needs {need}, kept for it and for deletes, and "
-            f"{disk_needed(largest)} of it free on disk): acknowledgements paused until "
-            "there is room"
+            f"{disk_needed(largest)} of it free on disk): such a message is not "
+            "acknowledged until there is room, smaller ones while they fit"
         )
+
+    too_full = "DISK FULL (no room for a message of limits.max_payload_bytes)"
 
     # The gateway's own refusal at start (ingest/spool.py, Spool._open), asked
     # whether or not the file is there yet: the first check on a new host too.
@@ -173,7 +178,7 @@ def _spool(config: Config) -> Result:
     if found is None:
         # The first check on a new host: the gateway could not spool there either.
         if not takes(free, 0, largest):
-            said = f"spool: DISK FULL (acknowledgements paused), {path} not created yet"
+            said = f"spool: {too_full}, {path} not created yet"
             return False, said, full_disk(free)
         return True, f"spool: empty ({path} not created yet)", ""
     age = 0.0 if found.oldest_ms is None else max(0.0, time.time() - found.oldest_ms / 1000)
@@ -190,13 +195,17 @@ def _spool(config: Config) -> Result:
     problem = (
         full_disk(room) if disk_full else f"the spool is full ({bound}): acknowledgements paused"
     )
-    state = "DISK FULL" if disk_full else "FULL" if bound else "ok"
-    if state != "ok":
-        state += " (acknowledgements paused)"
+    state = too_full if disk_full else "FULL (acknowledgements paused)" if bound else "ok"
+    # An empty spool has no oldest message ("0 messages ..., oldest 0 s").
+    waiting = (
+        f"{found.depth} message{'' if found.depth == 1 else 's'} ({found.size} bytes) waiting, "
+        f"oldest {age:.0f} s"
+        if found.depth
+        else "empty"
+    )
     return (
         state == "ok",
-        f"spool: {state}, {found.depth} messages ({found.size} bytes) waiting, oldest {age:.0f} s "
-        f"({path}; drain rate: gateway_spool_drained_total in /metrics)",
+        f"spool: {state}, {waiting} ({path}; drain rate: gateway_spool_drained_total in /metrics)",
         problem,
     )
 

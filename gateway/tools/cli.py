@@ -735,10 +735,11 @@ def _drivers_hidden(hidden: bool) -> Iterator[None]:
 
 class _HearDriversWhenReady(Notifier):
     """systemd's notifier for `gateway run`, which hides the drivers' reports
-    of its first connect without the spool: a failed one is said in one line
-    (``gateway: cannot connect to Cassandra at ...``), and theirs came first,
-    four of them. The gateway sends READY=1 once it is open (Gateway.run),
-    and the drivers are heard from then on, or once the run ends."""
+    of its first connect: a failed one is said in one line (``gateway: cannot
+    connect to Cassandra at ...``, or the spool's "taking messages into the
+    spool"), and theirs came first, four of them. The gateway sends READY=1
+    once it is open (Gateway.run) or spooling (spooling.py), and the drivers
+    are heard from then on, or once the run ends."""
 
     def notify(self, *fields: str) -> None:
         if "READY=1" in fields:
@@ -779,8 +780,10 @@ async def _run(config: Config) -> int:
         config.cassandra.keyspace,
     )
     notifier = _HearDriversWhenReady.from_environ(os.environ)
-    if not config.spool.enabled:  # the spool reports its attempts itself
-        _hide_drivers()
+    # With the spool too: its own attempts are quiet (spooling.py), but the
+    # first, app.run's, logged cassandra-driver's ERROR at every start during
+    # an outage, beside the spool's own line (field-engineer probe).
+    _hide_drivers()
     task = asyncio.create_task(
         app.run(
             config, stop, shutdown_deadline=config.pipeline.shutdown_deadline, notifier=notifier
@@ -1106,7 +1109,9 @@ async def _history(config: Config, args: argparse.Namespace) -> int:
     async with connect(config.cassandra) as db:
         # One more than asked: whether the limit left any out.
         rows = await queries.history(db, args.tenant, args.device_id, since, until, args.limit + 1)
-        hint = "" if rows else await _empty_device_hint(db, args.tenant, args.device_id)
+        hint, missing = (
+            ("", False) if rows else await _empty_device_hint(db, args.tenant, args.device_id)
+        )
     more, rows = len(rows) > args.limit, rows[: args.limit]
     if args.json:
         _print_json([r.as_json() for r in rows])
@@ -1116,16 +1121,18 @@ async def _history(config: Config, args: argparse.Namespace) -> int:
             print(f"{queries.iso(r.ts)}\t{r.state or ''}\t{value}\t{_json_text(r.metrics)}")
     if more or hint or not args.json:  # with --json, said only when cut or explained
         print(f"({_count(len(rows), 'event')}{_more(more)}{hint})", file=sys.stderr)
-    return 0
+    # A device the tenant never had is "not found" (1), as for `gateway
+    # device`; an empty range of a known one is an answer (0).
+    return 1 if missing else 0
 
 
-async def _empty_device_hint(db: Database, tenant: str, device_id: str) -> str:
+async def _empty_device_hint(db: Database, tenant: str, device_id: str) -> tuple[str, bool]:
     """Why a device's range is empty: no such device (a misspelt id or
-    --tenant), or none in the range, and when its newest event was."""
+    --tenant; then True), or none in the range, and when its newest event was."""
     newest = await queries.latest_event(db, tenant, device_id)
     if newest is None:
-        return _no_device_hint(tenant, device_id)
-    return f": none in the range; its newest event is at {queries.iso(newest.ts)}"
+        return _no_device_hint(tenant, device_id), True
+    return f": none in the range; its newest event is at {queries.iso(newest.ts)}", False
 
 
 def _no_device_hint(tenant: str, device_id: str) -> str:
@@ -1148,7 +1155,7 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
             db, args.tenant, args.device_id, args.metric, step, since, until
         )
         known = await queries.meta_metrics(db, args.tenant) if not rows else []
-        hint = ""
+        hint, missing = "", False
         if known and args.metric not in known:
             # Likely a misspelt --metric: say which ones the tenant's devices send.
             hint = (
@@ -1158,7 +1165,7 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
             # No metric at all (metadata records every name): likely a misspelt --tenant.
             hint = f": tenant {args.tenant!r} has no metrics recorded; a misspelt --tenant?"
         elif not rows and await queries.latest_event(db, args.tenant, args.device_id) is None:
-            hint = _no_device_hint(args.tenant, args.device_id)
+            hint, missing = _no_device_hint(args.tenant, args.device_id), True
         done, worker = await asyncio.gather(
             queries.rollups_done_until(db), _rollup_worker_or_none(db)
         )
@@ -1178,7 +1185,7 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
                 f"\tsum={total}\tlast={r.last:.12g}"
             )
         print(summary, file=sys.stderr)
-    return 0
+    return 1 if missing else 0  # as history's
 
 
 async def _rebuild_rollups(config: Config, args: argparse.Namespace) -> int:

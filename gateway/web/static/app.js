@@ -1509,7 +1509,7 @@
         for (const w of numeric) {
           svg.append(s("circle", { class: "point rollup-point", cx: x(w.ms).toFixed(1),
             cy: y(w.value).toFixed(1), r: 3 },
-          s("title", { text: `${per} from ${formatTime(w.start)}: average ${formatValue(w.value)}, `
+          s("title", { text: `The ${per} from ${formatTime(w.start)}: average ${formatValue(w.value)}, `
             + `${span(w.min, w.max, "all")} (${w.count} ${w.count === 1 ? "reading" : "readings"})` })));
         }
       }
