@@ -795,6 +795,16 @@ async def _run(config: Config) -> int:
     )
     if not task.done():
         notifier.notify("STOPPING=1")
+        # Said at once: during an outage the writes under way may take the
+        # whole deadline, and a Ctrl-C met 10 s of silence (field probe).
+        log.info(
+            "stopping: finishing the writes under way (up to %.0f s, "
+            "pipeline.shutdown_deadline); what is not written %s",
+            config.pipeline.shutdown_deadline,
+            "stays in the spool"
+            if config.spool.enabled
+            else "is not acknowledged: the broker keeps it for the next start",
+        )
         started = time.monotonic()
         try:
             # The pipeline has its own deadline; this one is the backstop.
