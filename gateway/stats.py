@@ -211,6 +211,9 @@ class Stats:
             f"read_pauses={self.read_pauses} overflow={self.overflow} "
             + (
                 f"spool_full={self.spool_full_waits} spool_disk_full={self.spool_disk_full} "
+                # What stays for the next start (field-engineer probe: the
+                # summary said received=531 written=0, and not where they were).
+                f"spooled={self.spool.depth} "
                 if self.spool is not None
                 else ""
             )

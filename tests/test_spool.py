@@ -4,6 +4,7 @@ Cassandra is away (through the cuttable proxy of helpers.py)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import signal
@@ -632,10 +633,12 @@ async def test_gateway_keeps_acknowledging_while_cassandra_is_away(
 
 
 async def test_stopping_with_a_full_queue_and_cassandra_away_does_not_hang(
-    tenant: str, tmp_path: Path
+    tenant: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The spool's feeder can be waiting for room in a full queue while the
-    writers wait for Cassandra: stopping must still end, within the deadline."""
+    writers wait for Cassandra: stopping must still end, within the deadline.
+    Its summary says how many stay spooled (it said received and written)."""
+    caplog.set_level(logging.INFO, logger="gateway")
     spool_path = tmp_path / "spool.sqlite"
     now = int(time.time() * 1000)
     messages = [
@@ -658,3 +661,6 @@ async def test_stopping_with_a_full_queue_and_cassandra_away_does_not_hang(
             # Leaving waits at most 30 s for the gateway to end, then fails.
     async with Spool(spool_path, 10_000, 10**8) as spool:
         assert spool.depth > 0  # what was not written stays spooled
+    stopped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stopped: ")]
+    assert stopped, [r.getMessage() for r in caplog.records][-5:]
+    assert f" spooled={spool.depth} " in stopped[-1], stopped[-1]
