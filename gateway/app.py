@@ -305,6 +305,15 @@ class Gateway:
             ready.set()
 
 
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    """The exceptions of ``group`` and of the groups nested in it."""
+    return [
+        leaf
+        for exc in group.exceptions
+        for leaf in (_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    ]
+
+
 async def _enter_if(
     wanted: bool, stack: AsyncExitStack, manager: Callable[[], AbstractAsyncContextManager[T]]
 ) -> T | None:
@@ -617,14 +626,17 @@ async def run(
             # terminal) stopped taking messages.
             if not config.spool.enabled or stop.is_set():
                 raise  # no spool, or stopping anyway: exit 1 as before
+            # except* keeps the groups it came through: the leaves are the
+            # WritesFailing (a filter on the top level found none if nested).
+            failing = [e for e in _leaves(group) if isinstance(e, WritesFailing)]
             # When they began to fail: not now less give_up_after, which the
             # close's wait for the writes under way (up to shutdown_deadline)
             # moved on by 10 s (field-engineer probe).
-            since = min(e.since for e in group.exceptions if isinstance(e, WritesFailing))
+            since = min(e.since for e in failing)
             waiting = None
             log.warning(
                 "%s: closing the gateway; taking messages into the spool until Cassandra answers",
-                group.exceptions[0],
+                failing[0],
             )
         except* SchemaMissing as group:
             # Spooling, the link came back to a keyspace without the tables

@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 import orjson
 import pytest
 
+from gateway.app import _leaves
 from gateway.errors import WritesFailing
 from gateway.store import requests, write_session
 from gateway.store.database import Database
@@ -102,14 +103,6 @@ async def test_giving_up_stops_the_gateway_and_the_broker_keeps_the_rest(
     async with running_gateway(config) as gw:
         await gw.wait_for(lambda s: s.written >= 50, deadline=60)
     assert len(await telemetry_keys(db, tenant, "g")) == 50
-
-
-def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
-    return [
-        leaf
-        for exc in group.exceptions
-        for leaf in (_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
-    ]
 
 
 @asynccontextmanager
