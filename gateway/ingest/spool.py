@@ -738,7 +738,7 @@ class Spool:
                 cursor = db.execute(
                     "INSERT INTO spool (received_ms, topic, content_type, payload, redelivered, "
                     "received_us) VALUES (?, ?, ?, ?, ?, ?)",
-                    (*record, 0, None)[:6] if len(record) == 4 else (*record, None)[:6],
+                    (*record, 0, 0)[:6],  # flags and received_us 0 when not given
                 )
                 assert cursor.lastrowid is not None
                 seqs.append(cursor.lastrowid)
