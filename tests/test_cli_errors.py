@@ -341,6 +341,26 @@ def test_an_argument_checked_after_parsing_is_reported_as_argparse_reports_its_o
 
 
 @pytest.mark.parametrize(
+    ("args", "usage"),
+    [
+        (("devices", "--tenant", "t", "--state", "on", "--bogus"), "gateway devices"),
+        (("history", "--tenant", "t", "d1", "--bogus"), "gateway history"),
+        (("schema", "apply", "--bogus"), "gateway schema apply"),
+        (("token", "list", "--bogus"), "gateway token list"),
+    ],
+)
+def test_an_unknown_option_is_refused_with_the_command_s_usage(
+    gateway: Run, args: tuple[str, ...], usage: str
+) -> None:
+    """argparse reports an argument no parser took with the top-level usage
+    (``gateway [-h] ... COMMAND ...``), which names none of the command's
+    options, once the command's own arguments were all there."""
+    err = _fails(gateway, *args)
+    assert err.startswith(f"usage: {usage} [-h]"), err
+    assert f"\n{usage}: error: unrecognized arguments: --bogus" in err, err
+
+
+@pytest.mark.parametrize(
     ("args", "argument"),
     [
         (("--devices", "1000000000"), "--devices"),  # built in memory first: 22 GB, then killed

@@ -210,6 +210,7 @@ def _action(sub: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
     says what it does, as a command's does."""
     kwargs.setdefault("description", kwargs.get("help"))
     parser: argparse.ArgumentParser = sub.add_parser(name, **kwargs)
+    parser.set_defaults(usage_parser=parser)
     return parser
 
 
@@ -1763,7 +1764,13 @@ def _stdout_gone() -> None:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # argparse's parse_args() reports these with the top-level usage
+        # (`gateway [-h] ... COMMAND ...`): the command's names its options.
+        where: argparse.ArgumentParser = getattr(args, "usage_parser", parser)
+        where.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "init":
         # Before any config exists to load. --config names the file to
         # write, as every other command's names the file to read.
