@@ -276,6 +276,14 @@ def test_an_empty_device_state_or_key_is_refused(
     assert f"argument {argument}: must not be empty" in err, err
 
 
+def test_a_state_is_trimmed_as_the_decoder_stores_it(gateway: Run) -> None:
+    """`--state 'on '` listed nobody: the decoder stores a device's "on " as
+    "on". Only whitespace is refused, naming the option."""
+    assert _parser().parse_args(["devices", "--tenant", "t", "--state", " on\t"]).state == "on"
+    err = _fails(gateway, "devices", "--tenant", "t", "--state", "  ")
+    assert "argument --state: '  ' is only whitespace, and no state is" in err, err
+
+
 @pytest.mark.parametrize(
     "args",
     [

@@ -121,6 +121,16 @@ def bad_parameter(parameter: str, detail: str) -> QueryError:
     return QueryError(f"{parameter}: {detail}", parameter=parameter)
 
 
+def asked_state(text: str) -> str:
+    """A state as asked for (``--state``, the API's ``/states/{state}``),
+    trimmed as the decoder trims a device's: ``"on "`` is ``"on"``, which is
+    what was stored. Only whitespace names no state."""
+    state = text.strip()
+    if not state:
+        raise bad_parameter("state", f"{text!r} is only whitespace, and no state is")
+    return state
+
+
 def _pack(value: Any) -> str:
     """An opaque cursor: the JSON of ``value``, base64url without padding."""
     return base64.urlsafe_b64encode(orjson.dumps(value)).decode().rstrip("=")

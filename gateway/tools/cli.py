@@ -314,7 +314,10 @@ def _parser() -> argparse.ArgumentParser:
     dev = _command(sub, "devices", parents=[common], help="devices currently in a state")
     dev.add_argument("--tenant", type=_tenant, required=True, help=TENANT_HELP)
     dev.add_argument(
-        "--state", type=_name, required=True, help="a state the devices report, e.g. on"
+        "--state",
+        type=_state,
+        required=True,
+        help="a state the devices report, e.g. on (spaces at its ends dropped, as stored)",
     )
     dev.add_argument("--json", action="store_true", help="print a JSON array")
 
@@ -903,6 +906,14 @@ def _name(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("must not be empty")
     return _argument(text, MAX_ARG)
+
+
+def _state(text: str) -> str:
+    """A state (``--state``): a name (:func:`_name`), trimmed as stored."""
+    try:
+        return queries.asked_state(_name(text))
+    except QueryError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("state: ")) from None
 
 
 def _tag(text: str) -> str:

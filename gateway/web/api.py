@@ -284,7 +284,8 @@ class ReadApi:
         return await self._cached(f"states:{tenant}", COUNTS_TTL, compute, _without_as_of)
 
     async def _devices(self, request: web.Request, grant: Grant) -> _Cached:
-        tenant, state = request.match_info["tenant"], request.match_info["state"]
+        tenant = request.match_info["tenant"]
+        state = queries.asked_state(request.match_info["state"])
         query = request.query
         limit = _int(query, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
         cursor = query.get("cursor") or None
