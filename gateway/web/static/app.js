@@ -35,6 +35,7 @@
   // Durations "ago", which the API takes for since=: the URL (and so its
   // ETag) stays the same from one poll to the next.
   const RANGES = ["1h", "24h", "7d"];
+  const RANGE_MS = { "1h": 3600e3, "24h": 86400e3, "7d": 7 * 86400e3 };
   const DEFAULT_RANGE = "24h";
   const REJECTED_SINCE = "24h";
   // The API's cap on a list: the newest this many rejected messages are shown,
@@ -1286,6 +1287,7 @@
     $("history-meta").textContent = "";
     lastHistory = null;
     lastRollups = null;
+    let lastSeen = null; // the device's latest ts: said when the range holds no event
     let stateCrumb = null;
     let shown = null; // "missing" or "found": a missing device is drawn once, not every poll
     const devicePath = pathOf("tenants", r.tenant, "devices", r.device);
@@ -1313,6 +1315,7 @@
         if (latestChanged) {
           renderLatest(r, latest.missing ? null : latest.data, latest.missing, shown !== null);
           shown = latest.missing ? "missing" : "found";
+          lastSeen = latest.missing ? null : latest.data.ts;
           const state = latest.missing ? null : latest.data.state;
           if (state !== stateCrumb) {
             stateCrumb = state;
@@ -1330,7 +1333,7 @@
             || (lastRollups !== null) !== (windows !== null)) {
           lastHistory = hist.data;
           lastRollups = windows ? { step, rows: windows.data.rollups || [] } : null;
-          renderHistory(hist.data);
+          renderHistory(hist.data, r, lastSeen);
         }
       },
     };
@@ -1382,7 +1385,7 @@
     if (again) flash(box);
   }
 
-  function renderHistory(data) {
+  function renderHistory(data, r, lastSeen) {
     const events = data.events || [];
     renderChart($("chart"), events, Boolean(data.next_cursor), lastRollups);
     const open = openTexts($("history-rows"));
@@ -1401,10 +1404,35 @@
     const more = !data.next_cursor ? ""
       : lastRollups ? " (the range holds older events: the value line covers them, the table not)"
         : " (the range holds older events, not shown)";
-    $("history-meta").textContent = events.length
-      ? `${events.length} event${events.length === 1 ? "" : "s"} in the chart, `
-        + `newest ${Math.min(events.length, HISTORY_ROWS)} listed${more}.`
-      : "No events in this range.";
+    if (events.length) {
+      $("history-meta").textContent = `${events.length} event${events.length === 1 ? "" : "s"} `
+        + `in the chart, newest ${Math.min(events.length, HISTORY_ROWS)} listed${more}.`;
+    } else {
+      $("history-meta").replaceChildren(...emptyRange(r, lastSeen));
+    }
+  }
+
+  // Why a device's range holds no event: its last one came before it (a
+  // device last seen days ago read only "No events" on the last 24 hours),
+  // with a link to the shortest range that holds it.
+  function emptyRange(r, lastSeen) {
+    const ms = tsMillis(lastSeen);
+    const now = Date.now();
+    if (ms == null || now - ms <= RANGE_MS[r.range]) return ["No events in this range."];
+    const wider = RANGES.find((x) => now - ms <= RANGE_MS[x]);
+    const said = `No events in this range: the last came ${formatAge(ms, now)}. `;
+    if (wider === undefined) {
+      const longest = RANGES[RANGES.length - 1];
+      return [said + `That is before the longest range here (the ${rangeLabel(longest)}).`];
+    }
+    return [said, h("a", { href: href(["t", r.tenant, "d", r.device],
+      { range: wider === DEFAULT_RANGE ? "" : wider }), "data-testid": "wider-range",
+    text: `Show the ${rangeLabel(wider)}` }), "."];
+  }
+
+  function rangeLabel(range) {
+    const option = $("range").querySelector(`option[value="${range}"]`);
+    return option ? option.textContent : range;
   }
 
   // An inline SVG: the numeric value over time (if there is one), a strip of
