@@ -16,9 +16,11 @@ from collections.abc import Callable
 from datetime import UTC
 
 from gateway.store.database import Database
+from gateway.tools.delay_proxy import DelayProxy
 from gateway.tools.simulate import Fleet, FleetSpec
 
 from .helpers import (
+    CQL_PORT,
     GatewayProcess,
     Publisher,
     assert_all_stored,
@@ -136,3 +138,38 @@ async def test_sigterm_under_load_finishes_what_it_holds(
     await assert_all_stored(db, tenant, publisher)
     gw.signal(signal.SIGTERM)
     assert gw.wait() == 0
+
+
+async def test_a_second_signal_exits_at_once_and_loses_nothing(
+    db: Database, tenant: str, gateway_process: Callable[..., GatewayProcess]
+) -> None:
+    """A Ctrl-C while Cassandra hangs waits for the writes under way, up to
+    pipeline.shutdown_deadline (10 s) and the backstop; a second Ctrl-C
+    changed nothing (field probe). Now it exits at once, as SIGKILL would,
+    and the next start takes from the broker what was not acknowledged."""
+    async with DelayProxy("127.0.0.1", CQL_PORT) as proxy:
+        gw = gateway_process(
+            GATEWAY_SAMPLING__ENABLED="false", GATEWAY_CASSANDRA__PORT=str(proxy.port)
+        )
+        await asyncio.to_thread(gw.start)
+        publisher = Publisher(tenant, devices=10, rate=500, count=3000)
+        publisher.start()
+        await wait_until(stored_at_least(db, tenant, publisher, 300), 60, "300 events stored")
+        proxy.delay = 60.0  # Cassandra's answers stop coming back
+        await asyncio.sleep(1.0)
+        gw.signal(signal.SIGTERM)
+        await wait_until(lambda: "stopping: finishing" in gw.output(), 10, "the stop said")
+        started = time.monotonic()
+        gw.signal(signal.SIGINT)
+        assert await asyncio.to_thread(gw.wait, 10) == 130
+        took = time.monotonic() - started
+    assert took < 3, took
+    output = gw.output()
+    assert "second signal: exiting now, without waiting for the writes under way" in output
+    assert "stopped: received=" not in output  # not the graceful stop's end
+    gw.env["GATEWAY_CASSANDRA__PORT"] = str(CQL_PORT)
+    await asyncio.to_thread(gw.start)
+    await asyncio.to_thread(publisher.join, 120)
+    await assert_all_stored(db, tenant, publisher)
+    gw.signal(signal.SIGTERM)
+    assert await asyncio.to_thread(gw.wait) == 0

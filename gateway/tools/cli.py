@@ -809,6 +809,8 @@ async def _run(config: Config) -> int:
             if config.spool.enabled
             else "is not acknowledged: the broker keeps it for the next start",
         )
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, _exit_now, config.spool.enabled)
         started = time.monotonic()
         try:
             # The pipeline has its own deadline; this one is the backstop.
@@ -822,6 +824,21 @@ async def _run(config: Config) -> int:
     except asyncio.CancelledError:
         return 1
     return 0
+
+
+def _exit_now(spooled: bool) -> None:
+    """A second SIGINT or SIGTERM while `gateway run` stops: exit at once,
+    as after SIGKILL, which loses nothing (a message is acknowledged only
+    once written, or once in the spool). Waiting out the writes under way
+    (up to pipeline.shutdown_deadline, more during an outage) is what the
+    first one asked for."""
+    log.warning(
+        "second signal: exiting now, without waiting for the writes under way; what is "
+        "not written %s",
+        "stays in the spool" if spooled else "is not acknowledged: the broker redelivers it",
+    )
+    logging.shutdown()
+    os._exit(130)
 
 
 def _add_limit(parser: argparse.ArgumentParser, what: str) -> None:
