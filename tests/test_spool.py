@@ -28,6 +28,7 @@ from gateway.ingest.spool import (
     Record,
     Spool,
     SpoolSource,
+    peek,
 )
 from gateway.stats import Stats
 from gateway.store.database import Database
@@ -400,6 +401,24 @@ async def test_the_receive_microsecond_goes_through_the_spool(tmp_path: Path) ->
         ("t/1", 1000, 1_000_008),
         ("t/2", 1000, 1_000_009),
     ]
+
+
+async def test_a_damaged_spool_is_reported_on_one_line(tmp_path: Path) -> None:
+    """SQLite's quick_check reports over several lines ("*** in database
+    main ***", then the page), and `gateway check`'s DAMAGED line carried
+    them so (field probe)."""
+    path = tmp_path / "spool.sqlite"
+    async with Spool(path, 1000, 1 << 24) as spool:
+        await spool.append([(int(time.time() * 1000), "t/a", None, b"x" * 3000)] * 50)
+    with path.open("r+b") as file:
+        file.seek(4096 * 10 + 8)  # a cell's offset on a leaf page: out of range
+        file.write(b"\x00\x07\x13")
+    with pytest.raises(sqlite3.DatabaseError) as raised:
+        peek(path, verify=True)
+    said = str(raised.value)
+    assert "\n" not in said, said
+    assert "out of range" in said, said
+    assert "malformed" in said, said
 
 
 async def test_a_spool_folder_that_cannot_be_made_is_a_spool_error(tmp_path: Path) -> None:

@@ -192,7 +192,9 @@ def peek(path: Path, *, verify: bool = False) -> Peeked | None:
         if verify:
             problems = [row[0] for row in db.execute("PRAGMA quick_check(3)")]
             if problems != ["ok"]:
-                error = sqlite3.DatabaseError("; ".join(problems))
+                # On one line: a report can hold several ("*** in database
+                # main ***\nOn tree page 11 ..."), and check's line was cut.
+                error = sqlite3.DatabaseError("; ".join(" ".join(p.split()) for p in problems))
                 error.sqlite_errorcode = sqlite3.SQLITE_CORRUPT
                 raise error
         depth, size, oldest = db.execute(
