@@ -485,22 +485,27 @@ async def test_a_device_with_one_event_holds_its_state_until_now(
 
 
 async def test_a_range_without_events_says_when_the_last_came_and_offers_a_wider_one(
-    page: Page, url: str, api: FakeApi
+    new_page: Callable[..., Awaitable[Page]], url: str, api: FakeApi, screenshot: Shot
 ) -> None:
     """A device last seen days ago read "No events to chart." and "No events
     in this range." on the default 24 hours, and nothing said to try 7 days."""
     api.put("acme", "quiet", "off", "shut", at=ago(3 * 86400))
     api.put("acme", "gone", "off", "shut", at=ago(9 * 86400))
+    page = await new_page(phone=True)
     await log_in(page, url, TENANT_TOKEN)
     await page.goto(f"{url}#/t/acme/d/quiet")
-    meta = page.locator("#history-meta")
-    await expect(meta).to_contain_text("No events in this range: the last came 3 d ago.")
+    said = page.locator('[data-testid="empty-range"]')
+    await expect(said).to_have_text("No events in this range: the last one came 3 d ago.")
+    await no_horizontal_overflow(page)
+    assert await page.evaluate(SMALL_TARGETS) == []
+    await screenshot(page, "empty-range")
     await page.locator('[data-testid="wider-range"]').click()
     await expect(page.locator("#history-meta")).to_contain_text("1 event in the chart")
     await expect(page.locator("#range")).to_have_value("7d")
     await page.goto(f"{url}#/t/acme/d/gone")
-    await expect(meta).to_contain_text(
-        "the last came 9 d ago. That is before the longest range here (the last 7 days)."
+    await expect(said).to_have_text(
+        "No events in this range: the last one came 9 d ago. That is before the longest "
+        "range here (the last 7 days)."
     )
     await expect(page.locator('[data-testid="wider-range"]')).to_have_count(0)
 

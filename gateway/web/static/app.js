@@ -1404,30 +1404,30 @@
     const more = !data.next_cursor ? ""
       : lastRollups ? " (the range holds older events: the value line covers them, the table not)"
         : " (the range holds older events, not shown)";
-    if (events.length) {
-      $("history-meta").textContent = `${events.length} event${events.length === 1 ? "" : "s"} `
-        + `in the chart, newest ${Math.min(events.length, HISTORY_ROWS)} listed${more}.`;
-    } else {
-      $("history-meta").replaceChildren(...emptyRange(r, lastSeen));
-    }
+    $("history-meta").textContent = events.length
+      ? `${events.length} event${events.length === 1 ? "" : "s"} in the chart, `
+        + `newest ${Math.min(events.length, HISTORY_ROWS)} listed${more}.`
+      : "No events in this range.";
+    if (!events.length) emptyRange($("chart"), r, lastSeen);
   }
 
-  // Why a device's range holds no event: its last one came before it (a
-  // device last seen days ago read only "No events" on the last 24 hours),
-  // with a link to the shortest range that holds it.
-  function emptyRange(r, lastSeen) {
+  // Why a device's range holds no event, in the chart's place: its last one
+  // came before it (a device last seen days ago read only "No events to
+  // chart." on the last 24 hours), with a link to the shortest range that
+  // holds it.
+  function emptyRange(figure, r, lastSeen) {
     const ms = tsMillis(lastSeen);
     const now = Date.now();
-    if (ms == null || now - ms <= RANGE_MS[r.range]) return ["No events in this range."];
+    if (ms == null || now - ms <= RANGE_MS[r.range]) return;
     const wider = RANGES.find((x) => now - ms <= RANGE_MS[x]);
-    const said = `No events in this range: the last came ${formatAge(ms, now)}. `;
-    if (wider === undefined) {
-      const longest = RANGES[RANGES.length - 1];
-      return [said + `That is before the longest range here (the ${rangeLabel(longest)}).`];
-    }
-    return [said, h("a", { href: href(["t", r.tenant, "d", r.device],
-      { range: wider === DEFAULT_RANGE ? "" : wider }), "data-testid": "wider-range",
-    text: `Show the ${rangeLabel(wider)}` }), "."];
+    const said = `No events in this range: the last one came ${formatAge(ms, now)}.`;
+    const longest = RANGES[RANGES.length - 1];
+    figure.replaceChildren(h("p", { class: "hint", "data-testid": "empty-range",
+      text: wider ? said : `${said} That is before the longest range here (the `
+        + `${rangeLabel(longest)}).` }),
+    wider ? h("p", null, h("a", { class: "button-link", "data-testid": "wider-range",
+      href: href(["t", r.tenant, "d", r.device], { range: wider === DEFAULT_RANGE ? "" : wider }),
+      text: `Show the ${rangeLabel(wider)}` })) : null);
   }
 
   function rangeLabel(range) {
