@@ -81,6 +81,10 @@ async def test_metadata_is_kept_on_ingest_and_served(
     result = run_cli("rollup", "--tenant", tenant, "d9", "--metric", "temp")
     assert f"tenant {tenant!r} has no device 'd9'" in result.stderr
     assert result.returncode == 1, result.stderr
+    # With a misspelt metric too: the metric's hint, and still 1 (it was 0).
+    result = run_cli("rollup", "--tenant", tenant, "d9", "--metric", "tmp")
+    assert "has no such metric" in result.stderr, result.stderr
+    assert result.returncode == 1, result.stderr
     result = run_cli(
         "history",
         "--tenant",

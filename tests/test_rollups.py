@@ -439,10 +439,11 @@ async def test_cli_and_api_serve_the_rollups(
     assert typo.stderr.startswith(
         f"(0 windows of 1m for 'kwhh': tenant {tenant!r} has no such metric; its metrics: kwh"
     )
-    # A misspelt tenant has no metrics at all: it said nothing of it.
+    # A misspelt tenant has no metrics at all: it said nothing of it. Nor
+    # has it the device: exit 1, as history says it (it was 0).
     other = run_cli("rollup", "--tenant", f"{tenant}x", "m1", "--metric", "kwh",
                     "--since", iso, "--until", until, "--json")  # fmt: skip
-    assert other.returncode == 0, other.stderr
+    assert other.returncode == 1, other.stderr
     assert other.stderr.startswith(
         f"(0 windows of 1m for 'kwh': tenant '{tenant}x' has no metrics recorded; "
         "a misspelt --tenant?"

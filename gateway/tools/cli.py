@@ -1194,7 +1194,10 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
             db, args.tenant, args.device_id, args.metric, step, since, until
         )
         known = await queries.meta_metrics(db, args.tenant) if not rows else []
-        hint, missing = "", False
+        # A device the tenant never had fails as history's does, whatever
+        # --metric says (a misspelt metric beside it hid it: exit 0).
+        missing = not rows and await queries.latest_event(db, args.tenant, args.device_id) is None
+        hint = ""
         if known and args.metric not in known:
             # Likely a misspelt --metric: say which ones the tenant's devices send.
             hint = (
@@ -1203,8 +1206,8 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
         elif not rows and not known and args.metric != "value" and config.metadata.enabled:
             # No metric at all (metadata records every name): likely a misspelt --tenant.
             hint = f": tenant {args.tenant!r} has no metrics recorded; a misspelt --tenant?"
-        elif not rows and await queries.latest_event(db, args.tenant, args.device_id) is None:
-            hint, missing = _no_device_hint(args.tenant, args.device_id), True
+        elif missing:
+            hint = _no_device_hint(args.tenant, args.device_id)
         done, worker = await asyncio.gather(
             queries.rollups_done_until(db), _rollup_worker_or_none(db)
         )
@@ -1258,8 +1261,10 @@ async def _rebuild_rollups(config: Config, args: argparse.Namespace) -> int:
             worker = RollupWorker(session, config, Stats())
             await worker.prepare()
             windows, seen = await worker.rebuild(args.tenant, devices, since_ms, until_ms, progress)
-    # A device named and not found is said, and fails the command when the
-    # tenant never had it (a misspelt id); one quiet in the range is not.
+    # A device named and not found is said. It fails the command when the
+    # tenant never had it (a misspelt id), or when no device named had a
+    # window to recompute (nothing was done); one quiet in the range beside
+    # another that had windows does not.
     unknown = []
     if missing := sorted(set(args.device_id) - seen):
         async with connect(config.cassandra) as db:
