@@ -586,7 +586,7 @@ class HotPartitionConfig(_Model):
     # cool one. Readers find the shards through telemetry_partitions.
     max_shards: int = Field(default=16, ge=1, le=256)
     # Partitions counted per window; writes to partitions beyond it are not
-    # tracked (counted as untracked).
+    # tracked (counted in gateway_hot_partitions_untracked_writes_total).
     max_tracked: int = Field(default=100_000, ge=100, le=10_000_000)
 
 

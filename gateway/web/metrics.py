@@ -60,9 +60,16 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
     (
         "gateway_events_written_total",
         "written",
-        "Events whose every Cassandra write was acknowledged.",
+        "Events stored as raw rows, every Cassandra write of theirs acknowledged (not "
+        "those sampling left out).",
     ),
     ("gateway_acks_sent_total", "acked", "PUBACKs sent to the broker."),
+    (
+        "gateway_hot_partitions_untracked_writes_total",
+        "untracked_writes",
+        "Writes to partitions beyond hot_partitions.max_tracked in their window: not "
+        "counted per partition, so never found hot.",
+    ),
     (
         "gateway_acks_dropped_total",
         "acks_dropped",
@@ -147,8 +154,9 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
     (
         "gateway_coalesced_events_total",
         "coalesced",
-        "Events whose latest-state writes a newer event made moot (in the same chunk, "
-        "or queued behind it and sure to write them).",
+        "Events that wrote nothing to the latest tables: a newer event made their writes "
+        "moot (in the same chunk, or queued behind it and sure to write them), they were "
+        "older than the device's newest write, or sampling kept the state view from them.",
     ),
     ("gateway_chunks_total", "chunks", "Groups of messages the writer took off the queue."),
     (
@@ -160,7 +168,8 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
     (
         "gateway_newest_reads_total",
         "newest_reads",
-        "Reads of a device's newest write (once per device per start-up or eviction).",
+        "Reads of a device's newest write (once per device per start-up or eviction; "
+        "in a share group, at every chunk).",
     ),
     (
         "gateway_newest_read_ahead_total",
@@ -321,7 +330,8 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
 _STATS_BY_LABEL: tuple[tuple[str, str, str, str], ...] = (
     (
         "gateway_hot_partitions_total",
-        "Writes to partitions detected as hot, by table.",
+        "Partitions that went over hot_partitions.threshold writes in a window (once "
+        "per partition per window), by table.",
         "table",
         "hot_by_table",
     ),
@@ -442,7 +452,8 @@ class GatewayCollector(Collector):
             yield self._capped_counter(name, help, (label,), getattr(stats, attr).counts)
         yield _histogram(
             "gateway_write_latency_seconds",
-            "Seconds from MQTT publish time to the Cassandra acknowledgement of the event.",
+            "Seconds from an event's sent_at (the publisher's clock) to the acknowledgement "
+            "of its last Cassandra write; only events that carry sent_at and are stored raw.",
             stats.write_latency,
         )
         yield _histogram(
