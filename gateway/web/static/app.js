@@ -1274,6 +1274,9 @@
 
   let lastHistory = null; // for redrawing the chart on resize
   let lastRollups = null; // { step, rows }: the value's windows, when charted from them
+  // { route, ts }: the device's latest ts, for a range that holds no event (the
+  // chart is drawn again on a resize too)
+  let lastSeen = null;
 
   function deviceView(r) {
     showView("device");
@@ -1287,7 +1290,7 @@
     $("history-meta").textContent = "";
     lastHistory = null;
     lastRollups = null;
-    let lastSeen = null; // the device's latest ts: said when the range holds no event
+    lastSeen = null;
     let stateCrumb = null;
     let shown = null; // "missing" or "found": a missing device is drawn once, not every poll
     const devicePath = pathOf("tenants", r.tenant, "devices", r.device);
@@ -1315,7 +1318,7 @@
         if (latestChanged) {
           renderLatest(r, latest.missing ? null : latest.data, latest.missing, shown !== null);
           shown = latest.missing ? "missing" : "found";
-          lastSeen = latest.missing ? null : latest.data.ts;
+          lastSeen = latest.missing ? null : { route: r, ts: latest.data.ts };
           const state = latest.missing ? null : latest.data.state;
           if (state !== stateCrumb) {
             stateCrumb = state;
@@ -1333,7 +1336,7 @@
             || (lastRollups !== null) !== (windows !== null)) {
           lastHistory = hist.data;
           lastRollups = windows ? { step, rows: windows.data.rollups || [] } : null;
-          renderHistory(hist.data, r, lastSeen);
+          renderHistory(hist.data);
         }
       },
     };
@@ -1385,7 +1388,7 @@
     if (again) flash(box);
   }
 
-  function renderHistory(data, r, lastSeen) {
+  function renderHistory(data) {
     const events = data.events || [];
     renderChart($("chart"), events, Boolean(data.next_cursor), lastRollups);
     const open = openTexts($("history-rows"));
@@ -1408,26 +1411,28 @@
       ? `${events.length} event${events.length === 1 ? "" : "s"} in the chart, `
         + `newest ${Math.min(events.length, HISTORY_ROWS)} listed${more}.`
       : "No events in this range.";
-    if (!events.length) emptyRange($("chart"), r, lastSeen);
   }
 
-  // Why a device's range holds no event, in the chart's place: its last one
-  // came before it (a device last seen days ago read only "No events to
-  // chart." on the last 24 hours), with a link to the shortest range that
-  // holds it.
-  function emptyRange(figure, r, lastSeen) {
-    const ms = tsMillis(lastSeen);
+  // What the chart says in its place when the range holds no event: when the
+  // device's last one came, if before the range (a device last seen days ago
+  // read only "No events to chart." on the last 24 hours), with a link to the
+  // shortest range that holds it.
+  function noEvents() {
+    const ms = lastSeen && tsMillis(lastSeen.ts);
     const now = Date.now();
-    if (ms == null || now - ms <= RANGE_MS[r.range]) return;
+    const r = lastSeen && lastSeen.route;
+    if (ms == null || now - ms <= RANGE_MS[r.range]) {
+      return [h("p", { class: "hint", text: "No events to chart." })];
+    }
     const wider = RANGES.find((x) => now - ms <= RANGE_MS[x]);
     const said = `No events in this range: the last one came ${formatAge(ms, now)}.`;
     const longest = RANGES[RANGES.length - 1];
-    figure.replaceChildren(h("p", { class: "hint", "data-testid": "empty-range",
+    return [h("p", { class: "hint", "data-testid": "empty-range",
       text: wider ? said : `${said} That is before the longest range here (the `
         + `${rangeLabel(longest)}).` }),
     wider ? h("p", null, h("a", { class: "button-link", "data-testid": "wider-range",
       href: href(["t", r.tenant, "d", r.device], { range: wider === DEFAULT_RANGE ? "" : wider }),
-      text: `Show the ${rangeLabel(wider)}` })) : null);
+      text: `Show the ${rangeLabel(wider)}` })) : null].filter(Boolean);
   }
 
   function rangeLabel(range) {
@@ -1448,7 +1453,7 @@
     const evs = events.map((e) => ({ ...e, ms: tsMillis(e.ts) })).filter((e) => e.ms != null)
       .sort((a, b) => a.ms - b.ms);
     if (!evs.length) {
-      figure.replaceChildren(h("p", { class: "hint", text: "No events to chart." }));
+      figure.replaceChildren(...noEvents());
       return;
     }
     const stepMs = rollups && rollups.step === "1h" ? 3600e3 : 60e3;
