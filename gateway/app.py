@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, ProcessCollector
@@ -41,6 +42,7 @@ from .ingest.spool import Spool, SpoolSource, stranded
 from .sd_notify import Notifier
 from .spooling import schema_missing, spool_until_reachable, unreachable_since
 from .stats import Cache, Stats
+from .store import queries
 from .store.clock import ClockWatch
 from .store.database import Database, cannot_connect, connect
 from .store.hot import HotPartitions
@@ -152,13 +154,14 @@ class Gateway:
         return f"writes failing for {seconds:.0f} s"
 
     def noisy(self, tenant: str) -> list[dict[str, object]]:
-        """The tenant's noisy devices, noisiest first (``since``: epoch seconds)."""
+        """The tenant's noisy devices, noisiest first (``since``: RFC 3339 UTC
+        to the ms, as every read answer dates; it was epoch seconds)."""
         return [
             {
                 "device_id": d.device_id,
                 "observed_rate": round(d.observed_rate, 3),
                 "kept_rate": round(d.kept_rate, 3),
-                "since": d.since,
+                "since": queries.iso(datetime.fromtimestamp(d.since, UTC)),
                 "sampled_out": d.sampled_out,
             }
             for d in self._sampler.noisy(tenant)

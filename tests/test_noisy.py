@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+import urllib.request
 import uuid
 from collections import defaultdict
 from typing import Any
@@ -172,6 +173,8 @@ async def test_noisy_command_lists_noisy_devices(tenant: str) -> None:
         result = await asyncio.to_thread(
             run_cli, "noisy", "--tenant", tenant, "--json", env=base_env(GATEWAY_API__PORT="19108")
         )
+        # /noisy itself, which operators curl: dated as the read API dates.
+        served = await asyncio.to_thread(_get, f"http://127.0.0.1:19108/noisy?tenant={tenant}")
     assert result.returncode == 0, result.stderr
     listed = orjson.loads(result.stdout)
     assert [d["device_id"] for d in listed] == ["chatty"]
@@ -179,6 +182,13 @@ async def test_noisy_command_lists_noisy_devices(tenant: str) -> None:
     assert listed[0]["sampled_out"] > 0
     # Dated as every other answer (it was epoch seconds).
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", listed[0]["since"])
+    assert [d["since"] for d in orjson.loads(served)] == [listed[0]["since"]]
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        body: bytes = response.read()
+        return body
 
 
 async def test_tenant_over_quota_next_to_a_quiet_tenant(db: Database, tenant: str) -> None:

@@ -1549,10 +1549,6 @@ def _noisy(config: Config, args: argparse.Namespace) -> int:
             f"cannot reach the running gateway at {url}: {said}; "
             "is `gateway run` up with api.enabled, and do api.host/api.port match?"
         ) from None
-    for d in devices:
-        # As every other answer dates: RFC 3339 UTC to the ms (it was epoch
-        # seconds in --json and +00:00 to the second in the text).
-        d["since"] = queries.iso(datetime.fromtimestamp(d["since"], UTC))
     if args.json:
         _print_json(devices)
         return 0
