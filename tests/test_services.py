@@ -338,6 +338,44 @@ def test_check_fails_when_schema_missing(services: None) -> None:
     assert "broker: ok" in result.stdout
 
 
+def test_replicas_down_are_one_line_in_the_cli_and_a_failure_in_check(cql: Session) -> None:
+    """Two of three nodes down (here: a keyspace of three replicas on the one
+    node, so LOCAL_QUORUM needs two): the read commands printed
+    cassandra-driver's NoHostAvailable traceback, and `gateway check` said
+    "cassandra: ok" while /healthz said the writes were failing (probe)."""
+    keyspace = f"rf3_{uuid.uuid4().hex[:8]}"
+    env = base_env(GATEWAY_CASSANDRA__KEYSPACE=keyspace)
+    applied = run_cli("schema", "apply", env=env, timeout=120)
+    assert applied.returncode == 0, applied.stderr
+    try:
+        cql.execute(
+            f"ALTER KEYSPACE {keyspace} WITH replication = "
+            "{'class': 'SimpleStrategy', 'replication_factor': 3}"
+        )
+        said = (
+            "gateway: Cassandra could not answer: at LOCAL_QUORUM, 1 of the 2 replicas "
+            "it needs are up (nodes down?)"
+        )
+        for args in (
+            ("devices", "--tenant", "t", "--state", "on"),
+            ("history", "--tenant", "t", "d1"),
+            ("rollup", "--tenant", "t", "d1"),
+            ("rebuild-rollups", "--tenant", "t"),
+        ):
+            done = run_cli(*args, env=env, timeout=60)
+            assert (done.returncode, done.stderr.splitlines()) == (1, [said]), done.stderr
+        checked = run_cli("check", env=env, timeout=60)
+        assert checked.returncode == 1, checked.stdout
+        assert (
+            "cassandra: reachable (127.0.0.1:9042), but a read at LOCAL_QUORUM fails: "
+            in checked.stdout
+        ), checked.stdout
+        assert "replicas down? writes need them too" in checked.stdout
+        assert "cassandra: ok" not in checked.stdout
+    finally:
+        cql.execute(f"DROP KEYSPACE IF EXISTS {keyspace}")
+
+
 # --- 6. make status -----------------------------------------------------------------------
 
 

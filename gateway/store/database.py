@@ -20,7 +20,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from cassandra.auth import PlainTextAuthProvider
-from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile, Session
+from cassandra.cluster import (
+    EXEC_PROFILE_DEFAULT,
+    Cluster,
+    ExecutionProfile,
+    NoHostAvailable,
+    Session,
+)
 from cassandra.policies import (
     DCAwareRoundRobinPolicy,
     ExponentialReconnectionPolicy,
@@ -28,7 +34,13 @@ from cassandra.policies import (
 )
 from cassandra.query import PreparedStatement, Statement, dict_factory
 
-from cassandra import ConsistencyLevel, UnresolvableContactPoints
+from cassandra import (
+    ConsistencyLevel,
+    DriverException,
+    RequestExecutionException,
+    Unavailable,
+    UnresolvableContactPoints,
+)
 
 from ..config import CassandraConfig
 from ..errors import CassandraUnreachable, ConfigError, SinkError
@@ -147,6 +159,41 @@ def _reason(exc: BaseException) -> str:
         return text
     reason = found.group(1) or found.group(2)
     return reason[:1].lower() + reason[1:]
+
+
+# The server's own words in a cassandra-driver error ('Error from server:
+# code=1000 [Unavailable exception] message="Cannot achieve ..." info={...}').
+_SERVER_MESSAGE = re.compile(r'message="([^"]*)"')
+
+
+def request_errors() -> tuple[type[Exception], ...]:
+    """What a request through either driver raises when Cassandra cannot
+    answer it once connected (replicas down, a timeout): a command says it
+    in one line (:func:`unanswered`), not as a traceback."""
+    found: list[type[Exception]] = [DriverException, RequestExecutionException, NoHostAvailable]
+    if importlib.util.find_spec("acsylla") is not None:
+        from acsylla.errors import CassException  # noqa: PLC0415 - optional
+
+        found.append(CassException)
+    return tuple(found)
+
+
+def unanswered(exc: BaseException) -> str:
+    """Why Cassandra could not answer a request (see :func:`request_errors`),
+    in one line: the replicas up against those needed when it says so (a
+    node or two down), else the driver's reason and its type."""
+    errors = getattr(exc, "errors", None)  # NoHostAvailable: {host: error}
+    cause = next(iter(errors.values())) if isinstance(errors, dict) and errors else exc
+    if isinstance(cause, Unavailable) and cause.required_replicas is not None:
+        level = ConsistencyLevel.value_to_name.get(cause.consistency, str(cause.consistency))
+        return (
+            f"at {level}, {cause.alive_replicas} of the {cause.required_replicas} replicas "
+            "it needs are up (nodes down?)"
+        )
+    text = str(cause)
+    found = _SERVER_MESSAGE.search(text)
+    reason = found.group(1) if found else text
+    return f"{reason} ({type(cause).__name__})" if reason else type(cause).__name__
 
 
 def build_cluster(config: CassandraConfig, ssl_context: ssl.SSLContext | None = None) -> Cluster:

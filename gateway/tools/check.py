@@ -34,6 +34,7 @@ from ..ingest.spool import (
     what_to_do_with_damaged,
 )
 from ..store.clock import check_line, measure
+from ..store.database import request_errors, unanswered
 from ..store.queries import (
     ROLLUP_BEHIND_S,
     ROLLUP_CURSOR_CQL,
@@ -77,12 +78,15 @@ async def _cassandra(config: Config) -> list[Result]:
     hosts = ",".join(f"{h}:{config.cassandra.port}" for h in config.cassandra.contact_points)
     rollups: list[Result] = []
     clock: list[Result] = []
+    failing: str | None = None
     try:
         # Through the driver `gateway run` will write with (cassandra.driver).
         async with open_write_session(config.cassandra) as session:
             missing = missing_from(session.keyspace, await session.tables())
             driver = session.name
-            if not missing and config.rollups.enabled:
+            if not missing:
+                failing = await _unanswered(session)
+            if not missing and failing is None and config.rollups.enabled:
                 try:
                     said = await _rollup_worker(session, config.rollups.grace)
                 except Exception as exc:  # a read at quorum with replicas down
@@ -109,11 +113,33 @@ async def _cassandra(config: Config) -> list[Result]:
             ),
             *clock,
         ]
+    if failing is not None:
+        level = config.cassandra.consistency
+        return [
+            (
+                False,
+                f"cassandra: reachable ({hosts}), but a read at {level} fails: {failing}; "
+                "replicas down? writes need them too",
+                f"Cassandra at {hosts} answers, but not a read at {level}: {failing}",
+            ),
+            *clock,
+        ]
     ok = (
         f"cassandra: ok ({hosts}, keyspace {config.cassandra.keyspace}, schema complete, "
         f"writes through {driver})"
     )
     return [(True, ok, ""), *rollups, *clock]
+
+
+async def _unanswered(session: WriteSession) -> str | None:
+    """Why a read at the configured consistency fails, or None. Reachable
+    and with its schema, the cluster was "ok" with two of three nodes down,
+    while /healthz said the writes were failing (probe)."""
+    try:
+        await session.read(await session.prepare(ROLLUP_CURSOR_CQL), (ROLLUP_PROGRESS,))
+    except request_errors() as exc:
+        return unanswered(exc)
+    return None
 
 
 async def _rollup_worker(session: WriteSession, grace: float) -> str:

@@ -40,7 +40,7 @@ from ..errors import BrokerError, ConfigError, GatewayError, QueryError
 from ..repeats import Repeats
 from ..sd_notify import Notifier
 from ..store import queries, quota, schema
-from ..store.database import Database, connect
+from ..store.database import Database, connect, request_errors, unanswered
 from ..units import epoch_ms
 from ..web import tokens
 from ..web.routes import MAX_TAG
@@ -1880,6 +1880,11 @@ def _main(argv: Sequence[str] | None) -> int:
             return uvloop.run(coro)
     except KeyboardInterrupt:
         return 130
+    except request_errors() as exc:
+        # A read or write after connecting that Cassandra could not answer
+        # (two of three nodes down: a traceback of NoHostAvailable, probe).
+        print(f"gateway: Cassandra could not answer: {unanswered(exc)}", file=sys.stderr)
+        return 1
     except (GatewayError, BaseExceptionGroup) as exc:
         # Errors raised inside a TaskGroup arrive wrapped in a group.
         errors = _gateway_errors(exc)
