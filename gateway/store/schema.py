@@ -114,12 +114,21 @@ async def replication_mismatch(db: Database) -> str | None:
     if have == want:
         return None
     ks = db.keyspace
+    # The keyspace may be the right one (made for a cluster, the command run
+    # without the cluster's settings): advice to lower it alone was a trap.
+    factor = have.get("replication_factor")
+    config_fix = (
+        f"cassandra.replication_factor = {factor}"
+        if have.get("class") == "SimpleStrategy" and factor is not None
+        else "cassandra.replication and cassandra.datacenters to match"
+    )
     return (
         f"keyspace {ks!r} has replication {_clause(have)}, not the config's {_clause(want)} "
         "(cassandra.replication, replication_factor, datacenters): `schema apply` creates a "
-        "keyspace, it never changes one. To change it, run in cqlsh: ALTER KEYSPACE "
-        f"{ks} WITH replication = {_clause(want)}; then `nodetool repair -full {ks}` on "
-        f"every node for more replicas, or `nodetool cleanup {ks}` for fewer"
+        f"keyspace, it never changes one. If the keyspace is right, set {config_fix}. "
+        f"If the config is right, run in cqlsh: ALTER KEYSPACE {ks} WITH replication = "
+        f"{_clause(want)}; then `nodetool repair -full {ks}` on every node for more "
+        f"replicas, or `nodetool cleanup {ks}` for fewer"
     )
 
 
