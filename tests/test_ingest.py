@@ -744,6 +744,20 @@ def test_a_device_split_in_two_stays_split_while_its_halves_are_warm(
     assert window([40, 40]) is None  # cool: one partition again
 
 
+def test_a_hot_partition_s_warning_says_what_it_means_and_what_to_do(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A tenant's state partition warned every 10 s, "over 1000 writes in
+    10 s", with no word of why or what to do (probe: 46 warnings)."""
+    hot = HotPartitions(10.0, 5, 1000, Stats())
+    with caplog.at_level(logging.WARNING, logger="gateway.store.hot"):
+        hot.count([("state", "t", "on", 0, 1)] * 6 + [("telemetry", "t", "d", 0, 0)] * 6)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said
+    assert "tenants.<tenant>.state_buckets spreads them" in said[0], said
+    assert "split over more shards" in said[1], said
+
+
 async def test_the_item_queue_holds_its_bound_and_wakes_waiters_in_order() -> None:
     """The pipeline's queue (compiled in place of asyncio.Queue): put_nowait
     refuses at the bound, a getter waits for an item and a putter for room,

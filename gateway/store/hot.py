@@ -20,6 +20,17 @@ from ..stats import Stats
 log = logging.getLogger(__name__)
 
 
+# What each table's hot partition means, and what can be done, for its warning
+# (a tenant's state partition warned every 10 s with no word of either: probe).
+_WHAT_TO_DO = {
+    "telemetry": "; the device's raw telemetry is split over more shards (up to "
+    "hot_partitions.max_shards)",
+    "state": "; the tenant's devices in this state share it: tenants.<tenant>.state_buckets "
+    "spreads them, set before the tenant's first write (the first writer records it)",
+    "device": "; one device sends this fast: its newest event is rewritten with each",
+}
+
+
 class HotPartitions:
     """Writes per partition over a window, in bounded memory.
 
@@ -78,6 +89,10 @@ class HotPartitions:
         table = str(key[0]) if isinstance(key, tuple) else "?"
         self._stats.hot_by_table.add(table)
         log.warning(
-            "hot partition %s: over %d writes in %.0f s", key, self._threshold, self._window
+            "hot partition %s: over %d writes in %.0f s%s",
+            key,
+            self._threshold,
+            self._window,
+            _WHAT_TO_DO.get(table, ""),
         )
         self._on_hot(key)
