@@ -20,13 +20,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from cassandra.auth import PlainTextAuthProvider
-from cassandra.cluster import (
-    EXEC_PROFILE_DEFAULT,
-    Cluster,
-    ExecutionProfile,
-    NoHostAvailable,
-    Session,
-)
+from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile, Session
 from cassandra.policies import (
     DCAwareRoundRobinPolicy,
     ExponentialReconnectionPolicy,
@@ -34,13 +28,7 @@ from cassandra.policies import (
 )
 from cassandra.query import PreparedStatement, Statement, dict_factory
 
-from cassandra import (
-    ConsistencyLevel,
-    DriverException,
-    RequestExecutionException,
-    Unavailable,
-    UnresolvableContactPoints,
-)
+from cassandra import ConsistencyLevel, Unavailable, UnresolvableContactPoints
 
 from ..config import CassandraConfig
 from ..errors import CassandraUnreachable, ConfigError, SinkError
@@ -166,20 +154,9 @@ def _reason(exc: BaseException) -> str:
 _SERVER_MESSAGE = re.compile(r'message="([^"]*)"')
 
 
-def request_errors() -> tuple[type[Exception], ...]:
-    """What a request through either driver raises when Cassandra cannot
-    answer it once connected (replicas down, a timeout): a command says it
-    in one line (:func:`unanswered`), not as a traceback."""
-    found: list[type[Exception]] = [DriverException, RequestExecutionException, NoHostAvailable]
-    if importlib.util.find_spec("acsylla") is not None:
-        from acsylla.errors import CassException  # noqa: PLC0415 - optional
-
-        found.append(CassException)
-    return tuple(found)
-
-
 def unanswered(exc: BaseException) -> str:
-    """Why Cassandra could not answer a request (see :func:`request_errors`),
+    """Why Cassandra could not answer a request (one of
+    ``write_session.unavailable_errors()``),
     in one line: the replicas up against those needed when it says so (a
     node or two down), else the driver's reason and its type."""
     errors = getattr(exc, "errors", None)  # NoHostAvailable: {host: error}

@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 # What each table's hot partition means, and what can be done, for its warning
 # (a tenant's state partition warned every 10 s with no word of either: probe).
 _WHAT_TO_DO = {
-    "telemetry": "; the device's raw telemetry is split over more shards (up to "
-    "hot_partitions.max_shards)",
+    "telemetry": "; the device's raw telemetry is split over more shards, up to "
+    "hot_partitions.max_shards (at it, only raising it spreads the device further)",
     "state": "; the tenant's devices in this state share it: tenants.<tenant>.state_buckets "
     "spreads them, set before the tenant's first write (the first writer records it)",
     "device": "; one device sends this fast: its newest event is rewritten with each",

@@ -97,6 +97,17 @@ def _clause(replication: dict[str, str | int]) -> str:
     return "{" + ", ".join(parts) + "}"
 
 
+def _config_for(have: dict[str, str | int], config: CassandraConfig) -> str:
+    """The config keys that would name the keyspace's replication ``have``."""
+    if have.get("class") == "SimpleStrategy":
+        factor = f"cassandra.replication_factor = {have.get('replication_factor')}"
+        if config.replication == "SimpleStrategy":
+            return factor
+        return f'cassandra.replication = "SimpleStrategy", {factor} and no datacenters'
+    dcs = ", ".join(f"{k} = {v}" for k, v in sorted(have.items()) if k != "class")
+    return f'cassandra.replication = "NetworkTopologyStrategy" and datacenters = {{ {dcs} }}'
+
+
 async def replication_mismatch(db: Database) -> str | None:
     """Why the keyspace's replication is not the config's, with the
     statements that would change it; None when it is (or there is no
@@ -116,12 +127,7 @@ async def replication_mismatch(db: Database) -> str | None:
     ks = db.keyspace
     # The keyspace may be the right one (made for a cluster, the command run
     # without the cluster's settings): advice to lower it alone was a trap.
-    factor = have.get("replication_factor")
-    config_fix = (
-        f"cassandra.replication_factor = {factor}"
-        if have.get("class") == "SimpleStrategy" and factor is not None
-        else "cassandra.replication and cassandra.datacenters to match"
-    )
+    config_fix = _config_for(have, db.config)
     return (
         f"keyspace {ks!r} has replication {_clause(have)}, not the config's {_clause(want)} "
         "(cassandra.replication, replication_factor, datacenters): `schema apply` creates a "

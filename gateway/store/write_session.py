@@ -200,6 +200,22 @@ class WriteSession(ABC):
         """The keyspace's tables, or None when the keyspace does not exist."""
 
 
+# cassandra-driver's errors worth retrying (WriteSession.transient).
+_PYTHON_TRANSIENT: tuple[type[BaseException], ...] = (
+    OperationTimedOut,
+    WriteTimeout,
+    ReadTimeout,
+    Unavailable,
+    CoordinationFailure,
+    NoHostAvailable,
+    ConnectionException,
+    OverloadedErrorMessage,
+    IsBootstrappingErrorMessage,
+    ServerError,
+    ConnectionError,
+)
+
+
 class PythonSession(WriteSession):
     """The DataStax Python driver (``cassandra-driver``)."""
 
@@ -212,19 +228,7 @@ class PythonSession(WriteSession):
     # the throughput; 256 kept 0.94-1.09x the local rate at 20-100 ms
     # (bench/results/slow_link_python.md).
     in_flight_floor = 256
-    transient: tuple[type[BaseException], ...] = (
-        OperationTimedOut,
-        WriteTimeout,
-        ReadTimeout,
-        Unavailable,
-        CoordinationFailure,
-        NoHostAvailable,
-        ConnectionException,
-        OverloadedErrorMessage,
-        IsBootstrappingErrorMessage,
-        ServerError,
-        ConnectionError,
-    )
+    transient = _PYTHON_TRANSIENT
 
     def __init__(self, db: Database) -> None:
         super().__init__(db.config)
@@ -304,27 +308,7 @@ class AcsyllaSession(WriteSession):
         self._new_batch = create_batch_unlogged
         self._create_statement = create_statement
         self._invalid_query = errors.CassErrorServerInvalidQuery
-        self.transient = (
-            errors.CassErrorServerWriteTimeout,
-            errors.CassErrorServerReadTimeout,
-            errors.CassErrorServerUnavailable,
-            errors.CassErrorServerWriteFailure,
-            errors.CassErrorServerReadFailure,
-            errors.CassErrorServerOverloaded,
-            errors.CassErrorServerIsBootstrapping,
-            errors.CassErrorServerServerError,
-            errors.CassErrorServerTruncateError,
-            errors.CassErrorLibRequestTimedOut,
-            errors.CassErrorLibNoHostsAvailable,
-            errors.CassErrorLibUnableToConnect,
-            errors.CassErrorLibRequestQueueFull,
-            errors.CassErrorLibNoStreams,
-            errors.CassErrorLibWriteError,
-            errors.CassErrorLibNoAvailableIoThread,
-            errors.CassExceptionConnectionError,
-            errors.CassErrorSslClosed,
-            ConnectionError,
-        )
+        self.transient = _acsylla_transient()
 
     async def prepare(self, template: str, timestamps: Sequence[int] = ()) -> Prepared:
         cql = self.cql(template)
@@ -603,6 +587,45 @@ def _seconds(ms: int) -> float:
     of zero makes the truncation land on ``ms`` exactly (a double's error here
     is under a microsecond); tests/test_write_session.py checks the edges."""
     return (ms + 0.5) / 1000 if ms >= 0 else (ms - 0.5) / 1000
+
+
+def _acsylla_transient() -> tuple[type[BaseException], ...]:
+    """acsylla's errors worth retrying (:attr:`WriteSession.transient`)."""
+    from acsylla import errors  # noqa: PLC0415 - optional
+
+    return (
+        errors.CassErrorServerWriteTimeout,
+        errors.CassErrorServerReadTimeout,
+        errors.CassErrorServerUnavailable,
+        errors.CassErrorServerWriteFailure,
+        errors.CassErrorServerReadFailure,
+        errors.CassErrorServerOverloaded,
+        errors.CassErrorServerIsBootstrapping,
+        errors.CassErrorServerServerError,
+        errors.CassErrorServerTruncateError,
+        errors.CassErrorLibRequestTimedOut,
+        errors.CassErrorLibNoHostsAvailable,
+        errors.CassErrorLibUnableToConnect,
+        errors.CassErrorLibRequestQueueFull,
+        errors.CassErrorLibNoStreams,
+        errors.CassErrorLibWriteError,
+        errors.CassErrorLibNoAvailableIoThread,
+        errors.CassExceptionConnectionError,
+        errors.CassErrorSslClosed,
+        ConnectionError,
+    )
+
+
+def unavailable_errors() -> tuple[type[BaseException], ...]:
+    """What a request through either driver raises when Cassandra cannot
+    answer it once connected (replicas down, overloaded, a timeout: each
+    session's :attr:`~WriteSession.transient`): a command says it in one
+    line (``database.unanswered``), not as a traceback. Not an invalid
+    query or a bad value: those are bugs, and keep their traceback. Nor
+    the OSErrors among them: a command's own output raises those too (a
+    reader gone: BrokenPipeError, said as exit 141)."""
+    found = _PYTHON_TRANSIENT + (_acsylla_transient() if acsylla_installed() else ())
+    return tuple(error for error in found if not issubclass(error, OSError))
 
 
 def acsylla_installed() -> bool:

@@ -34,7 +34,7 @@ from ..ingest.spool import (
     what_to_do_with_damaged,
 )
 from ..store.clock import check_line, measure
-from ..store.database import request_errors, unanswered
+from ..store.database import unanswered
 from ..store.queries import (
     ROLLUP_BEHIND_S,
     ROLLUP_CURSOR_CQL,
@@ -44,7 +44,7 @@ from ..store.queries import (
     rollup_behind_s,
 )
 from ..store.schema import missing_from
-from ..store.write_session import WriteSession, open_write_session
+from ..store.write_session import WriteSession, open_write_session, unavailable_errors
 from .mqtt_client import mqtt_client
 
 # (ok, the check's line, and when it failed the one sentence that says what is wrong)
@@ -137,7 +137,7 @@ async def _unanswered(session: WriteSession) -> str | None:
     while /healthz said the writes were failing (probe)."""
     try:
         await session.read(await session.prepare(ROLLUP_CURSOR_CQL), (ROLLUP_PROGRESS,))
-    except request_errors() as exc:
+    except unavailable_errors() as exc:
         return unanswered(exc)
     return None
 

@@ -40,7 +40,7 @@ from ..errors import BrokerError, ConfigError, GatewayError, QueryError
 from ..repeats import Repeats
 from ..sd_notify import Notifier
 from ..store import queries, quota, schema
-from ..store.database import Database, connect, request_errors, unanswered
+from ..store.database import Database, connect, unanswered
 from ..units import epoch_ms
 from ..web import tokens
 from ..web.routes import MAX_TAG
@@ -306,9 +306,9 @@ def _parser() -> argparse.ArgumentParser:
         "check",
         parents=[common],
         help="exit non-zero if the broker or Cassandra is unreachable, the schema is missing, "
-        "the spool cannot take messages (unwritable, disk or spool full, or left "
-        "holding messages with the spool off), or this host's clock is further off "
-        "Cassandra's than limits.max_future_skew",
+        "a read at cassandra.consistency fails (replicas down), the spool cannot take "
+        "messages (unwritable, disk or spool full, or left holding messages with the spool "
+        "off), or this host's clock is further off Cassandra's than limits.max_future_skew",
     )
 
     dev = _command(sub, "devices", parents=[common], help="devices currently in a state")
@@ -819,6 +819,8 @@ async def _run(config: Config) -> int:
         except TimeoutError:
             log.error("shutdown took over %.0f s; cancelling", time.monotonic() - started)
             task.cancel()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # stopped: nothing is cut short now
+            loop.add_signal_handler(sig, stop.set)
     try:
         await task
     except asyncio.CancelledError:
@@ -1880,7 +1882,7 @@ def _main(argv: Sequence[str] | None) -> int:
             return uvloop.run(coro)
     except KeyboardInterrupt:
         return 130
-    except request_errors() as exc:
+    except _unavailable() as exc:
         # A read or write after connecting that Cassandra could not answer
         # (two of three nodes down: a traceback of NoHostAvailable, probe).
         print(f"gateway: Cassandra could not answer: {unanswered(exc)}", file=sys.stderr)
@@ -1898,6 +1900,15 @@ def _main(argv: Sequence[str] | None) -> int:
             else:
                 print(f"gateway: {err}", file=sys.stderr)
         return 2 if any(isinstance(err, ConfigError) for err in errors) else 1
+
+
+def _unavailable() -> tuple[type[BaseException], ...]:
+    """The drivers' errors of a request Cassandra could not answer; looked up
+    only when an error reaches the handler (the write session's module is
+    not loaded by commands that do not write)."""
+    from ..store.write_session import unavailable_errors
+
+    return unavailable_errors()
 
 
 def _exit_interrupted(signum: int, frame: object) -> None:

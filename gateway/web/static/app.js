@@ -1425,7 +1425,9 @@
       return [h("p", { class: "hint", text: "No events to chart." })];
     }
     const wider = RANGES.find((x) => now - ms <= RANGE_MS[x]);
-    const said = `No events in this range: the last one came ${formatAge(ms, now)}.`;
+    // Not formatAge's rounding down: "1 h ago" for an event 1 h 40 min old
+    // read as inside the last hour it was said to be outside of.
+    const said = `No events in this range: the last one came ${spanPast(now - ms)} ago.`;
     const longest = RANGES[RANGES.length - 1];
     return [h("p", { class: "hint", "data-testid": "empty-range",
       text: wider ? said : `${said} That is before the longest range here (the `
@@ -1433,6 +1435,17 @@
     wider ? h("p", null, h("a", { class: "button-link", "data-testid": "wider-range",
       href: href(["t", r.tenant, "d", r.device], { range: wider === DEFAULT_RANGE ? "" : wider }),
       text: `Show the ${rangeLabel(wider)}` })) : null].filter(Boolean);
+  }
+
+  // A span with its second unit, rounded up: "1 h 40 min", "7 d 5 h".
+  function spanPast(spanMs) {
+    const min = Math.ceil(spanMs / 60e3);
+    if (min < 60) return `${min} min`;
+    const hours = Math.floor(min / 60);
+    if (hours < 48) return min % 60 ? `${hours} h ${min % 60} min` : `${hours} h`;
+    const days = Math.floor(hours / 24);
+    const rest = Math.ceil((spanMs - days * 86400e3) / 3600e3);
+    return rest ? `${days} d ${rest} h` : `${days} d`;
   }
 
   function rangeLabel(range) {
