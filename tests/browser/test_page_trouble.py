@@ -490,14 +490,16 @@ async def test_a_range_without_events_says_when_the_last_came_and_offers_a_wider
     """A device last seen days ago read "No events to chart." and "No events
     in this range." on the default 24 hours, and nothing said to try 7 days."""
     api.put("acme", "quiet", "off", "shut", at=ago(3 * 86400 + 5 * 3600 + 600))
-    api.put("acme", "gone", "off", "shut", at=ago(9 * 86400 + 1800))
+    api.put("acme", "gone", "off", "shut", at=ago(9 * 86400 + 1800 - 30))  # rounded up
     api.put("acme", "lately", "off", "shut", at=ago(3600 + 40 * 60 - 30))  # rounded up
     page = await new_page(phone=True)
     await log_in(page, url, TENANT_TOKEN)
     await page.goto(f"{url}#/t/acme/d/quiet")
     said = page.locator('[data-testid="empty-range"]')
     # Not "3 d ago", nor "1 h ago" below: both read as inside the range.
-    await expect(said).to_have_text("No events in this range: the last one came 3 d 6 h ago.")
+    await expect(said).to_have_text(
+        "No events in this range: the last one came 3\u00a0d 6\u00a0h ago."
+    )
     await no_horizontal_overflow(page)
     assert await page.evaluate(SMALL_TARGETS) == []
     await screenshot(page, "empty-range")
@@ -511,12 +513,14 @@ async def test_a_range_without_events_says_when_the_last_came_and_offers_a_wider
     await expect(page.locator("#range")).to_have_value("7d")
     await page.goto(f"{url}#/t/acme/d/gone")
     await expect(said).to_have_text(
-        "No events in this range: the last one came 9 d 1 h ago. That is before the longest "
-        "range here (the last 7 days)."
+        "No events in this range: the last one came 9\u00a0d 30\u00a0min ago. That is before "
+        "the longest range here (the last 7 days)."
     )
     await expect(page.locator('[data-testid="wider-range"]')).to_have_count(0)
     await page.goto(f"{url}#/t/acme/d/lately?range=1h")
-    await expect(said).to_have_text("No events in this range: the last one came 1 h 40 min ago.")
+    await expect(said).to_have_text(
+        "No events in this range: the last one came 1\u00a0h 40\u00a0min ago."
+    )
 
 
 async def test_the_chart_says_when_it_shows_only_the_newest_500_events(

@@ -1437,15 +1437,18 @@
       text: `Show the ${rangeLabel(wider)}` })) : null].filter(Boolean);
   }
 
-  // A span with its second unit, rounded up: "1 h 40 min", "7 d 5 h".
+  // A span with its second unit, rounded up: "1 h 40 min", "3 d 6 h",
+  // "3 d 2 min"; a number and its unit never split over two lines.
   function spanPast(spanMs) {
     const min = Math.ceil(spanMs / 60e3);
-    if (min < 60) return `${min} min`;
+    const span = (...parts) => parts.filter(([n]) => n).map(([n, unit]) => `${n}\u00a0${unit}`)
+      .join(" ");
+    if (min < 60) return span([min, "min"]);
     const hours = Math.floor(min / 60);
-    if (hours < 48) return min % 60 ? `${hours} h ${min % 60} min` : `${hours} h`;
+    if (hours < 48) return span([hours, "h"], [min % 60, "min"]);
     const days = Math.floor(hours / 24);
-    const rest = Math.ceil((spanMs - days * 86400e3) / 3600e3);
-    return rest ? `${days} d ${rest} h` : `${days} d`;
+    const rest = min - days * 1440; // minutes past the whole days
+    return span([days, "d"], rest < 60 ? [rest, "min"] : [Math.ceil(rest / 60), "h"]);
   }
 
   function rangeLabel(range) {
