@@ -333,6 +333,8 @@ def test_a_time_without_a_unit_is_refused(gateway: Run, since: str) -> None:
         (("history", "--tenant", "t", "d", "--since", "90"), "--since: '90' has no unit"),
         (("rollup", "--tenant", "t", "d", "--step", "2m"), "--step: expected 1m or 1h"),
         (("meta", "devices", "--tenant", "t", "floor"), "KEY=VALUE: expected KEY:VALUE"),
+        # It said "expected KEY:VALUE ... (got '')" (probe).
+        (("meta", "devices", "--tenant", "t", ""), "KEY=VALUE: required: KEY:VALUE or KEY=VALUE"),
     ],
 )
 def test_an_argument_checked_after_parsing_is_reported_as_argparse_reports_its_own(

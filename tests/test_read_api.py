@@ -618,6 +618,7 @@ async def test_a_device_cursor_with_the_longest_device_id_is_taken_back(
         ("states?limit=2", "limit"),
         (f"devices/{D1}/history?step=1h", "step"),
         ("states/%20/devices", "state"),
+        ("meta/devices", "tag"),  # said "expected KEY:VALUE ... (got '')"
     ],
 )
 async def test_bad_parameters_are_400_naming_the_parameter(

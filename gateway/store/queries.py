@@ -181,6 +181,9 @@ def parse_tag(tag: str) -> tuple[str, str]:
     (``a\\:b:1`` is key ``a:b``, value ``1``); the value is taken as written.
     One parser for every ``tag`` parameter and the CLI's KEY=VALUE (the
     metadata endpoint split at '=' first, the states one at ':' first)."""
+    if not tag:
+        # /meta/devices without ?tag= said "expected KEY:VALUE ... (got '')".
+        raise bad_parameter("tag", "required: KEY:VALUE or KEY=VALUE, e.g. floor:3 or floor=3")
     key: list[str] = []
     i = 0
     while i < len(tag):
