@@ -790,8 +790,11 @@ class RejectedRow:
 
     def as_json(self) -> dict[str, Any]:
         text = self.payload_text()
-        encoded, encoding = (text, "utf-8") if text is not None else (None, None)
-        if self.payload is not None and text is None:
+        encoded: str | None = None
+        encoding: str | None = None
+        if text is not None:
+            encoded, encoding = text, "utf-8"
+        elif self.payload is not None:
             encoded, encoding = base64.b64encode(self.payload).decode(), "base64"
         return {
             "received_at": iso(self.received_at),

@@ -395,7 +395,6 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="KEY=VALUE or KEY:VALUE; a key that holds : = or \\ writes them \\: \\= \\\\",
     )
-    tagged.set_defaults(usage_parser=tagged)
     tagged.add_argument("--tenant", type=_tenant, required=True, help=TENANT_HELP)
     tagged.add_argument("--json", action="store_true", help="print JSON")
     counted = _action(
@@ -805,9 +804,7 @@ async def _run(config: Config) -> int:
             "stopping: finishing the writes under way (up to %.0f s, "
             "pipeline.shutdown_deadline); what is not written %s",
             config.pipeline.shutdown_deadline,
-            "stays in the spool"
-            if config.spool.enabled
-            else "is not acknowledged: the broker keeps it for the next start",
+            _unwritten(config.spool.enabled),
         )
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, _exit_now, config.spool.enabled)
@@ -837,10 +834,19 @@ def _exit_now(spooled: bool) -> None:
     log.warning(
         "second signal: exiting now, without waiting for the writes under way; what is "
         "not written %s",
-        "stays in the spool" if spooled else "is not acknowledged: the broker redelivers it",
+        _unwritten(spooled),
     )
     logging.shutdown()
     os._exit(130)
+
+
+def _unwritten(spooled: bool) -> str:
+    """Where what is not written goes when `gateway run` stops."""
+    return (
+        "stays in the spool"
+        if spooled
+        else "is not acknowledged: the broker keeps it for the next start"
+    )
 
 
 def _add_limit(parser: argparse.ArgumentParser, what: str) -> None:
