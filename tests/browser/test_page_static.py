@@ -394,6 +394,57 @@ async def test_log_out_and_another_tenants_403(page: Page, url: str, api: FakeAp
     assert api.api_requests(before) == [], "a logged-out page keeps polling"
 
 
+async def test_tabs_of_one_browser_share_the_login_and_the_logout(
+    page: Page, url: str, new_page: Callable[..., Awaitable[Page]]
+) -> None:
+    """A device opened in a new tab (Ctrl-click, a bookmark) is shown, not the
+    login: the token is the tab's (sessionStorage), and a new tab asks the
+    others for it. Logging out, or in, in one tab does it in the others."""
+    await log_in(page, url, TENANT_TOKEN)
+    await page.locator('[data-state="on"]').click()
+    await expect(page.locator("#device-rows tr")).to_have_count(3)
+
+    # Ctrl-click on the link, and on the row outside it: each opens a new
+    # tab, logged in, at the device; this tab stays at the list.
+    async with page.context.expect_page() as opened:
+        await page.locator('[data-device="dev-1"] a').first.click(modifiers=["Control"])
+    by_link = await opened.value
+    await expect(by_link.locator("#device-title")).to_have_text("dev-1")
+    await expect(by_link.locator("#view-login")).to_be_hidden()
+    async with page.context.expect_page() as opened:
+        await page.locator('[data-device="dev-2"] td').last.click(modifiers=["Control"])
+    by_row = await opened.value
+    await expect(by_row.locator("#device-title")).to_have_text("dev-2")
+    await expect(page).to_have_url(f"{url}#/t/acme/s/on")
+    await by_row.close()
+
+    # An address typed into a new tab.
+    typed = await page.context.new_page()
+    await typed.goto(f"{url}#/t/acme/s/off")
+    await expect(typed.locator("#device-rows tr")).to_have_count(2)
+
+    # Log out in one: every tab of that token is logged out.
+    await typed.locator("#logout").click()
+    for tab in (page, by_link):
+        await expect(tab.locator("#token")).to_be_visible()
+        await expect(tab.locator("#login-message")).to_have_text("You logged out in another tab.")
+        assert await tab.evaluate("() => sessionStorage.getItem('gateway.token')") is None
+    # Log in in one: the tabs at their login come back where they were.
+    await page.locator("#token").fill(TENANT_TOKEN)
+    await page.locator("#login").click()
+    await expect(by_link.locator("#device-title")).to_have_text("dev-1")
+    await expect(by_link.locator("#view-device")).to_be_visible()
+    await expect(page.locator("#device-rows tr")).to_have_count(3)
+    # The tab that logged out left its view for the start (its tenant).
+    await expect(typed.locator('[data-state="on"] .count')).to_have_text("3")
+
+    # Another browser (context) shares nothing: its new tab asks for a token.
+    stranger = await new_page()
+    await stranger.goto(f"{url}#/t/acme/s/on")
+    await expect(stranger.locator("#token")).to_be_visible()
+    await expect(stranger.locator("#login-message")).to_have_text("")
+
+
 async def test_history_range_and_rejected_messages(page: Page, url: str, api: FakeApi) -> None:
     api.put("acme", "meter", "on", 1.0, at=ago(3 * 3600))
     api.put("acme", "meter", "off", 2.0, at=ago(1800))

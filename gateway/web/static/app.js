@@ -648,6 +648,49 @@
     showLogin(message);
   }
 
+  // The tabs of this page in one browser share the login: sessionStorage is
+  // the tab's own, so a device opened with Ctrl-click, a bookmark or a pasted
+  // address landed at the login (page probe). A tab without a token asks the
+  // others over a BroadcastChannel (this origin only) and takes the one a
+  // logged-in tab holds; a login logs in the tabs waiting at theirs, and
+  // "Log out" logs out every tab of that token. A token the API refuses
+  // (401) logs out only the tab that met it: the others meet it themselves.
+  const tabs = "BroadcastChannel" in window ? new BroadcastChannel("gateway.login") : null;
+  const ASK_TABS_MS = 300; // how long a new tab waits for an answer before its login
+  let askingTabs = false;
+
+  function takeToken(value) {
+    askingTabs = false;
+    token = value;
+    me = null;
+    sessionStorage.setItem(TOKEN_KEY, value);
+    $("login-message").textContent = "";
+    route({ focus: true });
+  }
+
+  if (tabs) {
+    tabs.onmessage = ({ data }) => {
+      if (!data || typeof data.token !== "string") {
+        // Only a token a login accepted is given out, not one being tried.
+        const held = sessionStorage.getItem(TOKEN_KEY);
+        if (data && data.kind === "ask" && held) tabs.postMessage({ kind: "token", token: held });
+      } else if (data.kind === "logout") {
+        if (token === data.token) logOut("You logged out in another tab.");
+      } else if (!token) {
+        takeToken(data.token); // an answer to our question, or a login elsewhere
+      }
+    };
+    if (!token) {
+      askingTabs = true;
+      tabs.postMessage({ kind: "ask" });
+      setTimeout(() => {
+        if (!askingTabs) return;
+        askingTabs = false;
+        route({ focus: true });
+      }, ASK_TABS_MS);
+    }
+  }
+
   $("login-form").addEventListener("submit", async (event) => {
     event.preventDefault();
     const input = $("token");
@@ -674,11 +717,13 @@
     }
     sessionStorage.setItem(TOKEN_KEY, token);
     input.value = "";
+    if (tabs) tabs.postMessage({ kind: "login", token });
     route({ focus: true });
   });
 
   $("logout").addEventListener("click", () => {
     history.replaceState(null, "", "#/");
+    if (tabs && token) tabs.postMessage({ kind: "logout", token });
     logOut("You are logged out.");
   });
 
@@ -1139,8 +1184,15 @@
         h("td", { "data-label": "Last seen" }, timeEl(d.ts)),
         h("td", { "data-label": "Age" }, ageEl(d.ts)));
       // The whole row opens the device (the link inside serves keyboards).
+      // Ctrl-, Cmd- or Shift-click and the middle button open it beside
+      // this one, as on the link (the new tab asks this one for the login).
       row.addEventListener("click", (e) => {
-        if (!e.target.closest("a, button")) go(link);
+        if (e.target.closest("a, button")) return;
+        if (e.ctrlKey || e.metaKey || e.shiftKey) window.open(link, "_blank", "noopener");
+        else go(link);
+      });
+      row.addEventListener("auxclick", (e) => {
+        if (e.button === 1 && !e.target.closest("a, button")) window.open(link, "_blank", "noopener");
       });
       if (existing) flash(row);
       return row;
@@ -1714,6 +1766,7 @@
   }
 
   function route({ focus = false } = {}) {
+    if (askingTabs) return; // routed once the other tabs answered, or did not
     if (!token) {
       showLogin($("login-message").textContent);
       return;
