@@ -123,6 +123,7 @@ class Stats:
     newest_read_ahead: int = 0  # of those, read when the event was queued (read-ahead)
     newest_read_ahead_skipped: int = 0  # not read ahead: pipeline.queue_size devices waiting
     deletes_saved: int = 0  # same-state events that needed no deletes (their last write's cover)
+    missed_deletes: int = 0  # deletes a state learnt from another instance missed, sent late
     tie_breaks: int = 0  # two events of a device with one write timestamp: the larger id won
     rotations: int = 0  # state partitions copied into a fresh generation (store/rotate.py)
     rotation_rows: int = 0  # live rows those rotations copied

@@ -70,6 +70,46 @@ async def test_a_state_new_to_one_instance_leaves_no_phantom(db: Database, tenan
     assert "d1" not in await _listed(db, a_cfg, tenant, "alarm")
 
 
+async def test_an_instance_that_learns_a_new_state_sends_the_deletes_it_missed(
+    db: Database, tenant: str
+) -> None:
+    """As above, but without a page read: /states counted d1 in "alarm" as
+    well as in "ok" (COUNT(*) per partition) until someone opened "alarm".
+    B, learning "alarm" at its next states refresh, deletes from it the
+    devices it wrote since its previous read of the states, as of its writes."""
+    a_cfg, _ = _instances(tenant)
+    b_cfg = make_config(GATEWAY_PIPELINE__STATES_REFRESH="3s").model_copy(
+        update={"topics": [TopicTemplate(template="sites/{device_id}/events", tenant=tenant)]}
+    )
+    t0 = 1_790_000_000_000
+    async with running_gateway(a_cfg) as a, running_gateway(b_cfg) as b:
+        await publish([("sites/d0/events", orjson.dumps({"ts": t0, "state": "ok"}))])
+        await b.wait_handled(1)
+        loaded = time.monotonic()  # B read the tenant's states: {ok}
+        await publish(
+            [
+                (
+                    f"tenants/{tenant}/devices/d1/events",
+                    orjson.dumps({"ts": t0 + 1000, "state": "alarm"}),
+                )
+            ]
+        )
+        await a.wait_handled(1)
+        await publish([("sites/d1/events", orjson.dumps({"ts": t0 + 2000, "state": "ok"}))])
+        await b.wait_handled(2)
+        assert time.monotonic() - loaded < 3, "too slow: B refreshed its states before d1"
+        assert dict(await queries.state_counts(db, b_cfg, tenant)) == {"ok": 2, "alarm": 1}
+        # B's next chunk after its refresh, of another device.
+        await asyncio.sleep(3.5 - (time.monotonic() - loaded))
+        await publish([("sites/d2/events", orjson.dumps({"ts": t0 + 3000, "state": "ok"}))])
+        await b.wait_handled(3)
+        await b.wait_for(lambda s: s.written >= 3 and s.acked >= 3)
+        missed = b.stats.missed_deletes
+    assert dict(await queries.state_counts(db, b_cfg, tenant)) == {"ok": 3, "alarm": 0}
+    assert missed == 2  # d0 and d1: written since B's read of {ok}, d2 after it learnt alarm
+    assert (await device_row(db, tenant, "d1")).state == "ok"
+
+
 async def test_a_device_on_two_instances_ends_in_its_newest_state(
     db: Database, tenant: str
 ) -> None:

@@ -49,7 +49,15 @@ Promises and bounds:
   the device stayed listed and counted in two states.
 * Other gateway instances may register states; known states are re-read every
   ``pipeline.states_refresh`` seconds. Between two refreshes an instance can
-  miss a brand-new state in its deletes (documented in the README).
+  miss a brand-new state in its deletes: another instance may have put a
+  device there that this one then moved elsewhere, leaving it listed and
+  counted in both. So a refresh that finds a state this process did not
+  know sends the deletes it missed (:meth:`LatestState._missed`): into the
+  new state, for every device whose latest write this process built since
+  its previous read of the states, as of that write (so a newer write into
+  the new state stands), with the tenant's next write (counted,
+  ``missed_deletes``). A device that left the device cache meanwhile is not
+  covered; a page read of the state still repairs it (queries.py).
 * A device's bucket is ``crc32(device_id) % state_buckets``, so every
   reader and writer of a tenant must use one number: the first gateway that
   loads the tenant's states records its ``tenants.<t>.state_buckets`` beside
@@ -121,6 +129,10 @@ class _Newest:
     # device (None: none since start-up): while it stays, no deletes are needed.
     written: str | None = None
     untimed: bool = False  # that write's event had no ts (stamped with its receive time)
+    # That write of this process: its write timestamp, and when it was built
+    # (monotonic), for the deletes a state learnt later missed.
+    written_ts: int = 0
+    written_at: float = 0.0
 
 
 def state_value(text: str | None, num: float | None) -> str:
@@ -164,6 +176,13 @@ class _TenantStates:
     buckets: int  # state_buckets, as recorded in tenant_states
     parts: dict[tuple[str, int], Part] = field(default_factory=dict)  # (state, bucket)
     loaded_at: float = field(default_factory=time.monotonic)
+    # When the read that loaded the states was sent: a state registered after
+    # it was unknown to every write built since (monotonic).
+    asked_at: float = field(default_factory=time.monotonic)
+    # Deletes a state learnt at a refresh missed, sent with the tenant's next
+    # write: (state, device, its write timestamp). At most a device cache's
+    # worth per state learnt (pipeline.device_cache_size).
+    missed: list[tuple[str, str, int]] = field(default_factory=list)
 
 
 class LatestState:
@@ -514,6 +533,8 @@ class LatestState:
         # prepare_chunk loaded it, and a chunk (pipeline.batch_max_events) holds
         # fewer tenants than MAX_TENANTS, so it cannot have been evicted since.
         assert tenant_states is not None
+        if tenant_states.missed:
+            self._send_missed(tenant, tenant_states, pending, out)
         bucket = state_bucket(device, tenant_states.buckets)
         hashed = device_hash(device)
         part = self._part(tenant_states, event.state, bucket)
@@ -543,6 +564,7 @@ class LatestState:
         # In a share group prepare_chunk has just used the entry up (no
         # longer sure): what it holds is still this chunk's.
         if entry is not None and (entry.sure or not self._sole_writer):
+            entry.written_ts, entry.written_at = ts, time.monotonic()
             if entry.written == event.state and self._sole_writer:
                 # Same state as this process's last write for the device, whose
                 # deletes cover every other state: nothing to delete again.
@@ -570,6 +592,51 @@ class LatestState:
                 )
         return out
 
+    def _send_missed(
+        self, tenant: str, tenant_states: _TenantStates, pending: Pending, out: list[Write]
+    ) -> None:
+        """The deletes a learnt state missed (:meth:`_missed`), into ``out``."""
+        for state, device, ts in tenant_states.missed:
+            bucket = state_bucket(device, tenant_states.buckets)
+            left = self._part(tenant_states, state, bucket)
+            left.deletes += 1
+            self.check_due((tenant, state, bucket), left)
+            hashed = device_hash(device)
+            for gen in left.gens():
+                out.append(
+                    Write(
+                        ("state", tenant, state, bucket, gen),
+                        self._delete_state,
+                        (ts, tenant, state, bucket, gen, hashed, device),
+                        pending,
+                    )
+                )
+        self._stats.missed_deletes += len(tenant_states.missed)
+        tenant_states.missed = []
+
+    def _missed(self, tenant: str, known: _TenantStates, learnt: list[str]) -> None:
+        """Queue the deletes that ``learnt`` states, registered by another
+        instance since this process last read the tenant's states, missed:
+        every device whose latest write was built since that read (its
+        deletes did not cover them), as of that write. A write into the
+        learnt state since is newer, and stands."""
+        since = known.asked_at
+        blind = [
+            (device, entry.written, entry.written_ts)
+            for (owner, device), entry in self._newest.items()
+            if owner == tenant and entry.written is not None and entry.written_at >= since
+        ]
+        for state in learnt:
+            known.missed += [(state, d, ts) for d, written, ts in blind if written != state]
+        if blind:
+            log.info(
+                "tenant %r: learnt state(s) %s from another instance; deleting from them "
+                "the %d devices written since this instance last read the states",
+                tenant,
+                ", ".join(repr(s) for s in learnt),
+                len(blind),
+            )
+
     @staticmethod
     def _part(tenant_states: _TenantStates, state: str, bucket: int) -> Part:
         part = tenant_states.parts.get((state, bucket))
@@ -592,6 +659,7 @@ class LatestState:
         known = self._tenants.get(tenant)
         if known is not None and not fresh and time.monotonic() - known.loaded_at < self._refresh:
             return known
+        asked = time.monotonic()
         rows, parts = await gather_all(
             self._requests.execute(self._select_states, (tenant,)),
             self._requests.execute(self._select_parts, (tenant,)),
@@ -599,11 +667,14 @@ class LatestState:
         # A tenant with state_buckets recorded and no state yet: one row, state null.
         states = {r["state"]: stored_ms(r["registered_at"]) for r in rows if r["state"]}
         if known is not None:
+            learnt = [state for state in states if state not in known.states]
+            if learnt:
+                self._missed(tenant, known, learnt)
             known.states.update(states)
-            known.loaded_at = time.monotonic()
+            known.loaded_at, known.asked_at = time.monotonic(), asked
         else:
             recorded = rows[0]["state_buckets"] if rows else None
-            known = _TenantStates(states, await self._buckets(tenant, recorded))
+            known = _TenantStates(states, await self._buckets(tenant, recorded), asked_at=asked)
             self._tenants.put(tenant, known)
         for row in parts:
             self._learn(tenant, known, row)
@@ -655,6 +726,8 @@ class LatestState:
         applied = rows[0]
         # Lightweight transaction: another instance may have registered it first.
         registered = now_ms if applied["[applied]"] else stored_ms(applied["registered_at"])
+        if not applied["[applied]"]:
+            self._missed(tenant, known, [state])  # since the fresh read register() made
         known.states[state] = registered
         self._stats.states_registered += 1
         log.info(

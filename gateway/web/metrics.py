@@ -188,6 +188,12 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
         "Events in their device's last written state: no deletes written for them.",
     ),
     (
+        "gateway_latest_missed_deletes_total",
+        "missed_deletes",
+        "Deletes sent late into a state another instance registered: for the devices "
+        "this one wrote before it knew the state (pipeline.states_refresh).",
+    ),
+    (
         "gateway_write_ts_ties_total",
         "tie_breaks",
         "Two events of one device with the same write timestamp, settled by event id.",
