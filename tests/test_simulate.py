@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import signal
 import subprocess
 import sys
@@ -236,6 +237,17 @@ async def test_publish_duration_stops() -> None:
         stats = await publish(spec, _broker(), duration=0.3)
     # The schedule never goes past rate * duration messages.
     assert 0 < stats.sent <= 60
+
+
+async def test_publish_duration_sends_every_message_due_before_the_end() -> None:
+    """The last message falls due a fraction of a millisecond before the end:
+    `simulate --rate 1500 --duration 40` sent 59,999 of 60,000 (probe),
+    when the loop woke for it just after the end."""
+    for rate, duration in ((1000.0, 0.2995), (3000.0, 0.2999), (1500.0, 0.4)):
+        spec = FleetSpec(devices=5, rate=rate, tenant=f"sim-{uuid.uuid4().hex}")
+        async with asyncio.timeout(30):
+            stats = await publish(spec, _broker(), duration=duration)
+        assert stats.sent == math.ceil(rate * duration), (rate, duration, stats.sent)
 
 
 def test_the_cli_says_in_one_line_when_the_broker_is_missing_or_goes_away(

@@ -343,7 +343,12 @@ async def publish(
                 )
                 last_t, last_sent, next_status = now, sent, now + status_every
             if now >= end:
-                limit = k  # stop scheduling; what is in flight still gets its PUBACK
+                # Stop scheduling; what is in flight still gets its PUBACK. What
+                # fell due before the end goes out now if the window has room:
+                # the loop wakes a timer tick late, and cutting at k had sent
+                # 59,999 of 60,000 (probe). A sender further behind stops here.
+                assert limit is not None  # by_duration
+                limit = min(limit, k + max(window - conn.unacked, 0))
             due = math.floor((now - start) * spec.rate) + 1
             if limit is not None:
                 due = min(due, limit)
