@@ -124,6 +124,20 @@ def test_history_refuses_a_range_that_ends_before_it_starts(gateway: Run) -> Non
     assert "--since: 2099-01-01T00:00:00.000Z is in the future" in err, err
 
 
+def test_a_duration_ago_may_have_a_minus_sign(gateway: Run) -> None:
+    """`--since -5m` was argparse's "expected one argument" (probe): a value
+    with a leading minus reads as an option. It is 5m ago, as `5m` is."""
+    now = datetime(2026, 11, 29, 12, tzinfo=UTC)
+    assert queries.parse_time("since", "-5m", now) == queries.parse_time("since", "5m", now)
+    err = _fails(gateway, "history", "--tenant", "t", "d", "--since", "-1h", "--until", "-2h")
+    assert "--since: must be before --until" in err, err
+    err = _fails(gateway, "rollup", "--tenant", "t", "d", "--until", "-5", "--since=-2h")
+    assert "--until: '-5' has no unit: give a duration ago such as 30m" in err, err
+    # After "--" it is the device id's, not --since's.
+    err = _fails(gateway, "history", "--tenant", "t", "--since", "--", "-1h")
+    assert "argument --since: expected one argument" in err, err
+
+
 def test_a_time_with_a_lower_case_z_is_taken() -> None:
     """RFC 3339 allows "t" and "z" in lower case; fromisoformat refused the z."""
     assert queries.parse_time("since", "2026-11-28t09:00:00z") == datetime(

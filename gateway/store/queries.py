@@ -719,18 +719,19 @@ _SPACED_OFFSET = re.compile(r"\d \d\d(:?\d\d)?$")
 
 def parse_time(parameter: str, text: str, now: datetime | None = None) -> datetime:
     """An RFC 3339 time (without an offset: UTC), or a duration ago with its
-    unit, such as ``2h`` or ``30m``. A bare number is refused: a date typed
-    as ``20261126`` or an epoch time read as seconds ago went back months,
-    or decades, without a word."""
+    unit, such as ``2h`` or ``30m`` (or ``-2h``: the same). A bare number is
+    refused: a date typed as ``20261126`` or an epoch time read as seconds
+    ago went back months, or decades, without a word."""
     now = now or datetime.now(UTC)
-    if text.strip().replace(".", "", 1).isdigit():
+    ago = text[1:] if text.startswith("-") else text  # no RFC 3339 time starts so
+    if ago.strip().replace(".", "", 1).isdigit():
         raise bad_parameter(
             parameter,
             f"{text!r} has no unit: give a duration ago such as 30m, 2h or 7d, "
             "or an RFC 3339 time such as 2026-11-26T13:00:00Z",
         )
     try:
-        seconds = parse_duration(text)
+        seconds = parse_duration(ago)
     except ValueError:
         pass
     else:

@@ -20,6 +20,7 @@ import importlib.resources
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -1800,9 +1801,33 @@ def _stdout_gone() -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+# Options that take a time: `--since -5m` (5m ago, as 5m) is joined into
+# `--since=-5m`, which argparse otherwise read as a second option ("expected
+# one argument").
+_TIME_OPTIONS = frozenset(("--since", "--until"))
+_MINUS_DURATION = re.compile(r"-[0-9.]")
+
+
+def _joined_times(argv: Sequence[str]) -> list[str]:
+    out: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        if arg == "--":  # the rest is positional
+            return [*out, arg, *args]
+        if arg in _TIME_OPTIONS:
+            value = next(args, None)
+            if value is not None and _MINUS_DURATION.match(value):
+                out.append(f"{arg}={value}")
+                continue
+            out += [arg] if value is None else [arg, value]
+            continue
+        out.append(arg)
+    return out
+
+
 def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
-    args, unknown = parser.parse_known_args(argv)
+    args, unknown = parser.parse_known_args(_joined_times(sys.argv[1:] if argv is None else argv))
     if unknown:
         # argparse's parse_args() reports these with the top-level usage
         # (`gateway [-h] ... COMMAND ...`): the command's names its options.
