@@ -77,6 +77,33 @@ NO_URL_NAMES = frozenset({".", ".."})
 NO_URL_REASON = "a URL drops a . or .. path segment, so the page and API could not open it"
 
 
+# What a state, a device id or a tenant taken from a topic may not hold:
+# controls (C0, C1, DEL), and the characters that show as nothing or as a
+# break: soft hyphen, Arabic letter mark, Hangul fillers, Mongolian vowel
+# separator, zero-width space, direction marks, line and paragraph
+# separators, bidirectional embeddings and isolates, word joiner, invisible
+# operators and deprecated format characters, byte-order mark. They are the
+# labels the page's tiles and lists and the CLI show: "a\u200bb" looked
+# exactly like "ab" and was another one. Zero-width joiners stay allowed:
+# emoji sequences and scripts use them.
+_UNSEEN = re.compile(
+    f"[{CONTROLS}"
+    r"\u00ad\u061c\u115f\u1160\u180e\u200b\u200e\u200f\u2028-\u202e\u2060-\u2064"
+    r"\u2066-\u206f\u3164\ufeff]"
+)
+
+
+def unseen_char(text: str) -> str | None:
+    """The first control or invisible character of ``text`` (_UNSEEN), or None.
+    The ASCII ones are all unprintable, so printable ASCII (nearly every id; a
+    C-level scan) needs no regular expression. Not every other one is: the
+    Hangul fillers are letters."""
+    if text.isascii() and text.isprintable():
+        return None
+    found = _UNSEEN.search(text)
+    return None if found is None else found.group()
+
+
 def has_control(text: str) -> bool:
     """Whether ``text`` holds a C0 or C1 control character (or DEL), which no
     tenant, device id or label may: they would break log lines and listings.

@@ -31,7 +31,7 @@ from gateway.event import Event
 from gateway.identity import event_identity
 from gateway.ingest.decode import JSON_TYPES, MSGPACK_TYPES, REASONS, Decoder, state_problem
 from gateway.ingest.topics import TopicMatcher
-from gateway.topic_filters import NO_URL_NAMES
+from gateway.topic_filters import NO_URL_NAMES, unseen_char
 
 LIMITS = LimitsConfig(
     max_payload_bytes=4096,
@@ -83,6 +83,8 @@ def _assert_within_limits(event: Event, topic: str, payload: bytes, received_ms:
     for level in (event.tenant, event.device_id):
         assert 0 < len(level) <= LIMITS.max_topic_level_length
         assert not _is_control(level)
+        assert unseen_char(level) is None
+        assert level == level.strip()
     assert event.device_id in topic.split("/")
 
     assert len(event.metrics) <= LIMITS.max_metrics
@@ -283,7 +285,11 @@ SAFE_LEVEL = st.text(
     st.characters(codec="utf-8", exclude_characters="/", exclude_categories=["Cc"]),
     min_size=1,
     max_size=LIMITS.max_topic_level_length,
-).filter(lambda s: not _is_control(s) and s not in NO_URL_NAMES)
+).filter(
+    lambda s: (
+        not _is_control(s) and s not in NO_URL_NAMES and unseen_char(s) is None and s == s.strip()
+    )
+)
 LEVEL = st.one_of(
     st.sampled_from(
         ["", "+", "#", ".", "..", "tenants", "devices", "events", "site", "x", "acme", "d1"]

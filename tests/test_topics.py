@@ -243,10 +243,37 @@ def test_control_characters_in_tenant() -> None:
     assert "control characters" in error.detail
 
 
-@pytest.mark.parametrize("char", [" ", "\xa0", "é", "\u2028", "😀", "~"])
+@pytest.mark.parametrize("char", [" ", "\xa0", "é", "😀", "~", "\u200d"])
 def test_printable_and_unicode_characters_allowed(char: str) -> None:
     topic = f"tenants/acme/devices/dev{char}1/events"
     assert _matcher().match(topic) == ("acme", f"dev{char}1")
+
+
+@pytest.mark.parametrize(
+    ("level", "code"),
+    [
+        ("d\u200b1", "U+200B"),
+        ("d\u20281", "U+2028"),
+        ("\ufeffd1", "U+FEFF"),
+        ("d\u31641", "U+3164"),
+    ],
+)
+def test_invisible_characters_in_ids_are_refused(level: str, code: str) -> None:
+    """ "d\u200b1" was stored as a device of its own, shown exactly as "d1"
+    (probe); states refused these already."""
+    error = _reject(_matcher(), f"tenants/acme/devices/{level}/events")
+    assert f"device_id level {level!r} holds {code}, an invisible character" in error.detail
+    error = _reject(_matcher(), f"tenants/{level}/devices/d1/events")
+    assert f"tenant level {level!r} holds {code}" in error.detail
+
+
+@pytest.mark.parametrize("level", ["d1 ", " d1", "d1\xa0", "\u3000d1"])
+def test_ids_with_whitespace_at_an_end_are_refused(level: str) -> None:
+    error = _reject(_matcher(), f"tenants/acme/devices/{level}/events")
+    assert (
+        f"device_id level {level!r} starts or ends with whitespace, so the page and the CLI "
+        "could not tell it from 'd1'"
+    ) in error.detail
 
 
 def test_tenant_of_best_effort() -> None:

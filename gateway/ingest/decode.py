@@ -36,7 +36,7 @@ from ..config import LimitsConfig
 from ..errors import DecodeError
 from ..event import Event
 from ..identity import event_identity
-from ..topic_filters import CONTROLS, NO_URL_NAMES, NO_URL_REASON
+from ..topic_filters import NO_URL_NAMES, NO_URL_REASON, unseen_char
 from .payload_model import MAX_TS_TEXT, payload_model
 
 REASONS = (
@@ -65,21 +65,6 @@ MSGPACK_TYPES = frozenset(
 )
 
 
-# What a state may not hold: controls (C0, C1, DEL), and the characters
-# that show as nothing or as a break: soft hyphen, Arabic letter mark, Hangul
-# fillers, Mongolian vowel separator, zero-width space, direction marks,
-# line and paragraph separators, bidirectional embeddings and isolates, word
-# joiner, invisible operators and deprecated format characters, byte-order
-# mark. A state is the label the page's tiles and lists and the CLI show;
-# "a\u200bb" looked exactly like "ab" and was another state. Zero-width
-# joiners stay allowed: emoji sequences and scripts use them.
-_UNSEEN = re.compile(
-    f"[{CONTROLS}"
-    r"\u00ad\u061c\u115f\u1160\u180e\u200b\u200e\u200f\u2028-\u202e\u2060-\u2064"
-    r"\u2066-\u206f\u3164\ufeff]"
-)
-
-
 def state_problem(state: str) -> str | None:
     """Why ``state`` (its whitespace at the ends dropped, as Decoder does)
     cannot be one, or None: a label people must tell apart."""
@@ -87,10 +72,10 @@ def state_problem(state: str) -> str | None:
         return "only whitespace, so the page and the CLI would show no name"
     if state in NO_URL_NAMES:
         return NO_URL_REASON
-    unseen = _UNSEEN.search(state)
+    unseen = unseen_char(state)
     if unseen is not None:
         return (
-            f"holds U+{ord(unseen.group()):04X}, a control or invisible character, so the "
+            f"holds U+{ord(unseen):04X}, a control or invisible character, so the "
             "page and the CLI could not show it"
         )
     return None

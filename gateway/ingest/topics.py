@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..config import LimitsConfig, TopicTemplate
 from ..errors import DecodeError
-from ..topic_filters import NO_URL_NAMES, NO_URL_REASON, covers, has_control
+from ..topic_filters import NO_URL_NAMES, NO_URL_REASON, covers, has_control, unseen_char
 
 _NAMED = {"{tenant}": "tenant", "{device_id}": "device_id", "{_}": "_"}
 
@@ -152,5 +152,21 @@ class TopicMatcher:
             )
         if has_control(value):
             raise DecodeError("topic", f"{name} level {value!r} holds control characters")
+        # As a state's (decode.state_problem): "d\u200b1" looked exactly like
+        # "d1" on the page and in the CLI and was another device, and so was
+        # "d1 " (a state's edge whitespace is dropped; an id is not changed).
+        unseen = unseen_char(value)
+        if unseen is not None:
+            raise DecodeError(
+                "topic",
+                f"{name} level {value!r} holds U+{ord(unseen):04X}, an invisible character, "
+                "so the page and the CLI could not tell it from another",
+            )
+        if value[0].isspace() or value[-1].isspace():
+            raise DecodeError(
+                "topic",
+                f"{name} level {value!r} starts or ends with whitespace, so the page and "
+                f"the CLI could not tell it from {value.strip()!r}",
+            )
         if value in NO_URL_NAMES:
             raise DecodeError("topic", f"{name} level {value!r}: {NO_URL_REASON}")
