@@ -209,6 +209,9 @@ async def test_paging_crosses_buckets_and_filters_by_prefix_and_tag(
         assert [d["device_id"] for d in body["devices"]] == [
             f"dev-{i:05d}" for i in range(120, 130)
         ]
+        # Whatever the case ("lobby" finds "Lobby-3").
+        status, upper, _ = await api.get(f"{base}?prefix=DEV-0012&limit=500")
+        assert upper["devices"] == body["devices"]
         # The prefix is a filter within the scan budget: with a small budget
         # the answer comes in short pages, each with a cursor, and is complete
         # (limit 400: not the view just answered, which the answer cache holds).

@@ -232,7 +232,7 @@ async def devices_page(
     of the last row read, so paging goes on across buckets and across a
     rotation (generations keep positions). ``prefix`` and ``tag`` are
     filters: rows are read, then kept when the device id starts with
-    ``prefix`` and the tags hold KEY with VALUE, at most SCAN_BUDGET rows per
+    ``prefix`` (whatever the case) and the tags hold KEY with VALUE, at most SCAN_BUDGET rows per
     page; a page that runs out comes back short, with a cursor. Each read
     asks for one row more than it needs, so that a page that ends the list
     exactly says so (no cursor onto an empty page).
@@ -250,9 +250,12 @@ async def devices_page(
         "AND (device_hash, device_id) > (?, ?) LIMIT ?"
     )
     filtered = bool(prefix) or tag is not None
+    # Not case-sensitive: "lobby" finds "Lobby-3" (page probe); an exact
+    # match is among what it finds.
+    folded = prefix.casefold()
 
     def keep(r: Any) -> bool:
-        if not r.device_id.startswith(prefix):
+        if folded and not r.device_id.casefold().startswith(folded):
             return False
         return tag is None or (r.tags or {}).get(tag[0]) == tag[1]
 

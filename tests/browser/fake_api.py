@@ -173,7 +173,8 @@ class FakeApi:
             if len(page) == limit:
                 break
             last = d["device_id"]
-            if d["device_id"].startswith(prefix) and (key is None or d["tags"].get(key) == value):
+            named = d["device_id"].casefold().startswith(prefix.casefold())
+            if named and (key is None or d["tags"].get(key) == value):
                 page.append(d)
         if len(page) == limit:
             more = any(
