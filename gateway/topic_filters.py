@@ -86,10 +86,24 @@ NO_URL_REASON = "a URL drops a . or .. path segment, so the page and API could n
 # labels the page's tiles and lists and the CLI show: "a\u200bb" looked
 # exactly like "ab" and was another one. Zero-width joiners stay allowed:
 # emoji sequences and scripts use them.
+INVISIBLE_RANGES = (
+    (0x00AD, 0x00AD),
+    (0x061C, 0x061C),
+    (0x115F, 0x1160),
+    (0x180E, 0x180E),
+    (0x200B, 0x200B),
+    (0x200E, 0x200F),
+    (0x2028, 0x202E),
+    (0x2060, 0x2064),
+    (0x2066, 0x206F),
+    (0x3164, 0x3164),
+    (0xFEFF, 0xFEFF),
+)
+# Every one of them, for those that show them escaped (the CLI, the page's
+# copy in gateway/web/static/app.js).
+INVISIBLE = tuple(c for first, last in INVISIBLE_RANGES for c in range(first, last + 1))
 _UNSEEN = re.compile(
-    f"[{CONTROLS}"
-    r"\u00ad\u061c\u115f\u1160\u180e\u200b\u200e\u200f\u2028-\u202e\u2060-\u2064"
-    r"\u2066-\u206f\u3164\ufeff]"
+    f"[{CONTROLS}" + "".join(f"\\u{a:04x}-\\u{b:04x}" for a, b in INVISIBLE_RANGES) + "]"
 )
 
 

@@ -157,13 +157,14 @@ async def test_gateway_device_shows_a_missing_value_as_a_dash(tenant: str) -> No
 async def test_the_cli_shows_control_characters_a_device_sent_escaped(tenant: str) -> None:
     """A text value with a line break split a row of `history` and
     `devices` in two (cut -f broke), and an escape sequence in it reached
-    the terminal (CLI probe). They are shown escaped, as JSON shows them."""
-    value = "line1\nline2\tcol\x1b[31mRED\x9b0m"
-    event = {"state": "on", "value": value, "tags": {"note": "a\x7fb"}}
+    the terminal (CLI probe). They are shown escaped, as JSON shows them; so
+    are the invisible characters ids may not hold ("\u202eevil" read "live")."""
+    value = "line1\nline2\tcol\x1b[31mRED\x9b0m \u202eevil\u202c"
+    event = {"state": "on", "value": value, "tags": {"note": "a\x7fb\u200b"}}
     async with running_gateway(make_config()) as gw:
         await publish([(topic(tenant, "esc"), orjson.dumps(event))])
         await gw.wait_handled(1)
-    shown = "line1\\nline2\\tcol\\x1b[31mRED\\x9b0m"
+    shown = "line1\\nline2\\tcol\\x1b[31mRED\\x9b0m \\u202eevil\\u202c"
     for args in (("history", "--tenant", tenant, "esc"), ("devices", "--tenant", tenant)):
         result = run_cli(*args, "--state", "on") if args[0] == "devices" else run_cli(*args)
         assert result.returncode == 0, result.stderr
@@ -172,9 +173,10 @@ async def test_the_cli_shows_control_characters_a_device_sent_escaped(tenant: st
         assert shown in lines[0].split("\t"), lines
     result = run_cli("device", "--tenant", tenant, "esc")
     assert f"value={shown}" in result.stdout, result.stdout
-    assert '"note":"a\\u007fb"' in result.stdout, result.stdout
+    assert '"note":"a\\u007fb\\u200b"' in result.stdout, result.stdout
     for out in (result.stdout, run_cli("history", "--tenant", tenant, "esc", "--json").stdout):
         assert not any((ord(c) < 0x20 and c != "\n") or 0x7F <= ord(c) < 0xA0 for c in out), out
+        assert "\u202e" not in out, out
     listed = orjson.loads(run_cli("history", "--tenant", tenant, "esc", "--json").stdout)
     assert listed[0]["value"] == value  # JSON escapes, and reads back the same
 

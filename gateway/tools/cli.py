@@ -42,6 +42,7 @@ from ..repeats import Repeats
 from ..sd_notify import Notifier
 from ..store import queries, quota, schema
 from ..store.database import Database, connect, unanswered
+from ..topic_filters import INVISIBLE
 from ..units import epoch_ms
 from ..web import tokens
 from ..web.routes import MAX_TAG
@@ -660,13 +661,16 @@ def _first_names(names: list[str], most: int = 20) -> str:
 # Control characters a device may have sent in a value, a tag, a metric's name
 # or a topic (C0, DEL, C1): shown escaped, so that a row stays one line (cut
 # -f takes the tab-separated fields) and no escape sequence it carries reaches
-# the terminal. JSON escapes C0 itself; DEL and C1 are escaped there too.
-_TEXT_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))} | {
-    0x09: "\\t",
-    0x0A: "\\n",
-    0x0D: "\\r",
-}
-_JSON_ESCAPES = {c: f"\\u{c:04x}" for c in range(0x7F, 0xA0)}
+# the terminal. JSON escapes C0 itself; DEL and C1 are escaped there too. So
+# are the invisible characters states and ids may not hold (topic_filters):
+# a direction override turned "\u202eevil" into "live" (page probe).
+_INVISIBLE_ESCAPES = {c: f"\\u{c:04x}" for c in INVISIBLE}
+_TEXT_ESCAPES = (
+    {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+    | {0x09: "\\t", 0x0A: "\\n", 0x0D: "\\r"}
+    | _INVISIBLE_ESCAPES
+)
+_JSON_ESCAPES = {c: f"\\u{c:04x}" for c in range(0x7F, 0xA0)} | _INVISIBLE_ESCAPES
 
 
 def _shown(text: object) -> str:

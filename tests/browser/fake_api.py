@@ -93,7 +93,7 @@ class FakeApi:
         self,
         tenant: str,
         device_id: str,
-        state: str,
+        state: str | None,
         value: Any = None,
         *,
         tags: dict[str, str] | None = None,
@@ -114,7 +114,8 @@ class FakeApi:
         self.history[(tenant, device_id)].sort(key=lambda e: e["ts"])
         if previous is None or event["ts"] >= previous["ts"]:
             self.latest.setdefault(tenant, {})[device_id] = {"device_id": device_id, **event}
-        self.known_states.setdefault(tenant, set()).add(state)
+        if state is not None:  # an event without one leaves the device in none
+            self.known_states.setdefault(tenant, set()).add(state)
         self.changed_at[tenant] = datetime.now(UTC)
 
     def api_requests(self, since: int = 0) -> list[Seen]:
@@ -135,7 +136,8 @@ class FakeApi:
     def _states(self, tenant: str) -> dict[str, Any]:
         counts = dict.fromkeys(sorted(self.known_states.get(tenant, set())), 0)
         for device in self.latest.get(tenant, {}).values():
-            counts[device["state"]] += 1
+            if device["state"] is not None:
+                counts[device["state"]] += 1
         # Counts as the real API's cache can hold them (up to 10 s old).
         counts |= self.held_counts.get(tenant, {})
         return {

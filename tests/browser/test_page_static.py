@@ -445,6 +445,56 @@ async def test_tabs_of_one_browser_share_the_login_and_the_logout(
     await expect(stranger.locator("#login-message")).to_have_text("")
 
 
+async def test_extreme_numbers_hidden_direction_marks_and_no_state_are_shown_as_stored(
+    page: Page, url: str, api: FakeApi
+) -> None:
+    """Page probe: -1e308 showed as "-Infinity" and drew NaN paths, a huge
+    reading's axis label was cut to "68e+29", "\u202eevil\u202c" read "live",
+    and a device without a state had an empty badge and a strip named "null"."""
+    api.put("acme", "deep", "on", -1e308, at=ago(120))
+    api.put("acme", "deep", "on", -1e308, at=ago(60))
+    api.put("acme", "huge", "on", 1.2345678901234568e29, at=ago(120))
+    api.put("acme", "huge", "on", 5e-7, at=ago(60))
+    api.put("acme", "evil", "on", "\u202eevil\u202c", tags={"room": "\u200bA"})
+    api.put("acme", "plain", None, 1.0, at=ago(60))
+    await log_in(page, url, TENANT_TOKEN)
+    await page.goto(f"{url}#/t/acme/s/on")
+    await expect(page.locator('[data-device="deep"]')).to_contain_text("-1e+308")
+    await expect(page.locator('[data-device="huge"]')).to_contain_text("5e-7")
+    row = page.locator('[data-device="evil"]')
+    await expect(row).to_contain_text("⟨U+202E⟩evil⟨U+202C⟩")
+    await expect(row).to_contain_text("room:⟨U+200B⟩A")
+
+    for device, shown in (("deep", "-1e+308"), ("huge", "1.235e+29")):
+        await page.goto(f"{url}#/t/acme/d/{device}")
+        await expect(page.locator("[data-testid=chart-svg]")).to_be_visible()
+        drawn = await page.evaluate(
+            """() => [...document.querySelectorAll('#chart svg path, #chart svg circle')]
+                .map((el) => (el.getAttribute('d') || '') + (el.getAttribute('cy') || ''))"""
+        )
+        assert drawn, device
+        assert not [d for d in drawn if "NaN" in d or "Infinity" in d], (device, drawn)
+        labels = await page.locator("#chart svg text.axis").all_text_contents()
+        assert shown in labels, (device, labels)
+        # Each label inside the picture: its left edge at or right of the svg's.
+        inside = await page.evaluate(
+            """() => {
+                const svg = document.querySelector('#chart svg').getBoundingClientRect();
+                return [...document.querySelectorAll('#chart svg text.axis')]
+                    .every((t) => t.getBoundingClientRect().left >= svg.left - 0.5);
+            }"""
+        )
+        assert inside, (device, labels)
+
+    await page.goto(f"{url}#/t/acme/d/plain")
+    await expect(page.locator("[data-testid=device-state]")).to_have_text(
+        "no state: its events carry none, so no state lists it"
+    )
+    await expect(page.locator("[data-testid=chart-svg]")).to_be_visible()
+    assert "null" not in (await page.locator("#chart").inner_text())
+    assert "null" not in (await page.locator("#history-rows").inner_text())
+
+
 async def test_history_range_and_rejected_messages(page: Page, url: str, api: FakeApi) -> None:
     api.put("acme", "meter", "on", 1.0, at=ago(3 * 3600))
     api.put("acme", "meter", "off", 2.0, at=ago(1800))

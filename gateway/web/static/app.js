@@ -50,7 +50,9 @@
   function h(tag, props, ...kids) {
     const el = document.createElement(tag);
     setProps(el, props);
-    for (const kid of kids.flat()) if (kid != null && kid !== false) el.append(kid);
+    for (const kid of kids.flat()) {
+      if (kid != null && kid !== false) el.append(typeof kid === "string" ? shown(kid) : kid);
+    }
     return el;
   }
 
@@ -62,10 +64,22 @@
     return el;
   }
 
+  // Characters that show as nothing or turn the text around them: direction
+  // overrides, isolates and marks, zero-width space, soft hyphen, byte-order
+  // mark... (the set gateway/topic_filters.py refuses in states and ids).
+  // Values, tags and metric names may hold them: "\u202eevil\u202c" read
+  // "live" (page probe). Every text put into the page shows them as their
+  // code point instead, as the CLI escapes them.
+  const UNSEEN = /[\u00ad\u061c\u115f\u1160\u180e\u200b\u200e\u200f\u2028-\u202e\u2060-\u2064\u2066-\u206f\u3164\ufeff]/g;
+  function shown(text) {
+    return text.replace(UNSEEN,
+      (c) => `⟨U+${c.codePointAt(0).toString(16).toUpperCase().padStart(4, "0")}⟩`);
+  }
+
   function setProps(el, props) {
     for (const [key, value] of Object.entries(props || {})) {
       if (value == null || value === false) continue;
-      if (key === "text") el.textContent = String(value);
+      if (key === "text") el.textContent = shown(String(value));
       else if (key.startsWith("on")) el.addEventListener(key.slice(2), value);
       else el.setAttribute(key, value === true ? "" : String(value));
     }
@@ -90,9 +104,24 @@
     return typeof v === "number" && Number.isFinite(v);
   }
 
+  // Six decimals at most for everyday readings (21.500000001 shows 21.5);
+  // whole numbers and huge ones as they are, small ones to six significant
+  // digits: v * 1e6 overflowed past 1.8e302 (-1e308 showed as "-Infinity")
+  // and rounded 5e-7 to 0 (page probe).
+  function formatNumber(v) {
+    if (Number.isInteger(v) || Math.abs(v) >= 1e15) return String(v);
+    if (Math.abs(v) < 0.01) return String(Number(v.toPrecision(6)));
+    return String(Math.round(v * 1e6) / 1e6);
+  }
+
+  // A state as the page names it: an event may carry none (null).
+  function stateName(state) {
+    return state == null ? "no state" : String(state);
+  }
+
   function formatValue(v) {
     if (v === null || v === undefined) return "—";
-    if (isNumber(v)) return String(Math.round(v * 1e6) / 1e6);
+    if (isNumber(v)) return formatNumber(v);
     if (typeof v === "object") return JSON.stringify(v);
     return String(v);
   }
@@ -1418,9 +1447,14 @@
           href: href(["t", r.tenant]), text: `Back to ${r.tenant}` })));
       return;
     }
-    const badge = h("a", { class: "badge", href: href(["t", r.tenant, "s", d.state]),
-      "data-testid": "device-state", text: d.state });
-    badge.style.setProperty("--state-color", stateInk(d.state));
+    // Events without a state leave a device in none (no tile lists it): said
+    // in words, not an empty badge (page probe).
+    const badge = d.state == null
+      ? h("span", { class: "hint", "data-testid": "device-state",
+        text: "no state: its events carry none, so no state lists it" })
+      : h("a", { class: "badge", href: href(["t", r.tenant, "s", d.state]),
+        "data-testid": "device-state", text: d.state });
+    if (d.state != null) badge.style.setProperty("--state-color", stateInk(d.state));
     const metrics = Object.entries(d.metrics || {}).sort(([a], [b]) => a.localeCompare(b));
     const value = formatValue(d.value);
     const parts = [
@@ -1537,7 +1571,23 @@
     const fromRollups = windows.length > 0;
     const numeric = fromRollups ? windows : evs.filter((e) => isNumber(e.value));
     const W = Math.max(280, Math.floor(figure.clientWidth || 600));
-    const padL = numeric.length ? 48 : 8;
+    // The value axis: its lowest and highest readings, with a margin.
+    let lo = 0;
+    let hi = 0;
+    let margin = 0;
+    if (numeric.length) {
+      lo = Math.min(...numeric.map((e) => (fromRollups ? e.min : e.value)));
+      hi = Math.max(...numeric.map((e) => (fromRollups ? e.max : e.value)));
+      // Halves: the range of two readings near the double's limits is past
+      // it (hi - lo was Infinity, and every point NaN: page probe, -1e308).
+      margin = (hi / 2 - lo / 2) * 0.16 || Math.abs(hi) / 100 || 1;
+    }
+    // Four significant digits are enough for an axis ("1.2345678901234568e+29"
+    // was cut to "68e+29"), and it is wide enough for them.
+    const axisValue = (v) => (Math.abs(v) >= 1e6 || (v !== 0 && Math.abs(v) < 0.01)
+      ? String(Number(v.toPrecision(4))) : formatValue(v));
+    const labels = numeric.length ? [axisValue(hi), axisValue(lo)] : [];
+    const padL = numeric.length ? Math.max(48, 10 + 7 * Math.max(...labels.map((t) => t.length))) : 8;
     const padR = 10;
     const plotTop = 8;
     const plotH = numeric.length ? 150 : 0;
@@ -1558,7 +1608,7 @@
     const end = untilNow ? "now" : formatTime(t1);
     const newest = evs[evs.length - 1].state;
     const heldFrom = changes.length ? changes[changes.length - 1].ms : evs[0].ms;
-    const held = `${newest == null ? "—" : newest} since ${formatTime(heldFrom)}`;
+    const held = `${stateName(newest)} since ${formatTime(heldFrom)}`;
     const changeCount = changes.length === 1 ? "1 change of state" : `${changes.length} changes of state`;
     const per = rollups && rollups.step === "1h" ? "hour" : "minute";
     // "between 1 and 3", or "all 1" when they are one value ("between 1 and 1").
@@ -1587,22 +1637,15 @@
       "data-series": fromRollups ? `rollups-${rollups.step}` : "events" });
 
     if (numeric.length) {
-      let lo = Math.min(...numeric.map((e) => (fromRollups ? e.min : e.value)));
-      let hi = Math.max(...numeric.map((e) => (fromRollups ? e.max : e.value)));
-      if (hi === lo) {
-        lo -= 1;
-        hi += 1;
-      }
-      const pad = (hi - lo) * 0.08;
-      lo -= pad;
-      hi += pad;
-      const y = (v) => plotTop + (1 - (v - lo) / (hi - lo)) * plotH;
+      const top = Math.min(hi + margin, Number.MAX_VALUE);
+      const bottom = Math.max(lo - margin, -Number.MAX_VALUE);
+      const y = (v) => plotTop + (1 - (v / 2 - bottom / 2) / (top / 2 - bottom / 2)) * plotH;
       svg.append(
         s("rect", { class: "plot-bg", x: padL, y: plotTop, width: W - padL - padR, height: plotH }),
         s("text", { class: "axis", x: padL - 4, y: plotTop + 10, "text-anchor": "end",
-          text: formatValue(hi - pad) }),
+          text: labels[0] }),
         s("text", { class: "axis", x: padL - 4, y: plotTop + plotH, "text-anchor": "end",
-          text: formatValue(lo + pad) }));
+          text: labels[1] }));
       if (fromRollups && numeric.length <= 200) {
         // A point per window, so that one window (a week's chart of a device
         // seen only this hour) is not an empty plot: a path of one point has
@@ -1616,10 +1659,10 @@
       }
       if (fromRollups) {
         // Lowest to highest of each window: along the maxima, back along the minima.
-        const top = numeric.map((w, i) => `${i ? "L" : "M"}${x(w.ms).toFixed(1)},${y(w.max).toFixed(1)}`);
-        const bottom = numeric.slice().reverse()
+        const upper = numeric.map((w, i) => `${i ? "L" : "M"}${x(w.ms).toFixed(1)},${y(w.max).toFixed(1)}`);
+        const lower = numeric.slice().reverse()
           .map((w) => `L${x(w.ms).toFixed(1)},${y(w.min).toFixed(1)}`);
-        svg.append(s("path", { class: "band", d: `${top.join(" ")} ${bottom.join(" ")} Z` }));
+        svg.append(s("path", { class: "band", d: `${upper.join(" ")} ${lower.join(" ")} Z` }));
       }
       const d = numeric.map((e, i) => `${i ? "L" : "M"}${x(e.ms).toFixed(1)},${y(e.value).toFixed(1)}`);
       svg.append(s("path", { class: "line", d: d.join(" ") }));
@@ -1627,7 +1670,7 @@
         for (const e of numeric) {
           svg.append(s("circle", { class: "point", cx: x(e.ms).toFixed(1), cy: y(e.value).toFixed(1),
             r: 3.5, fill: stateColor(e.state) },
-          s("title", { text: `${formatTime(e.ms)}: ${formatValue(e.value)} (${e.state})` })));
+          s("title", { text: `${formatTime(e.ms)}: ${formatValue(e.value)} (${stateName(e.state)})` })));
         }
       }
     }
@@ -1639,7 +1682,7 @@
       const width = Math.max(end - start, 1.5);
       svg.append(s("rect", { class: "state-seg", x: start.toFixed(1), y: stripTop,
         width: width.toFixed(1), height: stripH, fill: stateColor(e.state) },
-      s("title", { text: `${e.state} from ${formatTime(e.ms)}` })));
+      s("title", { text: `${stateName(e.state)} from ${formatTime(e.ms)}` })));
     });
     // Label the strip where a state's run is wide enough for its name.
     let runStart = 0;
@@ -1648,7 +1691,7 @@
       if (!last) return;
       const a = x(evs[runStart].ms);
       const b = i + 1 < evs.length ? x(evs[i + 1].ms) : W - padR;
-      const label = String(e.state);
+      const label = stateName(e.state);
       if (b - a > label.length * 7 + 8) {
         svg.append(s("text", { class: "seg-label", x: ((a + b) / 2).toFixed(1),
           y: stripTop + stripH / 2 + 4, "text-anchor": "middle", text: label }));
@@ -1660,7 +1703,7 @@
       const cx = x(e.ms).toFixed(1);
       svg.append(s("line", { class: "change", "data-state": e.state, x1: cx, x2: cx,
         y1: plotTop, y2: stripTop + stripH },
-      s("title", { text: `${formatTime(e.ms)}: now ${e.state}` })));
+      s("title", { text: `${formatTime(e.ms)}: now ${stateName(e.state)}` })));
     }
 
     svg.append(
@@ -1669,7 +1712,7 @@
 
     const states = [...new Set(evs.map((e) => e.state))];
     const legend = h("ul", { class: "legend" }, states.map((st) => {
-      const item = h("li", { text: st == null ? "—" : st });
+      const item = h("li", { text: stateName(st) });
       item.style.setProperty("--state-color", stateColor(st));
       return item;
     }));
