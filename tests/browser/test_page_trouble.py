@@ -592,6 +592,31 @@ ON_SCREEN = """() => {
         .map(([d, b]) => [d, Math.round(b.top)]); }"""
 
 
+async def test_the_new_devices_bar_leaves_the_pager_free_when_it_comes_at_the_end(
+    new_page: Callable[..., Awaitable[Page]], url: str, api: FakeApi
+) -> None:
+    """The reader is at the end of the list when devices come: the bar showed
+    over Previous and Next until they scrolled again (page probe, phone)."""
+    page = await new_page(phone=True, size=(390, 844))
+    await log_in(page, url, ADMIN_TOKEN)
+    await page.goto(f"{url}#/t/big/s/on")
+    await expect(page.locator("#device-rows tr")).to_have_count(100)
+    await page.evaluate("() => window.scrollTo(0, document.body.scrollHeight)")
+    await page.wait_for_timeout(300)
+    api.put("big", "dev-0005", "on", 1.0)
+    bar = page.locator("#new-devices")
+    await expect(bar).to_be_visible(timeout=LIVE_MS)
+    overlap = await page.evaluate(
+        """() => {
+        const bar = document.getElementById('new-devices').getBoundingClientRect();
+        return [...document.querySelectorAll('#pager button')].some((b) => {
+            const r = b.getBoundingClientRect();
+            return Math.min(bar.bottom, r.bottom) > Math.max(bar.top, r.top)
+                && Math.min(bar.right, r.right) > Math.max(bar.left, r.left); }); }"""
+    )
+    assert not overlap, "the bar covers Previous or Next"
+
+
 async def test_live_updates_keep_a_scrolled_list_steady(
     new_page: Callable[..., Awaitable[Page]], url: str, api: FakeApi, screenshot: Shot
 ) -> None:
