@@ -617,6 +617,33 @@ async def test_the_new_devices_bar_leaves_the_pager_free_when_it_comes_at_the_en
     assert not overlap, "the bar covers Previous or Next"
 
 
+async def test_a_busy_devices_history_stays_put_under_the_reader(
+    new_page: Callable[..., Awaitable[Page]], url: str, api: FakeApi
+) -> None:
+    """Scrolled into a device's history table, the reader's row slid down a
+    row per new event (page probe: 203 px in 14 s on a phone)."""
+    for i in range(40):
+        api.put("acme", "busy", "on", float(i), at=ago(600 - i * 10))
+    page = await new_page(phone=True, size=(390, 844))
+    await log_in(page, url, TENANT_TOKEN)
+    await page.goto(f"{url}#/t/acme/d/busy")
+    rows = page.locator("#history-rows tr")
+    await expect(rows).to_have_count(40)
+    await rows.nth(15).scroll_into_view_if_needed()
+    await page.evaluate("() => window.scrollBy(0, 200)")
+    reading = rows.nth(15)
+    before = await reading.bounding_box()
+    when = await reading.locator("td").first.inner_text()  # events 10 s apart
+    assert before is not None
+    for i in range(3):
+        api.put("acme", "busy", "off", 100.0 + i, at=ago(3 - i))
+    await expect(rows).to_have_count(43, timeout=LIVE_MS)
+    same = rows.filter(has=page.locator("td").first.get_by_text(when, exact=True))
+    after = await same.bounding_box()
+    assert after is not None
+    assert abs(after["y"] - before["y"]) <= 2, (before, after)
+
+
 async def test_live_updates_keep_a_scrolled_list_steady(
     new_page: Callable[..., Awaitable[Page]], url: str, api: FakeApi, screenshot: Shot
 ) -> None:

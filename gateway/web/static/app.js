@@ -1476,20 +1476,34 @@
 
   function renderHistory(data) {
     const events = data.events || [];
+    const rows = $("history-rows");
+    // Reading down the table (its top above the screen), the row at the top
+    // of the screen stays where it is as newer events come in above it: a
+    // busy device's slid it down a row per event (page probe). By hand, as
+    // the list does: Safari has no scroll anchoring, and Chromium's is off
+    // for this view (style.css), or it would move it a second time.
+    const below = $("status").getBoundingClientRect().bottom;
+    let anchor = null;
+    if (rows.getBoundingClientRect().top < below) {
+      const first = [...rows.children].find((tr) => tr.getBoundingClientRect().bottom > below);
+      if (first) anchor = { key: first.dataset.key, top: first.getBoundingClientRect().top };
+    }
     renderChart($("chart"), events, Boolean(data.next_cursor), lastRollups);
-    const open = openTexts($("history-rows"));
-    $("history-rows").replaceChildren(...events.slice(0, HISTORY_ROWS).map((e) => {
+    const open = openTexts(rows);
+    rows.replaceChildren(...events.slice(0, HISTORY_ROWS).map((e) => {
       const state = h("span", { class: "dot-label", text: e.state == null ? "—" : e.state });
       state.style.setProperty("--state-color", stateColor(e.state));
       const metrics = Object.entries(e.metrics || {}).map(([k, v]) => `${k}=${formatValue(v)}`);
       const key = `${e.ts}|${e.state}`; // a row, across redraws
-      return h("tr", null,
+      return h("tr", { "data-key": key },
         h("td", { "data-label": "Time" }, timeEl(e.ts)),
         h("td", { "data-label": "State" }, state),
         h("td", { "data-label": "Value", class: "value" },
           textCell(formatValue(e.value), key, open.has(key))),
         h("td", { class: "metrics-cell", text: metrics.join(", ") || "—" }));
     }));
+    const again = anchor && [...rows.children].find((tr) => tr.dataset.key === anchor.key);
+    if (again) window.scrollBy(0, again.getBoundingClientRect().top - anchor.top);
     const more = !data.next_cursor ? ""
       : lastRollups ? " (the range holds older events: the value line covers them, the table not)"
         : " (the range holds older events, not shown)";
