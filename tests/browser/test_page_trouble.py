@@ -644,6 +644,33 @@ async def test_a_busy_devices_history_stays_put_under_the_reader(
     assert abs(after["y"] - before["y"]) <= 2, (before, after)
 
 
+async def test_back_from_a_device_puts_the_same_row_under_the_thumb(
+    new_page: Callable[..., Awaitable[Page]], url: str, api: FakeApi
+) -> None:
+    """Devices came into the list above the reader while they looked at one:
+    back, the list came back at the same offset, with another row under the
+    thumb (page probe: 309 px before, 711 after)."""
+    page = await new_page(phone=True, size=(390, 844))
+    await log_in(page, url, ADMIN_TOKEN)
+    await page.goto(f"{url}#/t/big/s/on")
+    await expect(page.locator("#device-rows tr")).to_have_count(100)
+    await page.evaluate("() => window.scrollTo(0, 2500)")
+    await page.wait_for_timeout(200)
+    before = await page.evaluate(ON_SCREEN)
+    device, top = before[0]  # the row at the top of the screen
+    tapped = before[1][0]  # on screen whole, so the click scrolls nothing
+    await page.locator(f'[data-device="{tapped}"] a').first.click()
+    await expect(page.locator("#device-title")).to_have_text(tapped)
+    assert await page.evaluate("() => window.scrollY") == 0
+    for came in ("dev-0005", "dev-0015", "dev-0025"):
+        api.put("big", came, "on", 1.0, tags={"floor": "9"})
+    await page.go_back()
+    await expect(page.locator('[data-device="dev-0005"]')).to_have_count(1, timeout=LIVE_MS)
+    after = dict(await page.evaluate(ON_SCREEN))
+    assert device in after, (device, after)
+    assert abs(after[device] - top) <= 2, (device, top, after[device])
+
+
 async def test_live_updates_keep_a_scrolled_list_steady(
     new_page: Callable[..., Awaitable[Page]], url: str, api: FakeApi, screenshot: Shot
 ) -> None:

@@ -1807,19 +1807,37 @@
   }
 
   // Where the reader was in each list (by address, the newest SCROLLS_KEPT):
-  // back from a device, the list comes back there once drawn, not at its top.
+  // back from a device, the list comes back there once drawn, not at its top,
+  // with the row that was at the top of the screen where it was. The offset
+  // alone put another row under the thumb once devices had come in above it
+  // (page probe: the row left at 309 px came back at 711).
   const SCROLLS_KEPT = 50;
   const scrolls = new Map();
   let pendingScroll = null;
+  let listAddress = null; // the address of the list shown, filters included
   window.addEventListener("scroll", () => {
     if (!current || !current.route || current.route.name !== "devices") return;
-    remember(scrolls, location.hash, window.scrollY, SCROLLS_KEPT);
+    remember(scrolls, location.hash, { y: window.scrollY }, SCROLLS_KEPT);
   }, { passive: true });
+
+  // Leaving a list: where it was, and its row at the top of the screen.
+  function rememberList() {
+    const below = $("status").getBoundingClientRect().bottom;
+    const row = [...$("device-rows").children]
+      .find((tr) => tr.getBoundingClientRect().bottom > below);
+    remember(scrolls, listAddress, { y: window.scrollY, device: row ? row.dataset.device : null,
+      top: row ? row.getBoundingClientRect().top : 0 }, SCROLLS_KEPT);
+  }
 
   // Called by a list once its rows are drawn the first time.
   function restoreScroll() {
-    if (pendingScroll) window.scrollTo(0, pendingScroll);
+    const saved = pendingScroll;
     pendingScroll = null;
+    if (!saved) return;
+    window.scrollTo(0, saved.y);
+    const row = saved.device != null
+      && [...$("device-rows").children].find((tr) => tr.dataset.device === saved.device);
+    if (row) window.scrollBy(0, row.getBoundingClientRect().top - saved.top);
   }
 
   function route({ focus = false } = {}) {
@@ -1830,6 +1848,8 @@
     }
     const r = parseHash();
     const moved = !current || !current.route || viewKey(current.route) !== viewKey(r);
+    if (moved && current && current.route && current.route.name === "devices") rememberList();
+    if (r.name === "devices") listAddress = location.hash;
     // Taken now: the scroll to the top below is recorded for this address too.
     pendingScroll = moved && r.name === "devices" ? scrolls.get(location.hash) || null : null;
     stopPolling();
