@@ -128,7 +128,8 @@ async def test_admin_picks_a_tenant_pages_and_filters(
     await page.locator("#tag").fill("floor:1")
     await page.locator("#tag").press("Enter")
     await expect(rows).to_have_count(3)  # dev-021, dev-025, dev-029
-    await expect(meta).to_have_text("3 match on this page · 250 devices in on, unfiltered")
+    # One page of matches: "on this page" only when there are others.
+    await expect(meta).to_have_text("3 match · 250 devices in on, unfiltered")
     await screenshot(page, "filtered")
     # Clicking a tag chip filters by it.
     await page.locator("#clear-filter").click()
@@ -625,6 +626,23 @@ async def test_a_whole_list_is_its_own_count_whatever_the_cached_counts_say(
     api.put("acme", "dev-2", "off", 0.0)
     await expect(rows).to_have_count(2, timeout=LIVE_MS)
     await expect(page.locator("#devices-meta")).to_have_text("2 shown · 2 devices in on")
+
+
+async def test_a_misspelt_state_or_range_in_the_address_is_said_or_mended(
+    page: Page, url: str
+) -> None:
+    """Page probe: #/t/acme/s/onn read "No devices are in state onn right
+    now", as if the state existed, and ?range=99y showed 24 hours with 99y
+    left in the address."""
+    await log_in(page, url, TENANT_TOKEN)
+    await page.goto(f"{url}#/t/acme/s/onn")
+    await expect(page.locator("#devices-empty")).to_have_text(
+        "No device of acme has ever been in state onn; its states: off, on."
+    )
+    await page.goto(f"{url}#/t/acme/d/dev-1?range=99y")
+    await expect(page.locator("#device-title")).to_have_text("dev-1")
+    await expect(page).to_have_url(f"{url}#/t/acme/d/dev-1")
+    await expect(page.locator("#range")).to_have_value("24h")
 
 
 async def test_back_from_a_device_returns_to_where_the_reader_was_in_the_list(

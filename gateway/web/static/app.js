@@ -405,7 +405,9 @@
     if (segs.length === 4 && segs[2] === "d") {
       const range = query.get("range");
       return { name: "device", tenant, device: segs[3],
-        range: RANGES.includes(range) ? range : DEFAULT_RANGE };
+        range: RANGES.includes(range) ? range : DEFAULT_RANGE,
+        // ?range=99y showed 24 hours with 99y left in the address (page probe).
+        badRange: range !== null && !RANGES.includes(range) };
     }
     if (segs.length === 3 && segs[2] === "rejected") return { name: "rejected", tenant };
     return { name: "home" };
@@ -1053,6 +1055,7 @@
     };
     let drawn = false;
     let total = null;
+    let knownStates = null; // the tenant's states, when the states endpoint answered
     let devices = []; // the newest answer's page
     let onPage = { shown: 0, left: 0, fresh: 0 }; // what the rows show of it
     const pickTag = (tag) => {
@@ -1067,7 +1070,7 @@
       // Anything above the screen that changes height (the line of counts,
       // a row marked "left") must not move the rows on it either.
       keepingTopRow(steady, null, () => {
-        onPage = renderDeviceRows(r, devices, pickTag, Boolean(nextCursor), steady);
+        onPage = renderDeviceRows(r, devices, pickTag, Boolean(nextCursor), steady, knownStates);
         renderDevicesMeta(r, onPage, total);
       });
       if (!steady) shownNext = nextCursor; // the rows are this answer's page
@@ -1114,6 +1117,7 @@
             return null; // the list is still worth showing without its total
           })]);
         const entry = counts && (counts.data.states || []).find((st) => st.state === r.state);
+        knownStates = counts ? (counts.data.states || []).map((st) => String(st.state)) : null;
         // The counts may be up to 10 s old (the server keeps them when
         // counting was slow); a whole list, unfiltered, is its own count.
         const whole = !r.cursor && !data.next_cursor && !(r.prefix || r.tag);
@@ -1194,7 +1198,7 @@
   // left the state stays, greyed and marked "left", and one that entered it
   // is only counted (the "N new — show" bar). Otherwise the rows become the
   // page. Returns what the rows show: {shown, left, fresh}.
-  function renderDeviceRows(r, devices, pickTag, more, steady) {
+  function renderDeviceRows(r, devices, pickTag, more, steady, knownStates) {
     const tbody = $("device-rows");
     const old = new Map([...tbody.rows].map((row) => [row.dataset.device, row]));
     const build = (d) => {
@@ -1254,10 +1258,10 @@
         if (target) target.focus({ preventScroll: true });
       }
       const fresh = devices.filter((d) => !old.has(String(d.device_id))).length;
-      result = { shown: tbody.rows.length - left, left, fresh, whole };
+      result = { shown: tbody.rows.length - left, left, fresh, whole, more };
     } else {
       replaceKeepingFocus(tbody, devices.map(build), deviceRowTwin(tbody));
-      result = { shown: devices.length, left: 0, fresh: 0 };
+      result = { shown: devices.length, left: 0, fresh: 0, more };
     }
     const filtered = r.prefix || r.tag;
     show($("devices-empty"), tbody.rows.length === 0);
@@ -1266,17 +1270,24 @@
     $("devices-empty").textContent = filtered
       ? (more ? "No match among the devices searched so far: Next searches on."
         : "No devices match.")
-      : `No devices are in state ${r.state} right now.`;
+      : knownStates && !knownStates.includes(r.state)
+        // A misspelt state in the address read as an empty one (page probe).
+        ? `No device of ${r.tenant} has ever been in state ${r.state}`
+          + (knownStates.length ? `; its states: ${[...knownStates].sort().join(", ")}.` : ".")
+        : `No devices are in state ${r.state} right now.`;
     return result;
   }
 
   // "page 2 · 100 shown · 310 devices in on": the page, and the state's
   // total when the states endpoint gave it.
-  function renderDevicesMeta(r, { shown, left, fresh, whole }, total) {
+  function renderDevicesMeta(r, { shown, left, fresh, whole, more }, total) {
     const filtered = r.prefix || r.tag;
     const parts = [];
+    const paged = r.page > 1 || r.cursor || more;
     if (r.page > 1 || r.cursor) parts.push(`page ${r.page}`);
-    if (shown) parts.push(filtered ? `${shown} match on this page` : `${shown} shown`);
+    // "on this page" only when there are others ("5 match on this page" on
+    // the only one left the reader unsure it was every match: page probe).
+    if (shown) parts.push(filtered ? `${shown} match${paged ? " on this page" : ""}` : `${shown} shown`);
     if (left) parts.push(`${left} left ${whole ? r.state : "this page"}`);
     if (fresh) parts.push(`${fresh} new`);
     if (total != null) {
@@ -1360,6 +1371,7 @@
   let lastSeen = null;
 
   function deviceView(r) {
+    if (r.badRange) history.replaceState(null, "", href(["t", r.tenant, "d", r.device]));
     showView("device");
     $("device-title").textContent = r.device;
     document.title = `${r.device} · ${r.tenant} · Device states`;
