@@ -548,9 +548,14 @@ async def test_history_range_and_rejected_messages(page: Page, url: str, api: Fa
     # long ones cut under a tap with how much more was sent.
     await expect(row.locator(".payload")).to_have_text('{"value": <b>NaN</b>, "x": 1}')
     payload = rows.nth(1).locator(".payload details")
-    await expect(payload.locator("summary")).to_contain_text("base64: gaV2YWx1ZQE")
+    summary = payload.locator("summary")
+    await expect(summary).to_contain_text("base64: gaV2YWx1ZQE")
+    # Said before it is opened; the length is the kept text's alone.
+    await expect(summary).to_contain_text(
+        "(219 characters; cut: 5,000 bytes were sent, only the start is kept)"
+    )
     await payload.locator("summary").click()
-    await expect(payload).to_contain_text("(cut: only the start is kept)")
+    await expect(payload).to_contain_text("(cut: 5,000 bytes were sent, only the start is kept)")
 
 
 async def test_rejected_says_when_it_shows_only_the_newest_and_never_another_tenants_nothing(

@@ -134,22 +134,26 @@
   // ``text`` as it goes into a table cell: itself, or cut with its length
   // said, the whole under a tap. ``open``: whether it was open before the
   // cell was drawn again (live updates redraw the history).
-  function textCell(text, key, open) {
+  // ``note``: said after the text, cut or not, and not counted in its length.
+  function textCell(text, key, open, note = "") {
     const chars = Array.from(text);
-    if (chars.length <= LONG_TEXT) return text;
+    if (chars.length <= LONG_TEXT) return note ? `${text} … (${note})` : text;
     return h("details", { class: "long-text", "data-key": key, open: Boolean(open) },
       h("summary", { text: `${chars.slice(0, LONG_TEXT - 20).join("")}… `
-        + `(${chars.length.toLocaleString()} characters)` }),
-      h("span", { text }));
+        + `(${chars.length.toLocaleString()} characters${note ? `; ${note}` : ""})` }),
+      h("span", { text: note ? `${text} … (${note})` : text }));
   }
 
   // A rejected message's payload as kept (the API's payload fields): its text,
-  // or base64 said as such, and whether more was sent than kept.
+  // or base64 said as such, and whether more was sent than kept. The length
+  // is the kept text's: it counted the page's own note too ("2,080 characters"
+  // of 2,048 kept), and that the rest was cut showed only once opened (page probe).
   function payloadCell(m, key, open) {
     if (m.payload == null) return "";
-    const text = (m.payload_encoding === "base64" ? "base64: " : "") + m.payload
-      + (m.payload_truncated ? " … (cut: only the start is kept)" : "");
-    return textCell(text, key, open.has(key));
+    const text = (m.payload_encoding === "base64" ? "base64: " : "") + m.payload;
+    const sent = Number.isFinite(m.payload_size) ? `${m.payload_size.toLocaleString()} bytes were sent, ` : "";
+    return textCell(text, key, open.has(key),
+      m.payload_truncated ? `cut: ${sent}only the start is kept` : "");
   }
 
   // The keys of the long texts open under ``box``, to draw them open again.
