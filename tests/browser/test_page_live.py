@@ -261,11 +261,12 @@ async def test_a_cut_link_to_cassandra_shows_on_the_page_and_heals(
                 "The device list could not be loaded; the page will try again by itself.",
                 timeout=20_000,
             )
-            # Said first in words a building manager can use, then the API's own.
+            # Said first in words a building manager can use, then the API's own
+            # (the list was never loaded: not "what is shown may be out of date").
             error = page.locator("#error")
             await expect(error).to_contain_text(
-                "The gateway cannot reach its database right now: what is shown may be out "
-                "of date. The page will try again by itself. (503 unavailable: "
+                "The gateway cannot reach its database right now: nothing could be loaded "
+                "yet. The page will try again by itself. (503 unavailable: "
             )
             await screenshot(page, "live-outage")
 

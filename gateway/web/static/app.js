@@ -488,7 +488,8 @@
         return;
       }
       failures += 1;
-      showError(err instanceof ApiError ? err.describe() : String(err), plainWords(err));
+      showError(err instanceof ApiError ? err.describe() : String(err),
+        plainWords(err, lastOk !== null));
       // A view never drawn says it could not be loaded, not "Loading…".
       if (current.failed) current.failed();
       if (!(err instanceof ApiError)) console.error(err);
@@ -637,16 +638,19 @@
     show(el, Boolean(message));
   }
 
-  function plainWords(err) {
+  // ``shown``: whether this view has had an answer (a view never loaded read
+  // "what is shown may be out of date" over nothing shown: page probe).
+  function plainWords(err, shown) {
     if (!(err instanceof ApiError)) return null;
+    const state = shown ? "what is shown may be out of date" : "nothing could be loaded yet";
     if (err.status === 503 && err.code === "busy") {
       // Too many requests at once, not an outage (page probe).
-      return "The gateway is busy answering other requests: what is shown may be "
-        + "out of date. The page will try again by itself.";
+      return `The gateway is busy answering other requests: ${state}. `
+        + "The page will try again by itself.";
     }
     if (err.status === 503) {
-      return "The gateway cannot reach its database right now: what is shown may be "
-        + "out of date. The page will try again by itself.";
+      return `The gateway cannot reach its database right now: ${state}. `
+        + "The page will try again by itself.";
     }
     if (err.status >= 500) {
       return "The gateway failed to answer. The page will try again by itself.";
