@@ -137,6 +137,7 @@ async def test_admin_picks_a_tenant_pages_and_filters(
     await page.locator('[data-device="dev-003"] button[data-tag="floor:3"]').click()
     await expect(page.locator("#tag")).to_have_value("floor:3")
     await expect(rows).to_have_count(62)
+    await expect(page.locator("#tag")).to_be_focused()  # not lost with the row pressed
 
     # A tag is checked as it is typed: a hint, and no request, until it is
     # KEY:VALUE or KEY=VALUE (spaces around the separator are dropped).

@@ -1069,6 +1069,9 @@
     const pickTag = (tag) => {
       $("tag").value = tag;
       go(href(base, { ...filters, tag }));
+      // The chip pressed goes with its row: focus on the filter it set, not
+      // lost to the page's top (Tab started over from there: page probe).
+      $("tag").focus({ preventScroll: true });
     };
     // Draw the newest page. While the reader is scrolled into the list, a
     // live update keeps every row where it is (see renderDeviceRows); with
