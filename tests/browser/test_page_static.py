@@ -387,6 +387,10 @@ async def test_log_out_and_another_tenants_403(page: Page, url: str, api: FakeAp
     await expect(page.locator("#problem-message")).to_have_text(
         "403 forbidden: this token may not read tenant 'big'"
     )
+    await expect(page.locator("#problem-hint")).to_have_text(
+        "Your token does not give access to tenant big. "
+        "Whoever runs the gateway can give you one that does."
+    )
     await page.locator("#logout").click()
     await expect(page.locator("#token")).to_be_visible()
     await expect(page.locator("#login-message")).to_have_text("You are logged out.")

@@ -603,8 +603,11 @@
     showError(null);
     const active = document.activeElement;
     showView("problem");
-    $("problem-message").textContent = err.describe();
     const r = current.route;
+    // First what a building manager can do about it, then the API's words
+    // ("403 forbidden: this token does not read tenant ..." alone: page probe).
+    $("problem-hint").textContent = problemWords(err, r);
+    $("problem-message").textContent = err.describe();
     const [label, link] = (current.recover && current.recover(err)) || wayBack(r, err);
     $("problem-link").textContent = label;
     $("problem-link").setAttribute("href", link);
@@ -614,6 +617,19 @@
       $("problem-title").focus({ preventScroll: true });
     }
     renderLive();
+  }
+
+  function problemWords(err, r) {
+    if (err.status === 403) {
+      return `Your token does not give access to ${r.tenant ? `tenant ${r.tenant}` : "this"}. `
+        + "Whoever runs the gateway can give you one that does.";
+    }
+    if (err.status === 404) return "Nothing is known at this address: is a name in it misspelt?";
+    if (err.status === 400) {
+      return "This address holds something the gateway cannot use, such as a page of "
+        + "another list or a filter it cannot read.";
+    }
+    return "";
   }
 
   function wayBack(r, err) {
