@@ -51,13 +51,18 @@ Promises and bounds:
   ``pipeline.states_refresh`` seconds. Between two refreshes an instance can
   miss a brand-new state in its deletes: another instance may have put a
   device there that this one then moved elsewhere, leaving it listed and
-  counted in both. So a refresh that finds a state this process did not
-  know sends the deletes it missed (:meth:`LatestState._missed`): into the
-  new state, for every device whose latest write this process built since
-  its previous read of the states, as of that write (so a newer write into
-  the new state stands), with the tenant's next write (counted,
-  ``missed_deletes``). A device that left the device cache meanwhile is not
-  covered; a page read of the state still repairs it (queries.py).
+  counted in both. So a read of the states that finds one this process did
+  not know (a refresh, or the fresh read before a registration) reads the
+  new state's partitions, at most MISSED_READ_ROWS rows of each, and
+  deletes the rows older than this process's latest write of their device
+  into another state, as of that write (:meth:`LatestState._missed`; so a
+  newer write into the new state stands). A new state holds few rows, and
+  only rows that are leftovers get a tombstone. The deletes go with the
+  tenant's next state-bearing writes, at most MISSED_PER_WRITE with each
+  (counted, ``missed_deletes``). Not covered, and left to a page read of
+  the state (queries.py): a device that left the device cache, rows past
+  MISSED_READ_ROWS of a partition, a state that appeared while the tenant
+  was out of the tenant cache, and deletes queued when the tenant left it.
 * A device's bucket is ``crc32(device_id) % state_buckets``, so every
   reader and writer of a tenant must use one number: the first gateway that
   loads the tenant's states records its ``tenants.<t>.state_buckets`` beside
@@ -116,6 +121,10 @@ from .write_session import UNSET, Prepared, WriteSession
 log = logging.getLogger(__name__)
 
 MAX_TENANTS = 10_000
+# A learnt state's rows read per partition for the deletes it missed, and
+# those deletes sent with one event's writes (LatestState._missed).
+MISSED_READ_ROWS = 5_000
+MISSED_PER_WRITE = 500
 
 
 @dataclass(slots=True)
@@ -129,10 +138,7 @@ class _Newest:
     # device (None: none since start-up): while it stays, no deletes are needed.
     written: str | None = None
     untimed: bool = False  # that write's event had no ts (stamped with its receive time)
-    # That write of this process: its write timestamp, and when it was built
-    # (monotonic), for the deletes a state learnt later missed.
-    written_ts: int = 0
-    written_at: float = 0.0
+    written_ts: int = 0  # that latest-table write's timestamp (for LatestState._missed)
 
 
 def state_value(text: str | None, num: float | None) -> str:
@@ -176,12 +182,9 @@ class _TenantStates:
     buckets: int  # state_buckets, as recorded in tenant_states
     parts: dict[tuple[str, int], Part] = field(default_factory=dict)  # (state, bucket)
     loaded_at: float = field(default_factory=time.monotonic)
-    # When the read that loaded the states was sent: a state registered after
-    # it was unknown to every write built since (monotonic).
-    asked_at: float = field(default_factory=time.monotonic)
-    # Deletes a state learnt at a refresh missed, sent with the tenant's next
-    # write: (state, device, its write timestamp). At most a device cache's
-    # worth per state learnt (pipeline.device_cache_size).
+    # Deletes a learnt state missed (LatestState._missed), sent with the
+    # tenant's next writes: (state, device, timestamp). At most
+    # MISSED_READ_ROWS per partition of each state learnt.
     missed: list[tuple[str, str, int]] = field(default_factory=list)
 
 
@@ -194,6 +197,7 @@ class LatestState:
     _register: Prepared
     _record_buckets: Prepared
     _newest_state: Prepared
+    _select_state_rows: Prepared
 
     def __init__(self, requests: Requests, config: Config, stats: Stats) -> None:
         self._requests = requests
@@ -239,6 +243,7 @@ class LatestState:
             self._record_buckets,
             self._register,
             self._newest_state,
+            self._select_state_rows,
         ) = await gather_all(
             session.prepare(INSERT_STATE, timestamps=(6,)),
             session.prepare(
@@ -270,6 +275,10 @@ class LatestState:
                 "SELECT device_id, WRITETIME(state) AS wt, state_event_id, state_untimed "
                 "FROM {keyspace}.latest_events_by_device "
                 "WHERE tenant = ? AND device_id IN ?"
+            ),
+            session.prepare(
+                "SELECT device_id, WRITETIME(ts) AS wt FROM {keyspace}.latest_events_by_state "
+                "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ? LIMIT ?"
             ),
         )
 
@@ -564,7 +573,7 @@ class LatestState:
         # In a share group prepare_chunk has just used the entry up (no
         # longer sure): what it holds is still this chunk's.
         if entry is not None and (entry.sure or not self._sole_writer):
-            entry.written_ts, entry.written_at = ts, time.monotonic()
+            entry.written_ts = ts
             if entry.written == event.state and self._sole_writer:
                 # Same state as this process's last write for the device, whose
                 # deletes cover every other state: nothing to delete again.
@@ -595,8 +604,12 @@ class LatestState:
     def _send_missed(
         self, tenant: str, tenant_states: _TenantStates, pending: Pending, out: list[Write]
     ) -> None:
-        """The deletes a learnt state missed (:meth:`_missed`), into ``out``."""
-        for state, device, ts in tenant_states.missed:
+        """Up to MISSED_PER_WRITE of the deletes a learnt state missed
+        (:meth:`_missed`), into ``out``: one event's acknowledgement waits for
+        them, not for thousands."""
+        sending = tenant_states.missed[:MISSED_PER_WRITE]
+        del tenant_states.missed[:MISSED_PER_WRITE]
+        for state, device, ts in sending:
             bucket = state_bucket(device, tenant_states.buckets)
             left = self._part(tenant_states, state, bucket)
             left.deletes += 1
@@ -611,30 +624,51 @@ class LatestState:
                         pending,
                     )
                 )
-        self._stats.missed_deletes += len(tenant_states.missed)
-        tenant_states.missed = []
+        self._stats.missed_deletes += len(sending)
 
-    def _missed(self, tenant: str, known: _TenantStates, learnt: list[str]) -> None:
+    async def _missed(self, tenant: str, known: _TenantStates, learnt: list[str]) -> None:
         """Queue the deletes that ``learnt`` states, registered by another
-        instance since this process last read the tenant's states, missed:
-        every device whose latest write was built since that read (its
-        deletes did not cover them), as of that write. A write into the
-        learnt state since is newer, and stands."""
-        since = known.asked_at
-        blind = [
-            (device, entry.written, entry.written_ts)
-            for (owner, device), entry in self._newest.items()
-            if owner == tenant and entry.written is not None and entry.written_at >= since
+        instance since this process last read the tenant's states, missed.
+
+        Their partitions are read (at most MISSED_READ_ROWS rows each; a new
+        state holds few), and a row goes when this process's latest write of
+        its device is into another state and newer than the row: the deletes
+        of that write did not cover a state it did not know, or were skipped
+        as the device's last write here was in the same state. As of that
+        write, so a newer write into the state stands."""
+        reads = [
+            (state, bucket, gen)
+            for state in learnt
+            for bucket in range(known.buckets)
+            for gen in self._part(known, state, bucket).gens()
         ]
-        for state in learnt:
-            known.missed += [(state, d, ts) for d, written, ts in blind if written != state]
-        if blind:
+        found = await gather_all(
+            *(
+                # In a slot: a tenant of many buckets reads as many partitions.
+                self._requests.execute_in_slot(
+                    self._select_state_rows, (tenant, state, bucket, gen, MISSED_READ_ROWS)
+                )
+                for state, bucket, gen in reads
+            )
+        )
+        queued = len(known.missed)
+        for (state, _, _), rows in zip(reads, found, strict=True):
+            for row in rows:
+                entry = self._newest.peek((tenant, row["device_id"]))
+                if (
+                    entry is not None
+                    and entry.written is not None
+                    and entry.written != state
+                    and entry.written_ts > (row["wt"] or 0)
+                ):
+                    known.missed.append((state, row["device_id"], entry.written_ts))
+        if len(known.missed) > queued:
             log.info(
-                "tenant %r: learnt state(s) %s from another instance; deleting from them "
-                "the %d devices written since this instance last read the states",
+                "tenant %r: learnt state(s) %s from another instance; deleting %d of its rows "
+                "older than this instance's writes of their devices",
                 tenant,
                 ", ".join(repr(s) for s in learnt),
-                len(blind),
+                len(known.missed) - queued,
             )
 
     @staticmethod
@@ -659,25 +693,25 @@ class LatestState:
         known = self._tenants.get(tenant)
         if known is not None and not fresh and time.monotonic() - known.loaded_at < self._refresh:
             return known
-        asked = time.monotonic()
         rows, parts = await gather_all(
             self._requests.execute(self._select_states, (tenant,)),
             self._requests.execute(self._select_parts, (tenant,)),
         )
         # A tenant with state_buckets recorded and no state yet: one row, state null.
         states = {r["state"]: stored_ms(r["registered_at"]) for r in rows if r["state"]}
+        learnt: list[str] = []
         if known is not None:
             learnt = [state for state in states if state not in known.states]
-            if learnt:
-                self._missed(tenant, known, learnt)
             known.states.update(states)
-            known.loaded_at, known.asked_at = time.monotonic(), asked
+            known.loaded_at = time.monotonic()
         else:
             recorded = rows[0]["state_buckets"] if rows else None
-            known = _TenantStates(states, await self._buckets(tenant, recorded), asked_at=asked)
+            known = _TenantStates(states, await self._buckets(tenant, recorded))
             self._tenants.put(tenant, known)
         for row in parts:
             self._learn(tenant, known, row)
+        if learnt:
+            await self._missed(tenant, known, learnt)  # its generations are known now
         return known
 
     async def _buckets(self, tenant: str, recorded: int | None) -> int:
@@ -726,8 +760,6 @@ class LatestState:
         applied = rows[0]
         # Lightweight transaction: another instance may have registered it first.
         registered = now_ms if applied["[applied]"] else stored_ms(applied["registered_at"])
-        if not applied["[applied]"]:
-            self._missed(tenant, known, [state])  # since the fresh read register() made
         known.states[state] = registered
         self._stats.states_registered += 1
         log.info(
