@@ -133,7 +133,7 @@ def test_a_duration_ago_may_have_a_minus_sign(gateway: Run) -> None:
     assert "--since: must be before --until" in err, err
     err = _fails(gateway, "rollup", "--tenant", "t", "d", "--until", "-5", "--since=-2h")
     assert "--until: '-5' has no unit: give a duration ago such as 30m" in err, err
-    # After "--" it is the device id's, not --since's.
+    # "--" is no duration: --since still lacks its value.
     err = _fails(gateway, "history", "--tenant", "t", "--since", "--", "-1h")
     assert "argument --since: expected one argument" in err, err
 

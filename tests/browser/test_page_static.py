@@ -401,7 +401,7 @@ async def test_log_out_and_another_tenants_403(page: Page, url: str, api: FakeAp
 
 
 async def test_tabs_of_one_browser_share_the_login_and_the_logout(
-    page: Page, url: str, new_page: Callable[..., Awaitable[Page]]
+    page: Page, url: str, api: FakeApi, new_page: Callable[..., Awaitable[Page]]
 ) -> None:
     """A device opened in a new tab (Ctrl-click, a bookmark) is shown, not the
     login: the token is the tab's (sessionStorage), and a new tab asks the
@@ -443,6 +443,20 @@ async def test_tabs_of_one_browser_share_the_login_and_the_logout(
     await expect(page.locator("#device-rows tr")).to_have_count(3)
     # The tab that logged out left its view for the start (its tenant).
     await expect(typed.locator('[data-state="on"] .count')).to_have_text("3")
+
+    # A tab at its login after a 401 (another token, revoked) does not take
+    # the token another tab hands a new one: it was not asked for there.
+    refused = await page.context.new_page()
+    await refused.add_init_script(f"sessionStorage.setItem('gateway.token', '{ADMIN_TOKEN}')")
+    await refused.goto(f"{url}#/")
+    api.revoke(ADMIN_TOKEN)
+    await expect(refused.locator("#login-message")).to_contain_text("not accepted (401)")
+    fresh = await page.context.new_page()
+    await fresh.goto(f"{url}#/t/acme/s/off")
+    await expect(fresh.locator("#device-rows tr")).to_have_count(2)
+    await asyncio.sleep(0.5)
+    await expect(refused.locator("#token")).to_be_visible()
+    assert await refused.evaluate("() => sessionStorage.getItem('gateway.token')") is None
 
     # Another browser (context) shares nothing: its new tab asks for a token.
     stranger = await new_page()

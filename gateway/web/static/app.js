@@ -51,7 +51,7 @@
     const el = document.createElement(tag);
     setProps(el, props);
     for (const kid of kids.flat()) {
-      if (kid != null && kid !== false) el.append(typeof kid === "string" ? shown(kid) : kid);
+      if (kid != null && kid !== false) el.append(typeof kid === "string" ? visibleText(kid) : kid);
     }
     return el;
   }
@@ -71,7 +71,7 @@
   // "live" (page probe). Every text put into the page shows them as their
   // code point instead, as the CLI escapes them.
   const UNSEEN = /[\u00ad\u061c\u115f\u1160\u180e\u200b\u200e\u200f\u2028-\u202e\u2060-\u2064\u2066-\u206f\u3164\ufeff]/g;
-  function shown(text) {
+  function visibleText(text) {
     return text.replace(UNSEEN,
       (c) => `⟨U+${c.codePointAt(0).toString(16).toUpperCase().padStart(4, "0")}⟩`);
   }
@@ -79,7 +79,8 @@
   function setProps(el, props) {
     for (const [key, value] of Object.entries(props || {})) {
       if (value == null || value === false) continue;
-      if (key === "text") el.textContent = shown(String(value));
+      if (key === "text") el.textContent = visibleText(String(value));
+      else if (key === "title" || key === "aria-label") el.setAttribute(key, visibleText(String(value)));
       else if (key.startsWith("on")) el.addEventListener(key.slice(2), value);
       else el.setAttribute(key, value === true ? "" : String(value));
     }
@@ -713,6 +714,9 @@
   const tabs = "BroadcastChannel" in window ? new BroadcastChannel("gateway.login") : null;
   const ASK_TABS_MS = 300; // how long a new tab waits for an answer before its login
   let askingTabs = false;
+  // Answers name the question: another tab at its login (logged out, or
+  // refused with a 401) must not take a token meant for a new tab.
+  const askId = Math.random().toString(36).slice(2);
 
   function takeToken(value) {
     askingTabs = false;
@@ -720,24 +724,30 @@
     me = null;
     sessionStorage.setItem(TOKEN_KEY, value);
     $("login-message").textContent = "";
+    $("token").value = "";
     route({ focus: true });
   }
 
   if (tabs) {
     tabs.onmessage = ({ data }) => {
-      if (!data || typeof data.token !== "string") {
+      if (!data) return;
+      if (data.kind === "ask") {
         // Only a token a login accepted is given out, not one being tried.
         const held = sessionStorage.getItem(TOKEN_KEY);
-        if (data && data.kind === "ask" && held) tabs.postMessage({ kind: "token", token: held });
+        if (held) tabs.postMessage({ kind: "token", token: held, to: data.id });
+      } else if (typeof data.token !== "string") {
+        // nothing else comes without a token
       } else if (data.kind === "logout") {
         if (token === data.token) logOut("You logged out in another tab.");
-      } else if (!token) {
-        takeToken(data.token); // an answer to our question, or a login elsewhere
+      } else if (data.kind === "token") {
+        if (askingTabs && data.to === askId) takeToken(data.token);
+      } else if (data.kind === "login" && !token) {
+        takeToken(data.token); // a login elsewhere logs in the tabs at theirs
       }
     };
     if (!token) {
       askingTabs = true;
-      tabs.postMessage({ kind: "ask" });
+      tabs.postMessage({ kind: "ask", id: askId });
       setTimeout(() => {
         if (!askingTabs) return;
         askingTabs = false;
@@ -1244,11 +1254,12 @@
         h("td", { "data-label": "Last seen" }, timeEl(d.ts)),
         h("td", { "data-label": "Age" }, ageEl(d.ts)));
       // The whole row opens the device (the link inside serves keyboards).
-      // Ctrl-, Cmd- or Shift-click and the middle button open it beside
-      // this one, as on the link (the new tab asks this one for the login).
+      // Ctrl- or Cmd-click and the middle button open it beside this one,
+      // as on the link (the new tab asks this one for the login); a
+      // Shift-click stays a selection of text.
       row.addEventListener("click", (e) => {
-        if (e.target.closest("a, button")) return;
-        if (e.ctrlKey || e.metaKey || e.shiftKey) window.open(link, "_blank", "noopener");
+        if (e.target.closest("a, button") || e.shiftKey) return;
+        if (e.ctrlKey || e.metaKey) window.open(link, "_blank", "noopener");
         else go(link);
       });
       row.addEventListener("auxclick", (e) => {
@@ -1400,7 +1411,7 @@
   function deviceView(r) {
     if (r.badRange) history.replaceState(null, "", href(["t", r.tenant, "d", r.device]));
     showView("device");
-    $("device-title").textContent = r.device;
+    $("device-title").textContent = visibleText(r.device);
     document.title = `${r.device} · ${r.tenant} · Device states`;
     $("range").value = r.range;
     $("device-latest").replaceChildren(h("p", { class: "hint", text: "Loading…" }));
