@@ -642,15 +642,27 @@ class LatestState:
             for bucket in range(known.buckets)
             for gen in self._part(known, state, bucket).gens()
         ]
-        found = await gather_all(
-            *(
-                # In a slot: a tenant of many buckets reads as many partitions.
-                self._requests.execute_in_slot(
-                    self._select_state_rows, (tenant, state, bucket, gen, MISSED_READ_ROWS)
+        try:
+            found = await gather_all(
+                *(
+                    # In a slot: a tenant of many buckets reads as many partitions.
+                    self._requests.execute_in_slot(
+                        self._select_state_rows, (tenant, state, bucket, gen, MISSED_READ_ROWS)
+                    )
+                    for state, bucket, gen in reads
                 )
-                for state, bucket, gen in reads
             )
-        )
+        except Exception as exc:
+            # The states are learnt already: failing here would fail the
+            # chunk, and its retry would not see them as new again.
+            log.warning(
+                "tenant %r: could not read state(s) %s for the deletes this instance "
+                "missed (%s); a page read of each repairs what is left",
+                tenant,
+                ", ".join(repr(s) for s in learnt),
+                exc,
+            )
+            return
         queued = len(known.missed)
         for (state, _, _), rows in zip(reads, found, strict=True):
             for row in rows:
