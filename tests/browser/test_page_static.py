@@ -562,6 +562,9 @@ async def test_history_range_and_rejected_messages(page: Page, url: str, api: Fa
     await expect(rows).to_have_count(2)
     row = rows.first
     await expect(row).to_contain_text("bad_json")
+    await expect(row.locator("[data-testid=rejected-device]")).to_have_attribute(
+        "href", "#/t/acme/d/d1"
+    )
     await expect(row.locator(".detail")).to_have_text("<script>alert(1)</script> is not JSON")
     # What the device sent, as text (never markup), and bytes said as base64,
     # long ones cut under a tap with how much more was sent.

@@ -1834,8 +1834,10 @@
         const open = openTexts($("rejected-rows"));
         $("rejected-rows").replaceChildren(...items.map((m) => h("tr", null,
           h("td", { "data-label": "Received" }, timeEl(m.received_at)),
-          h("td", { "data-label": "Device", class: "wrap-anywhere",
-            text: m.device_id == null ? m.topic : m.device_id, title: m.topic }),
+          // The device's page, to see what it sent before and after (page probe).
+          h("td", { "data-label": "Device", class: "wrap-anywhere", title: m.topic },
+            m.device_id == null ? m.topic : h("a", { href: href(["t", r.tenant, "d", m.device_id]),
+              "data-testid": "rejected-device", text: m.device_id })),
           h("td", { "data-label": "Reason", class: "nowrap", text: m.reason }),
           h("td", { "data-label": "Detail", class: "detail", text: m.detail == null ? "" : m.detail }),
           h("td", { "data-label": "Payload", class: "payload" },
