@@ -1644,13 +1644,19 @@
       hi = Math.max(...numeric.map((e) => (fromRollups ? e.max : e.value)));
       // Halves: the range of two readings near the double's limits is past
       // it (hi - lo was Infinity, and every point NaN: page probe, -1e308).
-      margin = (hi / 2 - lo / 2) * 0.16 || Math.abs(hi) / 100 || 1;
+      // One value: a band around it, 1 either side, or 1% of it when larger
+      // (-1e308 - 1 is -1e308: the scale was 0 high).
+      margin = hi === lo ? Math.max(Math.abs(hi) / 100, 1) : (hi / 2 - lo / 2) * 0.16;
     }
+    const top = Math.min(hi + margin, Number.MAX_VALUE);
+    const bottom = Math.max(lo - margin, -Number.MAX_VALUE);
     // Four significant digits are enough for an axis ("1.2345678901234568e+29"
-    // was cut to "68e+29"), and it is wide enough for them.
+    // was cut to "68e+29"), and it is wide enough for them. Its highest and
+    // lowest readings, or, of one value, the band's ends (not one number twice).
     const axisValue = (v) => (Math.abs(v) >= 1e6 || (v !== 0 && Math.abs(v) < 0.01)
       ? String(Number(v.toPrecision(4))) : formatValue(v));
-    const labels = numeric.length ? [axisValue(hi), axisValue(lo)] : [];
+    const labels = !numeric.length ? [] : hi === lo ? [axisValue(top), axisValue(bottom)]
+      : [axisValue(hi), axisValue(lo)];
     const padL = numeric.length ? Math.max(48, 10 + 7 * Math.max(...labels.map((t) => t.length))) : 8;
     const padR = 10;
     const plotTop = 8;
@@ -1701,8 +1707,6 @@
       "data-series": fromRollups ? `rollups-${rollups.step}` : "events" });
 
     if (numeric.length) {
-      const top = Math.min(hi + margin, Number.MAX_VALUE);
-      const bottom = Math.max(lo - margin, -Number.MAX_VALUE);
       const y = (v) => plotTop + (1 - (v / 2 - bottom / 2) / (top / 2 - bottom / 2)) * plotH;
       svg.append(
         s("rect", { class: "plot-bg", x: padL, y: plotTop, width: W - padL - padR, height: plotH }),
