@@ -583,23 +583,49 @@ class LatestState:
         if previous != event.state:
             part.live += 1
         for other in tenant_states.states:
-            if other == event.state:
-                continue
-            left = self._part(tenant_states, other, bucket)
-            if other == previous:
-                left.live -= 1
-            left.deletes += 1
-            self.check_due((tenant, other, bucket), left)
-            for gen in left.gens():
-                out.append(
-                    Write(
-                        ("state", tenant, other, bucket, gen),
-                        self._delete_state,
-                        (ts, tenant, other, bucket, gen, hashed, device),
-                        pending,
-                    )
+            if other != event.state:
+                self._delete(
+                    tenant_states,
+                    (tenant, other, bucket),
+                    hashed,
+                    device,
+                    ts,
+                    pending,
+                    out,
+                    leaving=other == previous,
                 )
         return out
+
+    def _delete(
+        self,
+        tenant_states: _TenantStates,
+        key: PartKey,
+        hashed: int,
+        device: str,
+        ts: int,
+        pending: Pending,
+        out: list[Write],
+        *,
+        leaving: bool = False,
+    ) -> None:
+        """The delete of ``device`` from a state partition as of ``ts``, into
+        every generation written (``out``), counted towards its rotation;
+        ``leaving``: the device was in it, by this process's last write."""
+        tenant, state, bucket = key
+        part = self._part(tenant_states, state, bucket)
+        if leaving:
+            part.live -= 1
+        part.deletes += 1
+        self.check_due(key, part)
+        for gen in part.gens():
+            out.append(
+                Write(
+                    ("state", tenant, state, bucket, gen),
+                    self._delete_state,
+                    (ts, tenant, state, bucket, gen, hashed, device),
+                    pending,
+                )
+            )
 
     def _send_missed(
         self, tenant: str, tenant_states: _TenantStates, pending: Pending, out: list[Write]
@@ -610,20 +636,8 @@ class LatestState:
         sending = tenant_states.missed[:MISSED_PER_WRITE]
         del tenant_states.missed[:MISSED_PER_WRITE]
         for state, device, ts in sending:
-            bucket = state_bucket(device, tenant_states.buckets)
-            left = self._part(tenant_states, state, bucket)
-            left.deletes += 1
-            self.check_due((tenant, state, bucket), left)
-            hashed = device_hash(device)
-            for gen in left.gens():
-                out.append(
-                    Write(
-                        ("state", tenant, state, bucket, gen),
-                        self._delete_state,
-                        (ts, tenant, state, bucket, gen, hashed, device),
-                        pending,
-                    )
-                )
+            key = (tenant, state, state_bucket(device, tenant_states.buckets))
+            self._delete(tenant_states, key, device_hash(device), device, ts, pending, out)
         self._stats.missed_deletes += len(sending)
 
     async def _missed(self, tenant: str, known: _TenantStates, learnt: list[str]) -> None:

@@ -592,15 +592,21 @@ ON_SCREEN = """() => {
         .map(([d, b]) => [d, Math.round(b.top)]); }"""
 
 
+async def _big_list_on_a_phone(new_page: Callable[..., Awaitable[Page]], url: str) -> Page:
+    """A phone at the first page of tenant big's 250 devices in "on"."""
+    page = await new_page(phone=True, size=(390, 844))
+    await log_in(page, url, ADMIN_TOKEN)
+    await page.goto(f"{url}#/t/big/s/on")
+    await expect(page.locator("#device-rows tr")).to_have_count(100)
+    return page
+
+
 async def test_the_new_devices_bar_leaves_the_pager_free_when_it_comes_at_the_end(
     new_page: Callable[..., Awaitable[Page]], url: str, api: FakeApi
 ) -> None:
     """The reader is at the end of the list when devices come: the bar showed
     over Previous and Next until they scrolled again (page probe, phone)."""
-    page = await new_page(phone=True, size=(390, 844))
-    await log_in(page, url, ADMIN_TOKEN)
-    await page.goto(f"{url}#/t/big/s/on")
-    await expect(page.locator("#device-rows tr")).to_have_count(100)
+    page = await _big_list_on_a_phone(new_page, url)
     await page.evaluate("() => window.scrollTo(0, document.body.scrollHeight)")
     await page.wait_for_timeout(300)
     api.put("big", "dev-0005", "on", 1.0)
@@ -650,10 +656,7 @@ async def test_back_from_a_device_puts_the_same_row_under_the_thumb(
     """Devices came into the list above the reader while they looked at one:
     back, the list came back at the same offset, with another row under the
     thumb (page probe: 309 px before, 711 after)."""
-    page = await new_page(phone=True, size=(390, 844))
-    await log_in(page, url, ADMIN_TOKEN)
-    await page.goto(f"{url}#/t/big/s/on")
-    await expect(page.locator("#device-rows tr")).to_have_count(100)
+    page = await _big_list_on_a_phone(new_page, url)
     await page.evaluate("() => window.scrollTo(0, 2500)")
     await page.wait_for_timeout(200)
     before = await page.evaluate(ON_SCREEN)
