@@ -118,6 +118,9 @@ class FakeApi:
             self.known_states.setdefault(tenant, set()).add(state)
         self.changed_at[tenant] = datetime.now(UTC)
 
+    def history_of(self, tenant: str) -> list[list[dict[str, Any]]]:
+        return [events for (t, _), events in self.history.items() if t == tenant]
+
     def api_requests(self, since: int = 0) -> list[Seen]:
         return [s for s in self.seen[since:] if s.path.startswith("/api/")]
 
@@ -253,6 +256,10 @@ class FakeApi:
             return device
         if name == "history":
             return self._history(tenant, info["device_id"], request.query)
+        if name == "meta_tags":
+            # As metadata records them: every key the tenant's devices have sent.
+            keys = {k for events in self.history_of(tenant) for e in events for k in e["tags"]}
+            return {"tenant": tenant, "tags": sorted(keys), "truncated": False, "capped": False}
         if name == "rejected":
             # As the real API: newest first, at most limit (default 100, up to MAX_LIMIT).
             since = rfc3339(_time(request.query.get("since") or "1h", "since"))
@@ -295,6 +302,7 @@ class FakeApi:
             ("/tenants/{tenant}/devices/{device_id}", "device"),
             ("/tenants/{tenant}/devices/{device_id}/history", "history"),
             ("/tenants/{tenant}/rejected", "rejected"),
+            ("/tenants/{tenant}/meta/tags", "meta_tags"),
         ):
             app.router.add_get(prefix + path, self._handle, name=name)
         app.router.add_get("/", page_file)

@@ -667,6 +667,14 @@ async def test_a_misspelt_state_or_range_in_the_address_is_said_or_mended(
     await expect(page.locator("#devices-empty")).to_have_text(
         "No device of acme has ever been in state onn; its states: off, on."
     )
+    # A tag filter that finds nothing: a key no device sent is named as such
+    # ("No devices match." alone for a misspelt key: page probe).
+    await page.goto(f"{url}#/t/acme/s/on?tag=flor:1")
+    await expect(page.locator("#devices-empty")).to_have_text(
+        "No device of acme has ever sent a tag flor; its tag keys: floor, room."
+    )
+    await page.goto(f"{url}#/t/acme/s/on?tag=floor:99")
+    await expect(page.locator("#devices-empty")).to_have_text("No devices match.")
     await page.goto(f"{url}#/t/acme/d/dev-1?range=99y")
     await expect(page.locator("#device-title")).to_have_text("dev-1")
     await expect(page).to_have_url(f"{url}#/t/acme/d/dev-1")

@@ -1090,6 +1090,7 @@
     let drawn = false;
     let total = null;
     let knownStates = null; // the tenant's states, when the states endpoint answered
+    let tagKeys = null; // the tenant's tag keys, asked for when a tag filter found none
     let devices = []; // the newest answer's page
     let onPage = { shown: 0, left: 0, fresh: 0 }; // what the rows show of it
     const pickTag = (tag) => {
@@ -1107,7 +1108,8 @@
       // Anything above the screen that changes height (the line of counts,
       // a row marked "left") must not move the rows on it either.
       keepingTopRow(steady, null, () => {
-        onPage = renderDeviceRows(r, devices, pickTag, Boolean(nextCursor), steady, knownStates);
+        onPage = renderDeviceRows(r, devices, pickTag, Boolean(nextCursor), steady,
+          { knownStates, tagKeys });
         renderDevicesMeta(r, onPage, total);
       });
       if (!steady) shownNext = nextCursor; // the rows are this answer's page
@@ -1155,6 +1157,19 @@
           })]);
         const entry = counts && (counts.data.states || []).find((st) => st.state === r.state);
         knownStates = counts ? (counts.data.states || []).map((st) => String(st.state)) : null;
+        // A tag filter that found nothing: is its key one the tenant's
+        // devices ever sent? ("No devices match." for a misspelt key: page
+        // probe.) Unknown when metadata is off, capped or does not answer.
+        tagKeys = null;
+        if (r.tag && !(data.devices || []).length && !data.next_cursor) {
+          const meta = await api(pathOf("tenants", r.tenant, "meta", "tags"), null, signal)
+            .catch((err) => {
+              if (err.name === "AbortError") throw err;
+              return null;
+            });
+          tagKeys = meta && !meta.data.truncated && !meta.data.capped
+            ? (meta.data.tags || []).map(String) : null;
+        }
         // The counts may be up to 10 s old (the server keeps them when
         // counting was slow); a whole list, unfiltered, is its own count.
         const whole = !r.cursor && !data.next_cursor && !(r.prefix || r.tag);
@@ -1235,7 +1250,7 @@
   // left the state stays, greyed and marked "left", and one that entered it
   // is only counted (the "N new — show" bar). Otherwise the rows become the
   // page. Returns what the rows show: {shown, left, fresh}.
-  function renderDeviceRows(r, devices, pickTag, more, steady, knownStates) {
+  function renderDeviceRows(r, devices, pickTag, more, steady, { knownStates, tagKeys }) {
     const tbody = $("device-rows");
     const old = new Map([...tbody.rows].map((row) => [row.dataset.device, row]));
     const build = (d) => {
@@ -1305,9 +1320,13 @@
     show($("devices-empty"), tbody.rows.length === 0);
     // A filtered page reads at most 10,000 devices: an empty one with a cursor
     // means none matched so far, not none at all.
+    const key = r.tag ? tagKey(r.tag) : null;
     $("devices-empty").textContent = filtered
       ? (more ? "No match among the devices searched so far: Next searches on."
-        : "No devices match.")
+        : key && tagKeys && tagKeys.length && !tagKeys.includes(key)
+          ? `No device of ${r.tenant} has ever sent a tag ${key}; its tag keys: `
+            + `${tagKeys.slice(0, 20).join(", ")}${tagKeys.length > 20 ? ", …" : ""}.`
+          : "No devices match.")
       : knownStates && !knownStates.includes(r.state)
         // A misspelt state in the address read as an empty one (page probe).
         ? `No device of ${r.tenant} has ever been in state ${r.state}`
@@ -1364,6 +1383,12 @@
     if (!text) return "";
     const m = /^((?:\\.|[^\\:=])*?)\s*[:=]\s*(.*)$/s.exec(text);
     return m && m[1] && m[2] ? `${m[1]}:${m[2]}` : null;
+  }
+
+  // The key of a tag filter, its escapes undone ("a\\:b:c" is key "a:b").
+  function tagKey(filter) {
+    const m = /^((?:\\.|[^\\:=])*)[:=]/s.exec(filter);
+    return m ? m[1].replace(/\\(.)/gs, "$1") : null;
   }
 
   // The filter for one tag, its key escaped: a chip for key "a:b" filtered
