@@ -150,13 +150,14 @@ class TopicMatcher:
                 f"{name} level of {len(value)} characters is over the limit of "
                 f"{self._max_level} (limits.max_topic_level_length)",
             )
-        if has_control(value):
-            raise DecodeError("topic", f"{name} level {value!r} holds control characters")
         # As a state's (decode.state_problem): "d\u200b1" looked exactly like
         # "d1" on the page and in the CLI and was another device, and so was
         # "d1 " (a state's edge whitespace is dropped; an id is not changed).
+        # One scan finds controls and invisible characters alike.
         unseen = unseen_char(value)
         if unseen is not None:
+            if has_control(unseen):
+                raise DecodeError("topic", f"{name} level {value!r} holds control characters")
             raise DecodeError(
                 "topic",
                 f"{name} level {value!r} holds U+{ord(unseen):04X}, an invisible character, "

@@ -190,8 +190,8 @@ _STATS_TOTALS: tuple[tuple[str, str, str], ...] = (
     (
         "gateway_latest_missed_deletes_total",
         "missed_deletes",
-        "Deletes sent late into a state another instance registered: for the devices "
-        "this one wrote before it knew the state (pipeline.states_refresh).",
+        "Deletes sent late into a state another instance registered: its rows older than "
+        "this one's writes of their devices into another state (pipeline.states_refresh).",
     ),
     (
         "gateway_write_ts_ties_total",

@@ -138,11 +138,12 @@
   // ``note``: said after the text, cut or not, and not counted in its length.
   function textCell(text, key, open, note = "") {
     const chars = Array.from(text);
-    if (chars.length <= LONG_TEXT) return note ? `${text} … (${note})` : text;
+    const whole = note ? `${text} … (${note})` : text;
+    if (chars.length <= LONG_TEXT) return whole;
     return h("details", { class: "long-text", "data-key": key, open: Boolean(open) },
       h("summary", { text: `${chars.slice(0, LONG_TEXT - 20).join("")}… `
         + `(${chars.length.toLocaleString()} characters${note ? `; ${note}` : ""})` }),
-      h("span", { text: note ? `${text} … (${note})` : text }));
+      h("span", { text: whole }));
   }
 
   // A rejected message's payload as kept (the API's payload fields): its text,
@@ -1205,8 +1206,7 @@
   // Whether the reader has scrolled into the device list: its first row is
   // above the window's top (under the status line). Rows moving then would
   // move under their finger.
-  function scrolledIntoList() {
-    const tbody = $("device-rows");
+  function scrolledIntoList(tbody = $("device-rows")) {
     return tbody.rows.length > 0 && tbody.getBoundingClientRect().top < coveredTop();
   }
 
@@ -1217,20 +1217,27 @@
       document.querySelector("header.bar").getBoundingClientRect().bottom);
   }
 
-  // Run change() keeping the device row at the top of the window (the first
-  // there for which stays(id) holds) where it is on the screen. The browser's
-  // own scroll anchoring is off for the list (style.css): Safari has none,
-  // and it would add its correction to this one.
-  function keepingTopRow(active, stays, change) {
-    const tbody = $("device-rows");
+  // The row of ``tbody`` at the top of the window: the first there whose
+  // ``key`` (a data- attribute) passes stays(), if given.
+  function topRow(tbody, key, stays = null) {
     const below = coveredTop();
-    const anchor = active ? [...tbody.rows].find((row) => row.getBoundingClientRect().bottom > below
-      && (!stays || stays(row.dataset.device))) : null;
-    const id = anchor && anchor.dataset.device;
+    return [...tbody.rows].find((row) => row.getBoundingClientRect().bottom > below
+      && (!stays || stays(row.dataset[key])));
+  }
+
+  // Run change() keeping the row of ``tbody`` at the top of the window (the
+  // first there for which stays(id) holds) where it is on the screen; rows
+  // are told apart by their data-``key``: the device list's by device, a
+  // device's history by time and state. The browser's own scroll anchoring
+  // is off for these views (style.css): Safari has none, and it would add
+  // its correction to this one.
+  function keepingTopRow(active, stays, change, tbody = $("device-rows"), key = "device") {
+    const anchor = active ? topRow(tbody, key, stays) : null;
+    const id = anchor && anchor.dataset[key];
     const top = anchor && anchor.getBoundingClientRect().top;
     change();
     if (!anchor) return;
-    const now = [...tbody.rows].find((row) => row.dataset.device === id);
+    const now = [...tbody.rows].find((row) => row.dataset[key] === id);
     const moved = now ? now.getBoundingClientRect().top - top : 0;
     if (Math.abs(moved) >= 1) window.scrollBy(0, moved);
   }
@@ -1554,31 +1561,23 @@
     const rows = $("history-rows");
     // Reading down the table (its top above the screen), the row at the top
     // of the screen stays where it is as newer events come in above it: a
-    // busy device's slid it down a row per event (page probe). By hand, as
-    // the list does: Safari has no scroll anchoring, and Chromium's is off
-    // for this view (style.css), or it would move it a second time.
-    const below = $("status").getBoundingClientRect().bottom;
-    let anchor = null;
-    if (rows.getBoundingClientRect().top < below) {
-      const first = [...rows.children].find((tr) => tr.getBoundingClientRect().bottom > below);
-      if (first) anchor = { key: first.dataset.key, top: first.getBoundingClientRect().top };
-    }
-    renderChart($("chart"), events, Boolean(data.next_cursor), lastRollups);
-    const open = openTexts(rows);
-    rows.replaceChildren(...events.slice(0, HISTORY_ROWS).map((e) => {
-      const state = h("span", { class: "dot-label", text: e.state == null ? "—" : e.state });
-      state.style.setProperty("--state-color", stateColor(e.state));
-      const metrics = Object.entries(e.metrics || {}).map(([k, v]) => `${k}=${formatValue(v)}`);
-      const key = `${e.ts}|${e.state}`; // a row, across redraws
-      return h("tr", { "data-key": key },
-        h("td", { "data-label": "Time" }, timeEl(e.ts)),
-        h("td", { "data-label": "State" }, state),
-        h("td", { "data-label": "Value", class: "value" },
-          textCell(formatValue(e.value), key, open.has(key))),
-        h("td", { class: "metrics-cell", text: metrics.join(", ") || "—" }));
-    }));
-    const again = anchor && [...rows.children].find((tr) => tr.dataset.key === anchor.key);
-    if (again) window.scrollBy(0, again.getBoundingClientRect().top - anchor.top);
+    // busy device's slid it down a row per event (page probe).
+    keepingTopRow(scrolledIntoList(rows), null, () => {
+      renderChart($("chart"), events, Boolean(data.next_cursor), lastRollups);
+      const open = openTexts(rows);
+      rows.replaceChildren(...events.slice(0, HISTORY_ROWS).map((e) => {
+        const state = h("span", { class: "dot-label", text: e.state == null ? "—" : e.state });
+        state.style.setProperty("--state-color", stateColor(e.state));
+        const metrics = Object.entries(e.metrics || {}).map(([k, v]) => `${k}=${formatValue(v)}`);
+        const key = `${e.ts}|${e.state}`; // a row, across redraws
+        return h("tr", { "data-key": key },
+          h("td", { "data-label": "Time" }, timeEl(e.ts)),
+          h("td", { "data-label": "State" }, state),
+          h("td", { "data-label": "Value", class: "value" },
+            textCell(formatValue(e.value), key, open.has(key))),
+          h("td", { class: "metrics-cell", text: metrics.join(", ") || "—" }));
+      }));
+    }, rows, "key");
     const more = !data.next_cursor ? ""
       : lastRollups ? " (the range holds older events: the value line covers them, the table not)"
         : " (the range holds older events, not shown)";
@@ -1903,9 +1902,7 @@
 
   // Leaving a list: where it was, and its row at the top of the screen.
   function rememberList() {
-    const below = $("status").getBoundingClientRect().bottom;
-    const row = [...$("device-rows").children]
-      .find((tr) => tr.getBoundingClientRect().bottom > below);
+    const row = topRow($("device-rows"), "device");
     remember(scrolls, listAddress, { y: window.scrollY, device: row ? row.dataset.device : null,
       top: row ? row.getBoundingClientRect().top : 0 }, SCROLLS_KEPT);
   }
@@ -1917,7 +1914,7 @@
     if (!saved) return;
     window.scrollTo(0, saved.y);
     const row = saved.device != null
-      && [...$("device-rows").children].find((tr) => tr.dataset.device === saved.device);
+      && [...$("device-rows").rows].find((tr) => tr.dataset.device === saved.device);
     if (row) window.scrollBy(0, row.getBoundingClientRect().top - saved.top);
   }
 
