@@ -12,6 +12,7 @@ The API itself, on the real services, is tested elsewhere; here the stand-in
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -562,7 +563,14 @@ async def test_history_range_and_rejected_messages(page: Page, url: str, api: Fa
     rows = page.locator("#rejected-rows tr")
     await expect(rows).to_have_count(2)
     row = rows.first
-    await expect(row).to_contain_text("bad_json")
+    # A code the page has no words for shows as it is; a known one in words,
+    # its code under it and what it means in its title.
+    await expect(row.locator("td[data-label=Reason]")).to_have_text("bad_json")
+    await expect(row.locator("[data-testid=reason-code]")).to_have_count(0)
+    reason = rows.nth(1).locator("td[data-label=Reason]")
+    await expect(reason.locator(".reason-words")).to_have_text("Not valid MessagePack")
+    await expect(reason.locator("[data-testid=reason-code]")).to_have_text("invalid_msgpack")
+    await expect(reason).to_have_attribute("title", re.compile("could not be read as MessagePack"))
     await expect(row.locator("[data-testid=rejected-device]")).to_have_attribute(
         "href", "#/t/acme/d/d1"
     )

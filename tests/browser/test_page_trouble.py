@@ -295,12 +295,18 @@ async def test_tables_break_long_ids_not_times_sizes_reasons_or_headers(
         await page.goto(f"{url}#/t/acme/rejected")
         await expect(page.locator("#rejected-rows tr")).to_have_count(3)
         await no_horizontal_overflow(page)
+        await expect(page.locator("#rejected-rows td[data-label=Size]").first).to_have_text(
+            "31,337 B"
+        )
+        # No payload kept: a phone's card has no empty "Payload" line.
+        payload = page.locator("#rejected-rows td[data-label=Payload]").first
+        await (expect(payload).to_be_hidden() if phone else expect(payload).to_be_visible())
         await screenshot(page, f"rejected-{'phone' if phone else 'desk'}")
         if not phone:
             broken = await page.evaluate(
                 ONE_LINE,
-                "#rejected-table th, #rejected-rows time, #rejected-rows td:nth-child(3),"
-                " #rejected-rows td:nth-child(5)",
+                "#rejected-table th, #rejected-rows time, #rejected-rows .reason-words,"
+                " #rejected-rows .reason-code, #rejected-rows td:nth-child(6)",
             )
             assert broken == [], f"broken over lines: {broken}"
         await page.goto(f"{url}#/t/acme/s/on")

@@ -1829,6 +1829,36 @@
     }, 150);
   });
 
+  // A rejection's reason in a manager's words, with what it means; the code
+  // (as `gateway rejected`, the API and the metrics name it) stays under it,
+  // for whoever runs the gateway. The README's table of reasons says the same.
+  const REASONS = {
+    topic: ["Bad topic", "Its topic matches no topic template of the gateway, or its tenant "
+      + "or device part is empty, too long or holds a character ids may not hold."],
+    empty: ["Empty message", "The device sent nothing in it."],
+    too_large: ["Too large", "It is larger than the gateway takes in one message."],
+    unsupported_content_type: ["Unknown format",
+      "It says it is neither JSON nor MessagePack, the two formats the gateway reads."],
+    invalid_json: ["Not valid JSON", "It could not be read as JSON; the detail says where."],
+    invalid_msgpack: ["Not valid MessagePack",
+      "It could not be read as MessagePack; the detail says where."],
+    not_an_object: ["Not an event", "It is valid, but not one event (a list or a number)."],
+    unknown_field: ["Unknown field", "It has a field the gateway does not know."],
+    invalid_field: ["Bad value", "A field has the wrong type, size or value; the detail names it."],
+    invalid_ts: ["Bad time", "Its time cannot be read, is too old or is too far ahead."],
+    too_many_states: ["Too many states",
+      "It brings a new state to a tenant that has as many states as the gateway allows."],
+    quota: ["Device limit reached",
+      "It comes from a new device of a tenant that has as many devices as the gateway allows."],
+  };
+
+  function reasonCell(code) {
+    const known = Object.hasOwn(REASONS, code) ? REASONS[code] : null;
+    return h("td", { "data-label": "Reason", title: known ? known[1] : null }, h("div", null,
+      h("span", { class: "reason-words", text: known ? known[0] : code }),
+      known ? h("code", { class: "reason-code", "data-testid": "reason-code", text: code }) : null));
+  }
+
   function rejectedView(r) {
     showView("rejected");
     $("rejected-title").textContent = `Rejected messages of ${r.tenant}`;
@@ -1866,12 +1896,12 @@
           h("td", { "data-label": "Device", class: "wrap-anywhere", title: m.topic },
             m.device_id == null ? m.topic : h("a", { href: href(["t", r.tenant, "d", m.device_id]),
               "data-testid": "rejected-device", text: m.device_id })),
-          h("td", { "data-label": "Reason", class: "nowrap", text: m.reason }),
+          reasonCell(m.reason),
           h("td", { "data-label": "Detail", class: "detail", text: m.detail == null ? "" : m.detail }),
           h("td", { "data-label": "Payload", class: "payload" },
             payloadCell(m, `${m.received_at} ${m.topic}`, open)),
           h("td", { "data-label": "Size", class: "nowrap",
-            text: m.payload_size == null ? "" : `${m.payload_size} B` }))));
+            text: Number.isFinite(m.payload_size) ? `${m.payload_size.toLocaleString()} B` : "" }))));
         show($("rejected-empty"), items.length === 0);
       },
     };
