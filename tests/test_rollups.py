@@ -485,6 +485,24 @@ async def test_cli_and_api_serve_the_rollups(
             assert body["detail"].startswith(f"{blamed}: the range holds more than"), body
         status, body, _ = await api.get("/api/v1/tenants/other/devices/m1/rollups")
         assert status == 403
+        # As the CLI says it: a misspelt metric, or device, is a 404 naming
+        # it (both were a 200 with no windows).
+        window = f"since={iso}&until={until}"
+        base = f"/api/v1/tenants/{tenant}/devices"
+        status, body, _ = await api.get(f"{base}/m1/rollups?metric=kwhh&{window}")
+        assert (status, body["error"]) == (404, "not_found"), body
+        assert body["detail"] == (
+            f"metric: no device of tenant {tenant!r} has sent a metric 'kwhh'; its metrics: 'kwh'"
+        )
+        status, body, _ = await api.get(f"{base}/m9/rollups?metric=kwh&{window}")
+        assert (status, body["detail"]) == (404, f"no device 'm9' in tenant {tenant!r}"), body
+        status, body, _ = await api.get(f"{base}/m9/history")
+        assert (status, body["detail"]) == (404, f"no device 'm9' in tenant {tenant!r}"), body
+        # A known device and metric with nothing in the range: no windows, no error.
+        status, body, _ = await api.get(f"{path}&since=2000-01-01T00:00:00Z&until=2000-01-02")
+        assert (status, body["rollups"]) == (200, []), body
+        status, body, _ = await api.get(f"{base}/m1/history?since=2000-01-01&until=2000-01-02")
+        assert (status, body["events"]) == (200, []), body
 
 
 @pytest.mark.asyncio(loop_scope="session")  # the module's session lives on that loop

@@ -1015,6 +1015,14 @@ async def rollups(
 MAX_META = 10_000
 
 
+def first_names(names: list[str], most: int = 20, show: Callable[[str], str] = repr) -> str:
+    """The first ``most`` of ``names`` in order, each as ``show`` gives it:
+    the hint after a misspelt name (the CLI's and the API's)."""
+    ordered = sorted(names)
+    shown = ", ".join(show(name) for name in ordered[:most])
+    return shown + (", ..." if len(ordered) > most else "")
+
+
 def meta_cut(found: list[str]) -> tuple[list[str], bool]:
     """A metadata list as answered (at most MAX_META), and whether it was cut."""
     return found[:MAX_META], len(found) > MAX_META

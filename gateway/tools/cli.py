@@ -651,11 +651,9 @@ def _write_new(path: Path, text: str, force: bool) -> int:
     return 0
 
 
-def _first_names(names: list[str], most: int = 20) -> str:
-    """The first ``most`` of ``names`` in order, for a hint after a misspelt name."""
-    ordered = sorted(names)
-    shown = ", ".join(_shown(name) for name in ordered[:most])
-    return shown + (", ..." if len(ordered) > most else "")
+def _first_names(names: list[str]) -> str:
+    """The first of ``names`` in order, for a hint after a misspelt name."""
+    return queries.first_names(names, show=_shown)
 
 
 # Control characters a device may have sent in a value, a tag, a metric's name

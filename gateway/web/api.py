@@ -24,7 +24,8 @@ Promises:
   before any parameter, so a caller without access gets nothing else. An
   admin token reads every tenant. Tokens are never logged (aiohttp's access log is off).
 * **Errors** are ``{"error", "detail"}``: 400 names the bad parameter, 404
-  an unknown device; Cassandra unreachable or refusing is 503, never a 500.
+  an unknown device (or, answering no roll-ups, an unknown metric); Cassandra
+  unreachable or refusing is 503, never a 500.
 * **Live pages by conditional polling.** Every answer carries an ``ETag`` (a
   hash of its body); a request with a matching ``If-None-Match`` gets 304 and
   no body. The page polls about once a second while visible. Polling was
@@ -335,6 +336,8 @@ class ReadApi:
 
         async def compute() -> tuple[Any, float]:
             page = await queries.history_page(self._db, tenant, device, since, until, limit, cursor)
+            if not page.events and cursor is None:
+                await self._known_device(tenant, device)
             return {
                 "tenant": tenant,
                 "device_id": device,
@@ -360,6 +363,12 @@ class ReadApi:
                 queries.rollups(self._db, tenant, device, metric, step, since, until),
                 queries.rollups_done_until(self._db),
             )
+            if not rows:
+                # Nothing, as the CLI's `rollup` says: a device or a metric
+                # the tenant never had (a misspelling) is a 404 naming it.
+                await asyncio.gather(
+                    self._known_device(tenant, device), self._known_metric(tenant, metric)
+                )
             return {
                 "tenant": tenant,
                 "device_id": device,
@@ -371,6 +380,31 @@ class ReadApi:
             }, 0
 
         return await self._cached(f"rollups:{request.path_qs}", LIST_TTL, compute)
+
+    async def _known_device(self, tenant: str, device: str) -> None:
+        """A 404 for a device the tenant never had (as its ``/devices/{d}``)."""
+        if await queries.latest_event(self._db, tenant, device) is None:
+            raise _ApiError(404, "not_found", f"no device {device!r} in tenant {tenant!r}")
+
+    async def _known_metric(self, tenant: str, metric: str) -> None:
+        """A 404 for a metric no device of the tenant ever sent, by its
+        metadata: not when metadata is off or the tenant's is capped (its
+        lists may miss names then)."""
+        if not self._config.metadata.enabled:
+            return
+        known, capped = await asyncio.gather(
+            queries.meta_metrics(self._db, tenant),
+            queries.meta_capped(self._db, tenant, self._config),
+        )
+        names, cut = queries.meta_cut(known)
+        if metric in names or capped or cut or not names:
+            return
+        raise _ApiError(
+            404,
+            "not_found",
+            f"metric: no device of tenant {tenant!r} has sent a metric {metric!r}; "
+            f"its metrics: {queries.first_names(names)}",
+        )
 
     async def _meta(self, request: web.Request, grant: Grant) -> _Cached:
         tenant = request.match_info["tenant"]

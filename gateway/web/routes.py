@@ -181,6 +181,7 @@ ROUTES = (
         HISTORY_PARAMS,
         "A device's raw events, newest first",
         "History",
+        not_found="no such device in the tenant (an empty first page of one that is: [])",
     ),
     Route(
         "/tenants/{tenant}/devices/{device_id}/rollups",
@@ -188,6 +189,8 @@ ROUTES = (
         ROLLUP_PARAMS,
         "A device's 1-minute or 1-hour aggregates of one metric, oldest first",
         "Rollups",
+        not_found="no such device in the tenant, or, with no windows to answer, a metric no "
+        "device of the tenant has sent (by its metadata, when on and not capped)",
         description=f"since to until spans at most {queries.MAX_ROLLUP_WINDOWS} windows; "
         "the window holding since is returned too",
     ),

@@ -249,13 +249,16 @@ class FakeApi:
             return self._states(tenant)
         if name == "devices":
             return self._devices(tenant, info["state"], request.query)
-        if name == "device":
+        if name in ("device", "history"):
+            # As the real API: a device the tenant never had is a 404 on both.
             device = self.latest.get(tenant, {}).get(info["device_id"])
             if device is None:
                 raise ApiError(404, "not_found", f"no device {info['device_id']!r} in {tenant!r}")
-            return device
-        if name == "history":
-            return self._history(tenant, info["device_id"], request.query)
+            return (
+                device
+                if name == "device"
+                else self._history(tenant, info["device_id"], request.query)
+            )
         if name == "meta_tags":
             # As metadata records them: every key the tenant's devices have sent.
             keys = {k for events in self.history_of(tenant) for e in events for k in e["tags"]}

@@ -1474,7 +1474,15 @@
             if (err instanceof ApiError && err.status === 404) return { missing: err, changed: true };
             throw err;
           }),
-          api(`${devicePath}/history`, params, signal),
+          // A device the tenant never had is a 404 here too: the latest's
+          // 404 says it; no history to show.
+          api(`${devicePath}/history`, params, signal).catch((err) => {
+            if (err instanceof ApiError && err.status === 404) {
+              return { data: { events: [], next_cursor: null },
+                changed: !lastHistory || lastHistory.events.length > 0 };
+            }
+            throw err;
+          }),
         ]);
         const latestChanged = latest.missing ? shown !== "missing"
           : latest.changed || shown !== "found";
