@@ -276,6 +276,13 @@ def test_ids_with_whitespace_at_an_end_are_refused(level: str) -> None:
     ) in error.detail
 
 
+@pytest.mark.parametrize("level", [" ", "\xa0\u3000"])
+def test_ids_of_whitespace_alone_are_told_so(level: str) -> None:
+    """It was told "could not tell it from ''"."""
+    error = _reject(_matcher(), f"tenants/acme/devices/{level}/events")
+    assert error.detail == f"device_id level {level!r} is only whitespace"
+
+
 def test_tenant_of_best_effort() -> None:
     matcher = _matcher(TopicTemplate(), SITE)
     assert matcher.tenant_of("tenants/acme/devices/d1/events") == "acme"

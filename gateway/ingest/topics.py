@@ -163,6 +163,8 @@ class TopicMatcher:
                 f"{name} level {value!r} holds U+{ord(unseen):04X}, an invisible character, "
                 "so the page and the CLI could not tell it from another",
             )
+        if value.isspace():
+            raise DecodeError("topic", f"{name} level {value!r} is only whitespace")
         if value[0].isspace() or value[-1].isspace():
             raise DecodeError(
                 "topic",
