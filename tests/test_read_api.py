@@ -167,6 +167,65 @@ async def test_the_reference_example_through_mqtt_then_http(
         assert "nobody" in body["detail"]
 
 
+async def test_a_device_is_found_by_its_id_whatever_its_state(
+    db: Database, tenant: str, tokens: TokenStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A manager looking for "lobby" had to know its state first: the prefix
+    filter searched one state's list. The exact id comes first, in any
+    state or none; the rest by id, each with its state."""
+    config = make_config(GATEWAY_SAMPLING__ENABLED="false")
+    sent = {
+        "hall-1": {"state": "on"},
+        "Lobby-1": {"state": "on", "tags": {"floor": "0"}},
+        "lobby-2": {"state": "off", "value": 2.5},
+        "lobby": {"value": 1.0},  # no state: no state's list holds it
+        "lobby-3": {"state": "alarm"},
+    }
+    messages = [
+        (topic(tenant, device), orjson.dumps({"ts": 1_700_000_000_000 + i} | event))
+        for i, (device, event) in enumerate(sent.items())
+    ]
+    async with running_gateway(config) as gw:
+        await publish(messages)
+        await gw.wait_handled(len(messages))
+    async with client(db, config, tokens, tenant) as api:
+        base = f"/api/v1/tenants/{tenant}/devices"
+        status, body, _ = await api.get(f"{base}?prefix=LOBBY")
+        assert status == 200, body
+        # Not the exact id in any case: "LOBBY" names no device.
+        assert [(d["device_id"], d["state"]) for d in body["devices"]] == [
+            ("Lobby-1", "on"),
+            ("lobby-2", "off"),
+            ("lobby-3", "alarm"),
+        ]
+        assert (body["complete"], body["cut_short"]) == (True, [])
+        assert body["devices"][0]["tags"] == {"floor": "0"}
+        assert body["devices"][1]["value"] == 2.5
+        status, body, _ = await api.get(f"{base}?prefix=lobby")
+        assert [(d["device_id"], d["state"]) for d in body["devices"]] == [
+            ("lobby", None),
+            ("Lobby-1", "on"),
+            ("lobby-2", "off"),
+            ("lobby-3", "alarm"),
+        ]
+        assert body["devices"][0]["value"] == 1.0
+        status, body, _ = await api.get(f"{base}?prefix=lobby&limit=2")
+        assert [d["device_id"] for d in body["devices"]] == ["lobby", "Lobby-1"]
+        assert body["complete"] is False
+        status, body, _ = await api.get(f"{base}?prefix=nobody")
+        assert (status, body["devices"], body["complete"]) == (200, [], True)
+        status, body, _ = await api.get(base)
+        assert (status, body["error"]) == (400, "bad_parameter"), body
+        assert body["detail"].startswith("prefix:"), body
+        # A state's search that reads SCAN_BUDGET rows without filling its
+        # page stops there, and the answer names that state.
+        monkeypatch.setattr(queries, "SCAN_BUDGET", 1)
+        status, body, _ = await api.get(f"{base}?prefix=lobby-&limit=5")
+        assert status == 200, body
+        assert body["complete"] is False
+        assert "on" in body["cut_short"], body
+
+
 async def test_paging_crosses_buckets_and_filters_by_prefix_and_tag(
     db: Database, tokens: TokenStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -418,6 +418,77 @@ async def _read_state(
         ) from None
 
 
+@dataclass(frozen=True, slots=True)
+class FoundDevices:
+    """Devices whose id starts with a prefix, across a tenant's states."""
+
+    devices: list[LatestRow]  # an exact id first, then by id
+    complete: bool  # False: more match, or a state's search stopped at SCAN_BUDGET rows
+    cut_short: list[str]  # the states whose search stopped at SCAN_BUDGET rows
+
+    def as_json(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "device_id": d.device_id,
+                "state": d.state,
+                "ts": iso(d.ts),
+                "value": d.value,
+                "tags": d.tags or {},
+            }
+            for d in self.devices
+        ]
+
+
+# States searched at once by find_devices (a tenant has at most
+# pipeline.max_states_per_tenant, 32 by default).
+FIND_PARALLEL = 8
+
+
+async def find_devices(
+    db: Database, config: Config, tenant: str, prefix: str, *, limit: int = 100
+) -> FoundDevices:
+    """The tenant's devices whose id starts with ``prefix`` (whatever the
+    case), whatever their state: each state's first page of its prefix
+    search (devices_page, at most SCAN_BUDGET rows read each), merged by id
+    and cut to ``limit``, the device named exactly by ``prefix`` first (read
+    by its key, so found in any state, with none, and however large the
+    states). Not complete when more match or a state's search stopped short:
+    a state's own list (``prefix`` on its pages) goes on from there."""
+    if not prefix:
+        raise bad_parameter("prefix", "required: the start of a device id")
+    if not 1 <= limit <= MAX_PAGE:
+        raise bad_parameter("limit", f"must be between 1 and {MAX_PAGE} (got {limit})")
+    states = await known_states(db, tenant)
+    running = asyncio.Semaphore(FIND_PARALLEL)
+
+    async def search(state: str) -> DevicePage:
+        async with running:
+            return await devices_page(db, config, tenant, state, limit=limit, prefix=prefix)
+
+    exact, pages = await asyncio.gather(
+        latest_event(db, tenant, prefix), asyncio.gather(*(search(state) for state in states))
+    )
+    found: dict[str, LatestRow] = {}
+    for state, page in zip(states, pages, strict=True):
+        for d in page.devices:
+            seen = found.get(d.device_id)
+            # A device met in two states (a move under way): its newer row.
+            if seen is None or d.ts > seen.ts:
+                found[d.device_id] = LatestRow(d.device_id, d.ts, d.value, state, None, d.tags)
+    first: list[LatestRow] = []
+    if exact is not None:
+        found.pop(exact.device_id, None)
+        first = [exact]
+    rows = first + sorted(found.values(), key=lambda r: r.device_id)
+    more = any(p.next_cursor is not None for p in pages) or len(rows) > limit
+    short = [
+        state
+        for state, page in zip(states, pages, strict=True)
+        if page.next_cursor is not None and len(page.devices) < limit
+    ]
+    return FoundDevices(rows[:limit], not more, short)
+
+
 async def devices_in_state(db: Database, config: Config, tenant: str, state: str) -> list[StateRow]:
     """Every device in ``state``, by device id (the CLI's full list)."""
     rows: list[StateRow] = []

@@ -7,6 +7,7 @@ through, so the page, curl and ``gateway devices`` always agree. Routes (all
     /api/v1/me                                          the token's tenants
     /api/v1/tenants/{t}/states                          states and device counts
     /api/v1/tenants/{t}/states/{s}/devices              one page of a state's devices
+    /api/v1/tenants/{t}/devices?prefix=P                devices by id prefix, any state
     /api/v1/tenants/{t}/devices/{d}                     a device's latest event
     /api/v1/tenants/{t}/devices/{d}/history             its raw events, newest first
     /api/v1/tenants/{t}/devices/{d}/rollups             its 1-minute or 1-hour aggregates
@@ -312,6 +313,23 @@ class ReadApi:
             }, 0
 
         return await self._cached(f"devices:{request.path_qs}", LIST_TTL, compute)
+
+    async def _find(self, request: web.Request, grant: Grant) -> _Cached:
+        tenant = request.match_info["tenant"]
+        prefix = request.query.get("prefix", "")
+        limit = _int(request.query, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
+
+        async def compute() -> tuple[Any, float]:
+            found = await queries.find_devices(self._db, self._config, tenant, prefix, limit=limit)
+            return {
+                "tenant": tenant,
+                "prefix": prefix,
+                "devices": found.as_json(),
+                "complete": found.complete,
+                "cut_short": found.cut_short,
+            }, 0
+
+        return await self._cached(f"find:{request.path_qs}", LIST_TTL, compute)
 
     async def _device(self, request: web.Request, grant: Grant) -> _Cached:
         tenant, device = request.match_info["tenant"], request.match_info["device_id"]

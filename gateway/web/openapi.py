@@ -151,6 +151,28 @@ _SCHEMAS: dict[str, Any] = {
         devices=_list(_ref("DeviceInState")),
         next_cursor=_NEXT,
     ),
+    "FoundDevices": _object(
+        "Devices whose id starts with a prefix, in any state: the one named exactly first",
+        tenant=_STRING,
+        prefix=_STRING,
+        devices=_list(
+            _object(
+                "A device found: its latest event",
+                device_id=_STRING,
+                state={"type": ["string", "null"], "description": "null: its events carry none"},
+                ts=_TIME,
+                value=_VALUE,
+                tags=_TAGS,
+            )
+        ),
+        complete={
+            "type": "boolean",
+            "description": "false when more match than limit, or a state's search stopped "
+            f"after {queries.SCAN_BUDGET:,} rows (cut_short)",
+        },
+        cut_short=_list(_STRING)
+        | {"description": "the states whose search stopped before reading them whole"},
+    ),
     "LatestEvent": _object(
         "A device's latest event",
         device_id=_STRING,

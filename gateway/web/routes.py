@@ -101,6 +101,16 @@ LIST_PARAMS = (
         example="floor:3",
     ),
 )
+FIND_PARAMS = (
+    Param(
+        "prefix",
+        "The start of a device id, whatever the case (required).",
+        {"type": "string"},
+        required=True,
+        example="lobby",
+    ),
+    LIMIT,
+)
 HISTORY_PARAMS = (SINCE, HISTORY_UNTIL, LIMIT, CURSOR)
 ROLLUP_PARAMS = (
     SINCE,
@@ -166,6 +176,17 @@ ROUTES = (
         LIST_PARAMS,
         "One page of the devices in a state",
         "DevicePage",
+    ),
+    Route(
+        "/tenants/{tenant}/devices",
+        "_find",
+        FIND_PARAMS,
+        "Devices whose id starts with a prefix, in any state",
+        "FoundDevices",
+        description="The device named exactly first, then by id. Each state's search reads at "
+        f"most {queries.SCAN_BUDGET:,} rows: complete is false when more match than limit or "
+        "a state's search stopped there (cut_short names those states; a state's own list, "
+        "with prefix, goes on from there).",
     ),
     Route(
         "/tenants/{tenant}/devices/{device_id}",

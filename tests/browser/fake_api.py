@@ -64,6 +64,8 @@ class FakeApi:
     tokens: dict[str, frozenset[str] | None] = field(default_factory=dict)
     # tenant -> device id -> its newest event (with "state" and "device_id")
     latest: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    # The states a device search reports as cut short (too many rows to read at once).
+    find_cut_short: list[str] = field(default_factory=list)
     # (tenant, device id) -> events, oldest first
     history: dict[tuple[str, str], list[dict[str, Any]]] = field(default_factory=dict)
     known_states: dict[str, set[str]] = field(default_factory=dict)
@@ -215,6 +217,30 @@ class FakeApi:
             "next_cursor": _encode_cursor(str(start + limit)) if more else None,
         }
 
+    def _find(self, tenant: str, query: Any) -> dict[str, Any]:
+        # As the real API: the exact id first, then by id, whatever the case.
+        prefix = query.get("prefix") or ""
+        if not prefix:
+            raise ApiError(400, "bad_parameter", "prefix: required: the start of a device id")
+        limit = _int(query.get("limit", "100"), "limit", 1, MAX_LIMIT)
+        devices = self.latest.get(tenant, {})
+        found = sorted(
+            (
+                d
+                for d in devices.values()
+                if d["device_id"].casefold().startswith(prefix.casefold())
+            ),
+            key=lambda d: (d["device_id"] != prefix, d["device_id"]),
+        )
+        keys = ("device_id", "state", "ts", "value", "tags")
+        return {
+            "tenant": tenant,
+            "prefix": prefix,
+            "devices": [{k: d[k] for k in keys} for d in found[:limit]],
+            "complete": len(found) <= limit and not self.find_cut_short,
+            "cut_short": list(self.find_cut_short),
+        }
+
     async def _handle(self, request: web.Request) -> web.Response:
         tenant = request.match_info.get("tenant")
         if self.delay_s:
@@ -249,6 +275,8 @@ class FakeApi:
             return self._states(tenant)
         if name == "devices":
             return self._devices(tenant, info["state"], request.query)
+        if name == "find":
+            return self._find(tenant, request.query)
         if name in ("device", "history"):
             # As the real API: a device the tenant never had is a 404 on both.
             device = self.latest.get(tenant, {}).get(info["device_id"])
@@ -302,6 +330,7 @@ class FakeApi:
             ("/me", "me"),
             ("/tenants/{tenant}/states", "states"),
             ("/tenants/{tenant}/states/{state}/devices", "devices"),
+            ("/tenants/{tenant}/devices", "find"),
             ("/tenants/{tenant}/devices/{device_id}", "device"),
             ("/tenants/{tenant}/devices/{device_id}/history", "history"),
             ("/tenants/{tenant}/rejected", "rejected"),

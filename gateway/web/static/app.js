@@ -907,19 +907,87 @@
     if (name) go(href(["t", name]));
   });
 
-  // A device by its exact id, whatever its state: the tiles asked for the
-  // state first, which someone looking for one device may not know (page
-  // probe). Spaces at the ends are dropped, as a pasted id may carry them.
-  $("device-form").addEventListener("submit", (event) => {
+  // A device by its id or the id's start, whatever its state: the tiles
+  // asked for the state first, which someone looking for one device may not
+  // know (page probe), and an exact id had to be typed whole and in its case.
+  // An id found exactly opens its device; else the devices whose id starts
+  // so are listed with their state. Spaces at the ends are dropped, as a
+  // pasted id may carry them.
+  const FIND_LIMIT = 20;
+  let finding = null; // the search under way (an AbortController)
+
+  function clearFound() {
+    if (finding) finding.abort();
+    finding = null;
+    $("found-meta").textContent = "";
+    $("found-list").replaceChildren();
+  }
+
+  $("device-form").addEventListener("submit", async (event) => {
     event.preventDefault();
     const r = current && current.route;
     const id = $("device-id").value.trim();
-    if (r && r.tenant && id) go(href(["t", r.tenant, "d", id]));
+    if (!r || !r.tenant || !id) return;
+    clearFound();
+    const mine = new AbortController();
+    finding = mine;
+    $("found-meta").textContent = "Searching…";
+    let data;
+    try {
+      ({ data } = await api(pathOf("tenants", r.tenant, "devices"),
+        { prefix: id, limit: FIND_LIMIT }, mine.signal));
+    } catch (err) {
+      if (mine.signal.aborted) return;
+      finding = null;
+      if (err instanceof ApiError && err.status === 401) {
+        logOut(`Your token was not accepted (401): ${err.detail}`);
+        return;
+      }
+      const words = err instanceof ApiError && err.status === 403 ? problemWords(err, r)
+        : "The search could not be done; try again in a moment.";
+      $("found-meta").textContent = `${words} (${err instanceof ApiError ? err.describe() : err.message})`;
+      return;
+    }
+    if (mine.signal.aborted) return;
+    finding = null;
+    const devices = data.devices || [];
+    if (devices.length && devices[0].device_id === id) {
+      go(href(["t", r.tenant, "d", id]));
+      return;
+    }
+    renderFound(r, id, data);
   });
+
+  function renderFound(r, id, data) {
+    const devices = data.devices || [];
+    const n = devices.length;
+    let said = n ? `${n} device${n === 1 ? "'s id starts" : "s' ids start"} with “${id}”:`
+      : `No device of ${r.tenant} has an id that starts with “${id}”.`;
+    if ((data.cut_short || []).length) {
+      said += ` Not every device was searched: ${data.cut_short.join(", ")} hold`
+        + `${data.cut_short.length === 1 ? "s" : ""} too many to search at once; the search of`
+        + " a state's list goes on through them.";
+    } else if (!data.complete) {
+      said = `The first ${n} devices whose id starts with “${id}”; type more of the id to`
+        + " find fewer:";
+    }
+    $("found-meta").textContent = visibleText(said);
+    $("found-list").replaceChildren(...devices.map((d) => {
+      const state = d.state == null
+        ? h("span", { class: "hint", text: "no state" })
+        : h("span", { class: "dot-label", text: d.state });
+      if (d.state != null) state.style.setProperty("--state-color", stateInk(d.state));
+      return h("li", null,
+        h("a", { href: href(["t", r.tenant, "d", d.device_id]), class: "device-link",
+          "data-testid": "found-device", text: d.device_id }), " ", state,
+        h("span", { class: "age", text: ` · ${formatTime(tsMillis(d.ts))}` }));
+    }));
+  }
 
   function statesView(r) {
     showView("states");
     $("device-id").value = "";
+    clearFound();
     $("states-title").textContent = `States of ${r.tenant}`;
     document.title = `${r.tenant} · Device states`;
     $("rejected-link").setAttribute("href", href(["t", r.tenant, "rejected"]));
