@@ -174,7 +174,7 @@ async def test_a_device_is_found_by_its_id_whatever_its_state(
     filter searched one state's list. The exact id comes first, in any
     state or none; the rest by id, each with its state."""
     config = make_config(GATEWAY_SAMPLING__ENABLED="false")
-    sent = {
+    sent: dict[str, dict[str, Any]] = {
         "hall-1": {"state": "on"},
         "Lobby-1": {"state": "on", "tags": {"floor": "0"}},
         "lobby-2": {"state": "off", "value": 2.5},
