@@ -217,6 +217,27 @@ async def test_a_device_is_found_by_its_id_whatever_its_state(
         status, body, _ = await api.get(base)
         assert (status, body["error"]) == (400, "bad_parameter"), body
         assert body["detail"].startswith("prefix:"), body
+    # The CLI finds them as the API does, with their state ("—": none); and
+    # with --state, among that state's devices only.
+    found = run_cli("devices", "--tenant", tenant, "--prefix", "lobby")
+    assert found.returncode == 0, found.stderr
+    assert [line.split("\t")[:2] for line in found.stdout.splitlines()] == [
+        ["lobby", "—"],
+        ["Lobby-1", "on"],
+        ["lobby-2", "off"],
+        ["lobby-3", "alarm"],
+    ]
+    assert found.stderr == (
+        f"(4 devices whose id starts with 'lobby' for tenant {tenant!r}, in any state)\n"
+    )
+    found = run_cli("devices", "--tenant", tenant, "--prefix", "LOBBY", "--state", "on")
+    assert (found.returncode, found.stdout.split("\t")[0]) == (0, "Lobby-1"), found.stderr
+    assert "1 device whose id starts with 'LOBBY' in state 'on'" in found.stderr
+    found = run_cli("devices", "--tenant", tenant)
+    assert found.returncode == 2
+    assert "give --state, or --prefix" in found.stderr
+
+    async with client(db, config, tokens, tenant) as api:
         # A state's search that reads SCAN_BUDGET rows without filling its
         # page stops there, and the answer names that state.
         monkeypatch.setattr(queries, "SCAN_BUDGET", 1)

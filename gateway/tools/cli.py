@@ -156,6 +156,7 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "devices": (
         "gateway devices --tenant demo --state on",
         "gateway devices --tenant demo --state off --json",
+        "gateway devices --tenant demo --prefix lobby",
     ),
     "device": ("gateway device --tenant demo dev-000001",),
     "history": (
@@ -313,13 +314,20 @@ def _parser() -> argparse.ArgumentParser:
         "off), or this host's clock is further off Cassandra's than limits.max_future_skew",
     )
 
-    dev = _command(sub, "devices", parents=[common], help="devices currently in a state")
+    dev = _command(
+        sub, "devices", parents=[common], help="devices currently in a state, or by id prefix"
+    )
     dev.add_argument("--tenant", type=_tenant, required=True, help=TENANT_HELP)
     dev.add_argument(
         "--state",
         type=_state,
-        required=True,
         help="a state the devices report, e.g. on (spaces at its ends dropped, as stored)",
+    )
+    dev.add_argument(
+        "--prefix",
+        type=_name,
+        help="only devices whose id starts with this, whatever the case; without --state, "
+        f"in any state or none (the first {queries.MAX_PAGE:,}, the exact id first)",
     )
     dev.add_argument("--json", action="store_true", help="print a JSON array")
 
@@ -1087,17 +1095,26 @@ async def _check(config: Config) -> int:
 
 
 async def _devices(config: Config, args: argparse.Namespace) -> int:
+    if args.state is None:
+        if args.prefix is None:
+            raise UsageError("devices: give --state, or --prefix to find devices in any state")
+        return await _found_devices(config, args)
     async with connect(config.cassandra) as db:
         rows = await queries.devices_in_state(db, config, args.tenant, args.state)
         known = await queries.known_states(db, args.tenant) if not rows else [args.state]
+    if args.prefix is not None:
+        folded = args.prefix.casefold()
+        rows = [r for r in rows if r.device_id.casefold().startswith(folded)]
     hint = ""
     if not known:
         hint = ": the tenant has no states yet; a misspelt --tenant?"
     elif args.state not in known:
         # Likely a misspelt --state: say which ones the tenant has.
         hint = f": the tenant has no such state; its states: {_first_names(known)}"
+    starting = "" if args.prefix is None else f" whose id starts with {args.prefix!r}"
     summary = (
-        f"({_count(len(rows), 'device')} in state {args.state!r} for tenant {args.tenant!r}{hint})"
+        f"({_count(len(rows), 'device')}{starting} in state {args.state!r} "
+        f"for tenant {args.tenant!r}{hint})"
     )
     if args.json:
         if hint:
@@ -1107,6 +1124,38 @@ async def _devices(config: Config, args: argparse.Namespace) -> int:
         for r in rows:
             value = "" if r.value is None else _shown(r.value)
             print(f"{r.device_id}\t{queries.iso(r.ts)}\t{value}")
+        print(summary, file=sys.stderr)
+    return 0
+
+
+async def _found_devices(config: Config, args: argparse.Namespace) -> int:
+    """``devices --prefix`` without ``--state``: in any state (queries.find_devices)."""
+    async with connect(config.cassandra) as db:
+        found = await queries.find_devices(
+            db, config, args.tenant, args.prefix, limit=queries.MAX_PAGE
+        )
+    rows = found.devices
+    more = ""
+    if found.cut_short:
+        more = (
+            f"; not every device searched: state{_s(len(found.cut_short))} "
+            f"{_first_names(found.cut_short)} hold more than a search reads at once "
+            f"({queries.SCAN_BUDGET:,} rows): add --state to search one whole"
+        )
+    elif not found.complete:
+        more = f"; the first {len(rows):,} shown"
+    summary = (
+        f"({_count(len(rows), 'device')} whose id starts with {args.prefix!r} "
+        f"for tenant {args.tenant!r}, in any state{more})"
+    )
+    if args.json:
+        if more:
+            print(summary, file=sys.stderr)
+        _print_json(found.as_json())
+    else:
+        for r in rows:
+            state, value = ("—" if v is None else _shown(v) for v in (r.state, r.value))
+            print(f"{r.device_id}\t{state}\t{queries.iso(r.ts)}\t{value}")
         print(summary, file=sys.stderr)
     return 0
 
