@@ -209,6 +209,9 @@ async def test_a_device_is_found_by_its_id_whatever_its_state(
             ("lobby-3", "alarm"),
         ]
         assert body["devices"][0]["value"] == 1.0
+        # An exact id that a state lists too comes once, first.
+        status, body, _ = await api.get(f"{base}?prefix=Lobby-1")
+        assert [(d["device_id"], d["state"]) for d in body["devices"]] == [("Lobby-1", "on")]
         status, body, _ = await api.get(f"{base}?prefix=lobby&limit=2")
         assert [d["device_id"] for d in body["devices"]] == ["lobby", "Lobby-1"]
         assert body["complete"] is False
@@ -238,9 +241,10 @@ async def test_a_device_is_found_by_its_id_whatever_its_state(
     assert "give --state, or --prefix" in found.stderr
 
     async with client(db, config, tokens, tenant) as api:
-        # A state's search that reads SCAN_BUDGET rows without filling its
-        # page stops there, and the answer names that state.
-        monkeypatch.setattr(queries, "SCAN_BUDGET", 1)
+        # A state's search that reads its share of FIND_ROWS without filling
+        # its page stops there, and the answer names that state.
+        monkeypatch.setattr(queries, "FIND_ROWS", 1)
+        monkeypatch.setattr(queries, "FIND_STATE_ROWS", 1)
         status, body, _ = await api.get(f"{base}?prefix=lobby-&limit=5")
         assert status == 200, body
         assert body["complete"] is False

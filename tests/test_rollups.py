@@ -503,6 +503,10 @@ async def test_cli_and_api_serve_the_rollups(
         assert (status, body["rollups"]) == (200, []), body
         status, body, _ = await api.get(f"{base}/m1/history?since=2000-01-01&until=2000-01-02")
         assert (status, body["events"]) == (200, []), body
+    # Without metadata no metric is known not to be sent: no windows, no 404.
+    async with client(db, make_config(GATEWAY_METADATA__ENABLED="false"), tokens, tenant) as api:
+        status, body, _ = await api.get(f"{base}/m1/rollups?metric=kwhh&{window}")
+        assert (status, body["rollups"]) == (200, []), body
 
 
 @pytest.mark.asyncio(loop_scope="session")  # the module's session lives on that loop

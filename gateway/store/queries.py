@@ -223,6 +223,7 @@ async def devices_page(
     cursor: str | None = None,
     prefix: str = "",
     tag: tuple[str, str] | None = None,
+    budget: int | None = None,
 ) -> DevicePage:
     """One page of the devices in ``state``, sorted by device id.
 
@@ -232,8 +233,9 @@ async def devices_page(
     of the last row read, so paging goes on across buckets and across a
     rotation (generations keep positions). ``prefix`` and ``tag`` are
     filters: rows are read, then kept when the device id starts with
-    ``prefix`` (whatever the case) and the tags hold KEY with VALUE, at most SCAN_BUDGET rows per
-    page; a page that runs out comes back short, with a cursor. Each read
+    ``prefix`` (whatever the case) and the tags hold KEY with VALUE, at most
+    ``budget`` rows per page (default SCAN_BUDGET); a page that runs out
+    comes back short, with a cursor. Each read
     asks for one row more than it needs, so that a page that ends the list
     exactly says so (no cursor onto an empty page).
     """
@@ -250,6 +252,7 @@ async def devices_page(
         "AND (device_hash, device_id) > (?, ?) LIMIT ?"
     )
     filtered = bool(prefix) or tag is not None
+    most = SCAN_BUDGET if budget is None else budget
     # Not case-sensitive: "lobby" finds "Lobby-3" (page probe); an exact
     # match is among what it finds.
     folded = prefix.casefold()
@@ -262,7 +265,7 @@ async def devices_page(
     out: list[StateRow] = []
     scanned = 0
     while bucket < buckets:
-        want = min(MAX_PAGE, SCAN_BUDGET - scanned) if filtered else limit - len(out)
+        want = min(MAX_PAGE, most - scanned) if filtered else limit - len(out)
         gen = gens.get(bucket, 0)
         params = (tenant, state, bucket, gen, *after, want + 1)  # one to look ahead
         rows = await _read_state(db, stmt, params, tenant, state, buckets)
@@ -288,7 +291,7 @@ async def devices_page(
                 return _page(out, encode_cursor(bucket, after, query))
             return _page(out, await _next(db, stmt, tenant, state, gens, bucket, buckets, query))
         if len(rows) > want:
-            if filtered and scanned >= SCAN_BUDGET:
+            if filtered and scanned >= most:
                 return _page(out, encode_cursor(bucket, after, query))
             continue  # more in this bucket
         bucket, after = bucket + 1, START
@@ -440,34 +443,52 @@ class FoundDevices:
 
 
 # States searched at once by find_devices (a tenant has at most
-# pipeline.max_states_per_tenant, 32 by default).
+# pipeline.max_states_per_tenant, 32 by default, up to 1,024), and the rows
+# one search reads in all: shared among the states, at least FIND_STATE_ROWS
+# each (so 102,400 at most, with 1,024 states).
 FIND_PARALLEL = 8
+FIND_ROWS = 40_000
+FIND_STATE_ROWS = 100
 
 
 async def find_devices(
     db: Database, config: Config, tenant: str, prefix: str, *, limit: int = 100
 ) -> FoundDevices:
-    """The tenant's devices whose id starts with ``prefix`` (whatever the
-    case), whatever their state: each state's first page of its prefix
-    search (devices_page, at most SCAN_BUDGET rows read each), merged by id
-    and cut to ``limit``, the device named exactly by ``prefix`` first (read
-    by its key, so found in any state, with none, and however large the
-    states). Not complete when more match or a state's search stopped short:
-    a state's own list (``prefix`` on its pages) goes on from there."""
+    """The tenant's devices in a state whose id starts with ``prefix``
+    (whatever the case): each state's first page of its prefix search
+    (devices_page, the states sharing FIND_ROWS rows read), merged and
+    sorted by id and cut to ``limit``; and first the device named exactly by
+    ``prefix``, read by its key, so found however large the states, and also
+    when it has no state (no state's list holds such a device, so only its
+    exact id finds it). Not complete when more match or a state's search
+    stopped short: a state's own list (``prefix`` on its pages) goes on from
+    there. A state's pages come in the table's order (by device hash), so
+    what an incomplete answer holds is some of the matches, not the first
+    ids."""
     if not prefix:
         raise bad_parameter("prefix", "required: the start of a device id")
     if not 1 <= limit <= MAX_PAGE:
         raise bad_parameter("limit", f"must be between 1 and {MAX_PAGE} (got {limit})")
     states = await known_states(db, tenant)
+    budget = max(FIND_STATE_ROWS, FIND_ROWS // max(len(states), 1))
     running = asyncio.Semaphore(FIND_PARALLEL)
 
     async def search(state: str) -> DevicePage:
         async with running:
-            return await devices_page(db, config, tenant, state, limit=limit, prefix=prefix)
+            return await devices_page(
+                db, config, tenant, state, limit=limit, prefix=prefix, budget=budget
+            )
 
-    exact, pages = await asyncio.gather(
-        latest_event(db, tenant, prefix), asyncio.gather(*(search(state) for state in states))
-    )
+    exact_read = asyncio.ensure_future(latest_event(db, tenant, prefix))
+    reads = [asyncio.ensure_future(search(state)) for state in states]
+    try:
+        exact, pages = await asyncio.gather(exact_read, asyncio.gather(*reads))
+    except BaseException:
+        # A failed read fails the search with its own error (the API's 400 or
+        # 503), and the other reads stop.
+        for read in [exact_read, *reads]:
+            read.cancel()
+        raise
     found: dict[str, LatestRow] = {}
     for state, page in zip(states, pages, strict=True):
         for d in page.devices:

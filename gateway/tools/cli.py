@@ -327,7 +327,8 @@ def _parser() -> argparse.ArgumentParser:
         "--prefix",
         type=_name,
         help="only devices whose id starts with this, whatever the case; without --state, "
-        f"in any state or none (the first {queries.MAX_PAGE:,}, the exact id first)",
+        f"in any state ({queries.MAX_PAGE:,} at most; a device with no state by its exact "
+        "id only, first)",
     )
     dev.add_argument("--json", action="store_true", help="print a JSON array")
 
@@ -1139,11 +1140,11 @@ async def _found_devices(config: Config, args: argparse.Namespace) -> int:
     if found.cut_short:
         more = (
             f"; not every device searched: state{_s(len(found.cut_short))} "
-            f"{_first_names(found.cut_short)} hold more than a search reads at once "
-            f"({queries.SCAN_BUDGET:,} rows): add --state to search one whole"
+            f"{_first_names(found.cut_short)} hold more than a search of every state reads "
+            "at once: add --state to search one whole"
         )
     elif not found.complete:
-        more = f"; the first {len(rows):,} shown"
+        more = f"; {len(rows):,} of them shown"
     summary = (
         f"({_count(len(rows), 'device')} whose id starts with {args.prefix!r} "
         f"for tenant {args.tenant!r}, in any state{more})"

@@ -333,6 +333,14 @@ class ReadApi:
 
     async def _device(self, request: web.Request, grant: Grant) -> _Cached:
         tenant, device = request.match_info["tenant"], request.match_info["device_id"]
+        answer = await self._latest(tenant, device)
+        if answer.body == b"null":
+            raise _no_device(tenant, device)
+        return answer
+
+    async def _latest(self, tenant: str, device: str) -> _Cached:
+        """The device's latest event (``null``: none), cached: a page open on
+        a missing device asks for it, and its history, every poll."""
 
         async def compute() -> tuple[Any, float]:
             row = await queries.latest_event(self._db, tenant, device)
@@ -340,10 +348,7 @@ class ReadApi:
                 return None, 0
             return row.as_json(), 0
 
-        answer = await self._cached(f"device:{tenant}/{device}", LIST_TTL, compute)
-        if answer.body == b"null":
-            raise _ApiError(404, "not_found", f"no device {device!r} in tenant {tenant!r}")
-        return answer
+        return await self._cached(f"device:{tenant}/{device}", LIST_TTL, compute)
 
     async def _history(self, request: web.Request, grant: Grant) -> _Cached:
         tenant, device = request.match_info["tenant"], request.match_info["device_id"]
@@ -382,11 +387,11 @@ class ReadApi:
                 queries.rollups_done_until(self._db),
             )
             if not rows:
-                # Nothing, as the CLI's `rollup` says: a device or a metric
-                # the tenant never had (a misspelling) is a 404 naming it.
-                await asyncio.gather(
-                    self._known_device(tenant, device), self._known_metric(tenant, metric)
-                )
+                # Nothing: a device, or else a metric, the tenant never had
+                # (a misspelling) is a 404 naming it, as the CLI's `rollup`
+                # hints at them.
+                await self._known_device(tenant, device)
+                await self._known_metric(tenant, metric)
             return {
                 "tenant": tenant,
                 "device_id": device,
@@ -400,9 +405,12 @@ class ReadApi:
         return await self._cached(f"rollups:{request.path_qs}", LIST_TTL, compute)
 
     async def _known_device(self, tenant: str, device: str) -> None:
-        """A 404 for a device the tenant never had (as its ``/devices/{d}``)."""
-        if await queries.latest_event(self._db, tenant, device) is None:
-            raise _ApiError(404, "not_found", f"no device {device!r} in tenant {tenant!r}")
+        """A 404 for a device the tenant never had (as its ``/devices/{d}``),
+        but not for one whose raw rows were written around the gateway."""
+        if (await self._latest(tenant, device)).body == b"null" and not (
+            await queries.device_has_rows(self._db, tenant, device)
+        ):
+            raise _no_device(tenant, device)
 
     async def _known_metric(self, tenant: str, metric: str) -> None:
         """A 404 for a metric no device of the tenant ever sent, by its
@@ -504,6 +512,10 @@ def read_api(
     api = ReadApi(db, config, tokens)
     track_caches(api.caches())
     return api.add_routes
+
+
+def _no_device(tenant: str, device: str) -> _ApiError:
+    return _ApiError(404, "not_found", f"no device {device!r} in tenant {tenant!r}")
 
 
 def _answer(body: Any, versioned: Any = None) -> _Cached:

@@ -168,7 +168,7 @@ _SCHEMAS: dict[str, Any] = {
         complete={
             "type": "boolean",
             "description": "false when more match than limit, or a state's search stopped "
-            f"after {queries.SCAN_BUDGET:,} rows (cut_short)",
+            "at its share of the rows one search reads (cut_short)",
         },
         cut_short=_list(_STRING)
         | {"description": "the states whose search stopped before reading them whole"},

@@ -183,10 +183,13 @@ ROUTES = (
         FIND_PARAMS,
         "Devices whose id starts with a prefix, in any state",
         "FoundDevices",
-        description="The device named exactly first, then by id. Each state's search reads at "
-        f"most {queries.SCAN_BUDGET:,} rows: complete is false when more match than limit or "
-        "a state's search stopped there (cut_short names those states; a state's own list, "
-        "with prefix, goes on from there).",
+        description="The device named exactly first (read by its key: a device with no state "
+        "is found by its exact id only), then by id. The states share "
+        f"{queries.FIND_ROWS:,} rows read (at least {queries.FIND_STATE_ROWS} each): complete "
+        "is false when more match than limit, or a state's search stopped at its share "
+        "(cut_short names those states; a state's own list, with prefix, goes on from there). "
+        "Each state's matches come in the table's order, so an incomplete answer holds some "
+        "of them, not the first ids.",
     ),
     Route(
         "/tenants/{tenant}/devices/{device_id}",

@@ -228,7 +228,9 @@ class FakeApi:
             (
                 d
                 for d in devices.values()
+                # One with no state only by its exact id: no state's list holds it.
                 if d["device_id"].casefold().startswith(prefix.casefold())
+                and (d["state"] is not None or d["device_id"] == prefix)
             ),
             key=lambda d: (d["device_id"] != prefix, d["device_id"]),
         )
@@ -281,7 +283,8 @@ class FakeApi:
             # As the real API: a device the tenant never had is a 404 on both.
             device = self.latest.get(tenant, {}).get(info["device_id"])
             if device is None:
-                raise ApiError(404, "not_found", f"no device {info['device_id']!r} in {tenant!r}")
+                detail = f"no device {info['device_id']!r} in tenant {tenant!r}"
+                raise ApiError(404, "not_found", detail)
             return (
                 device
                 if name == "device"

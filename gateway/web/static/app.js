@@ -927,8 +927,12 @@
     event.preventDefault();
     const r = current && current.route;
     const id = $("device-id").value.trim();
-    if (!r || !r.tenant || !id) return;
+    if (!r || !r.tenant) return;
     clearFound();
+    if (!id) {
+      $("found-meta").textContent = "Type a device's id, or the start of it.";
+      return;
+    }
     const mine = new AbortController();
     finding = mine;
     $("found-meta").textContent = "Searching…";
@@ -968,7 +972,7 @@
         + `${data.cut_short.length === 1 ? "s" : ""} too many to search at once; the search of`
         + " a state's list goes on through them.";
     } else if (!data.complete) {
-      said = `The first ${n} devices whose id starts with “${id}”; type more of the id to`
+      said = `${n} of the devices whose id starts with “${id}”; type more of the id to`
         + " find fewer:";
     }
     $("found-meta").textContent = visibleText(said);
@@ -979,8 +983,8 @@
       if (d.state != null) state.style.setProperty("--state-color", stateInk(d.state));
       return h("li", null,
         h("a", { href: href(["t", r.tenant, "d", d.device_id]), class: "device-link",
-          "data-testid": "found-device", text: d.device_id }), " ", state,
-        h("span", { class: "age", text: ` · ${formatTime(tsMillis(d.ts))}` }));
+          "data-testid": "found-device", text: d.device_id }), state,
+        h("span", { class: "age" }, timeEl(d.ts)));
     }));
   }
 
@@ -2031,6 +2035,9 @@
       return;
     }
     const r = parseHash();
+    // A device search under way must not open its answer over the view
+    // chosen meanwhile.
+    clearFound();
     const moved = !current || !current.route || viewKey(current.route) !== viewKey(r);
     if (moved && current && current.route && current.route.name === "devices") rememberList();
     if (r.name === "devices") listAddress = location.hash;
