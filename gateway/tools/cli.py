@@ -28,7 +28,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TextIO, cast
@@ -705,6 +705,21 @@ def _print_json(value: Any) -> None:
     sys.stdout.write(_json_text(value, orjson.OPT_INDENT_2) + "\n")
 
 
+def _print_listing(
+    args: argparse.Namespace, summary: str, said: bool, value: Any, lines: Iterable[str]
+) -> None:
+    """A list as JSON (``--json``: the summary on stderr only when ``said``,
+    something worth a word) or as lines, then its summary on stderr."""
+    if args.json:
+        if said:
+            print(summary, file=sys.stderr)
+        _print_json(value)
+        return
+    for line in lines:
+        print(line)
+    print(summary, file=sys.stderr)
+
+
 async def _serve(config: Config) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -1117,15 +1132,11 @@ async def _devices(config: Config, args: argparse.Namespace) -> int:
         f"({_count(len(rows), 'device')}{starting} in state {args.state!r} "
         f"for tenant {args.tenant!r}{hint})"
     )
-    if args.json:
-        if hint:
-            print(summary, file=sys.stderr)
-        _print_json([r.as_json() for r in rows])
-    else:
-        for r in rows:
-            value = "" if r.value is None else _shown(r.value)
-            print(f"{r.device_id}\t{queries.iso(r.ts)}\t{value}")
-        print(summary, file=sys.stderr)
+    lines = (
+        f"{r.device_id}\t{queries.iso(r.ts)}\t{'' if r.value is None else _shown(r.value)}"
+        for r in rows
+    )
+    _print_listing(args, summary, bool(hint), [r.as_json() for r in rows], lines)
     return 0
 
 
@@ -1149,15 +1160,12 @@ async def _found_devices(config: Config, args: argparse.Namespace) -> int:
         f"({_count(len(rows), 'device')} whose id starts with {args.prefix!r} "
         f"for tenant {args.tenant!r}, in any state{more})"
     )
-    if args.json:
-        if more:
-            print(summary, file=sys.stderr)
-        _print_json(found.as_json())
-    else:
-        for r in rows:
-            state, value = ("—" if v is None else _shown(v) for v in (r.state, r.value))
-            print(f"{r.device_id}\t{state}\t{queries.iso(r.ts)}\t{value}")
-        print(summary, file=sys.stderr)
+
+    def line(r: queries.LatestRow) -> str:
+        state, value = ("—" if v is None else _shown(v) for v in (r.state, r.value))
+        return f"{r.device_id}\t{state}\t{queries.iso(r.ts)}\t{value}"
+
+    _print_listing(args, summary, bool(more), found.as_json(), map(line, rows))
     return 0
 
 
@@ -1274,20 +1282,19 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
         )
         progress, stalled = rollup_progress(done, until, now, config.rollups.grace, worker)
     summary = f"({_count(len(rows), 'window')} of {args.step} for {args.metric!r}{hint}{progress})"
-    if args.json:
-        if hint or stalled:
-            print(summary, file=sys.stderr)
-        _print_json([r.as_json() for r in rows])
-    else:
-        for r in rows:
-            # 12 significant digits: a sum of 0.1 and 0.2 reads 0.3 (--json
-            # keeps every digit of the stored double).
-            total = "out-of-range" if r.sum is None else f"{r.sum:.12g}"
-            print(
-                f"{queries.iso(r.start)}\tcount={r.count}\tmin={r.min:.12g}\tmax={r.max:.12g}"
-                f"\tsum={total}\tlast={r.last:.12g}"
-            )
-        print(summary, file=sys.stderr)
+
+    def line(r: queries.RollupRow) -> str:
+        # 12 significant digits: a sum of 0.1 and 0.2 reads 0.3 (--json
+        # keeps every digit of the stored double).
+        total = "out-of-range" if r.sum is None else f"{r.sum:.12g}"
+        return (
+            f"{queries.iso(r.start)}\tcount={r.count}\tmin={r.min:.12g}\tmax={r.max:.12g}"
+            f"\tsum={total}\tlast={r.last:.12g}"
+        )
+
+    _print_listing(
+        args, summary, bool(hint) or stalled, [r.as_json() for r in rows], map(line, rows)
+    )
     return 1 if missing else 0  # as history's
 
 
