@@ -1113,7 +1113,7 @@ async def _check(config: Config) -> int:
 async def _devices(config: Config, args: argparse.Namespace) -> int:
     if args.state is None:
         if args.prefix is None:
-            raise UsageError("devices: give --state, or --prefix to find devices in any state")
+            raise UsageError("give --state, or --prefix to find devices in any state")
         return await _found_devices(config, args)
     async with connect(config.cassandra) as db:
         rows = await queries.devices_in_state(db, config, args.tenant, args.state)
