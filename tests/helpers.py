@@ -463,6 +463,13 @@ async def device_row(db: Database, tenant: str, device: str) -> Any:
     return found[0] if found else None
 
 
+async def rejected_since(db: Database, tenant: str, since_ms: int) -> list[queries.RejectedRow]:
+    """The tenant's rejected messages from a minute before ``since_ms`` on,
+    in every hour's partition: a test that reads only the hour it began in
+    misses what it refused after the hour turned (CI, at 06:00)."""
+    return await queries.rejected(db, tenant, datetime.fromtimestamp(since_ms / 1000 - 60, UTC))
+
+
 async def telemetry_keys(db: Database, tenant: str, device: str) -> set[tuple[int, int]]:
     """(ts ms, event_id) of every raw row of a device, found through the partition index."""
     parts = await db.execute(

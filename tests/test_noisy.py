@@ -22,6 +22,7 @@ from .helpers import (
     base_env,
     device_row,
     make_config,
+    rejected_since,
     run_cli,
     running_gateway,
     state_rows,
@@ -215,12 +216,7 @@ async def test_tenant_over_quota_next_to_a_quiet_tenant(db: Database, tenant: st
     for i in range(50):
         assert len(await telemetry_keys(db, quiet, f"q{i}")) == 1
     # Devices 5..9 of the flooding tenant were over its device quota.
-    hour = now - now % 3_600_000
-    rejected = await db.execute(
-        f"SELECT device_id, reason FROM {db.keyspace}.rejected_messages "
-        "WHERE tenant = %s AND hour_start = %s",
-        (flood, hour),
-    )
+    rejected = await rejected_since(db, flood, now)
     assert {r.reason for r in rejected} == {"quota"}
     assert len({r.device_id for r in rejected}) == 5
     # The admitted devices were sampled to about the tenant's max rate (50/s,
@@ -261,12 +257,7 @@ async def test_back_fill_counts_against_the_device_quota(db: Database, tenant: s
     assert len(await telemetry_keys(db, tenant, "f1")) == 1
     for device in ("b1", "b2", "b3", "b4", "b5", "f2"):
         assert await telemetry_keys(db, tenant, device) == set(), device
-    hour = now - now % 3_600_000
-    rejected = await db.execute(
-        f"SELECT device_id, reason FROM {db.keyspace}.rejected_messages "
-        "WHERE tenant = %s AND hour_start = %s",
-        (tenant, hour),
-    )
+    rejected = await rejected_since(db, tenant, now)
     assert sorted((r.device_id, r.reason) for r in rejected) == [
         (d, "quota") for d in ("b1", "b2", "b3", "b4", "b5", "f2")
     ]

@@ -35,6 +35,7 @@ from .helpers import (
     base_env,
     make_config,
     publish,
+    rejected_since,
     run_cli,
     running_gateway,
     telemetry_keys,
@@ -64,13 +65,9 @@ async def _stored(db: Database, tenant: str, devices: list[str]) -> dict[str, in
 
 
 async def _refused(db: Database, tenant: str, now: int) -> list[str]:
-    rows = await db.execute(
-        f"SELECT device_id, reason FROM {db.keyspace}.rejected_messages "
-        "WHERE tenant = %s AND hour_start = %s",
-        (tenant, now - now % 3_600_000),
-    )
+    rows = await rejected_since(db, tenant, now)
     assert {r.reason for r in rows} <= {"quota"}
-    return sorted(r.device_id for r in rows)
+    return sorted(str(r.device_id) for r in rows)
 
 
 async def test_a_restart_admits_the_devices_admitted_before(db: Database, tenant: str) -> None:

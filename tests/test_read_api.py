@@ -254,6 +254,38 @@ async def test_a_device_is_found_by_its_id_whatever_its_state(
         assert "on" in body["cut_short"], body
 
 
+async def test_a_device_with_raw_rows_but_no_latest_row_is_no_404(
+    db: Database, tenant: str, tokens: TokenStore
+) -> None:
+    """Rows written around the gateway (no latest row): the device is one the
+    tenant has, so an empty range of its history or roll-ups is an answer,
+    in the API and the CLI alike, not "no such device"."""
+    config = make_config(GATEWAY_SAMPLING__ENABLED="false")
+    async with running_gateway(config) as gw:
+        await publish([(topic(tenant, "raw-1"), orjson.dumps({"ts": 1_700_000_000_000}))])
+        await gw.wait_handled(1)
+    await db.execute(
+        f"DELETE FROM {db.keyspace}.latest_events_by_device WHERE tenant = %s AND device_id = %s",
+        (tenant, "raw-1"),
+    )
+    empty = "since=2000-01-01T00:00:00Z&until=2000-01-02T00:00:00Z"
+    async with client(db, config, tokens, tenant) as api:
+        base = f"/api/v1/tenants/{tenant}/devices/raw-1"
+        status, body, _ = await api.get(f"{base}/history?{empty}")
+        assert (status, body["events"]) == (200, []), body
+        status, body, _ = await api.get(f"{base}/rollups?{empty}")
+        assert (status, body["rollups"]) == (200, []), body
+        status, body, _ = await api.get(f"/api/v1/tenants/{tenant}/devices/raw-2/history?{empty}")
+        assert status == 404, body
+    since, until = "2000-01-01T00:00:00Z", "2000-01-02T00:00:00Z"
+    for command in ("history", "rollup"):
+        result = run_cli(command, "--tenant", tenant, "raw-1", "--since", since, "--until", until)
+        assert result.returncode == 0, (command, result.stderr)
+        assert "has no device" not in result.stderr, (command, result.stderr)
+        result = run_cli(command, "--tenant", tenant, "raw-2", "--since", since, "--until", until)
+        assert result.returncode == 1, (command, result.stderr)
+
+
 async def test_paging_crosses_buckets_and_filters_by_prefix_and_tag(
     db: Database, tokens: TokenStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:

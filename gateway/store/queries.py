@@ -426,8 +426,8 @@ class FoundDevices:
     """Devices whose id starts with a prefix, across a tenant's states."""
 
     devices: list[LatestRow]  # an exact id first, then by id
-    complete: bool  # False: more match, or a state's search stopped at SCAN_BUDGET rows
-    cut_short: list[str]  # the states whose search stopped at SCAN_BUDGET rows
+    complete: bool  # False: more match, or a state's search stopped at its share of FIND_ROWS
+    cut_short: list[str]  # the states whose search stopped at its share of FIND_ROWS
 
     def as_json(self) -> list[dict[str, Any]]:
         return [

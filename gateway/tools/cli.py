@@ -706,14 +706,19 @@ def _print_json(value: Any) -> None:
 
 
 def _print_listing(
-    args: argparse.Namespace, summary: str, said: bool, value: Any, lines: Iterable[str]
+    args: argparse.Namespace,
+    summary: str,
+    said: bool,
+    value: Callable[[], Any],
+    lines: Iterable[str],
 ) -> None:
-    """A list as JSON (``--json``: the summary on stderr only when ``said``,
-    something worth a word) or as lines, then its summary on stderr."""
+    """A list as JSON (``--json``: ``value()``, the summary on stderr only
+    when ``said``, something worth a word) or as lines, then its summary on
+    stderr."""
     if args.json:
         if said:
             print(summary, file=sys.stderr)
-        _print_json(value)
+        _print_json(value())
         return
     for line in lines:
         print(line)
@@ -1136,7 +1141,7 @@ async def _devices(config: Config, args: argparse.Namespace) -> int:
         f"{r.device_id}\t{queries.iso(r.ts)}\t{'' if r.value is None else _shown(r.value)}"
         for r in rows
     )
-    _print_listing(args, summary, bool(hint), [r.as_json() for r in rows], lines)
+    _print_listing(args, summary, bool(hint), lambda: [r.as_json() for r in rows], lines)
     return 0
 
 
@@ -1165,7 +1170,7 @@ async def _found_devices(config: Config, args: argparse.Namespace) -> int:
         state, value = ("—" if v is None else _shown(v) for v in (r.state, r.value))
         return f"{r.device_id}\t{state}\t{queries.iso(r.ts)}\t{value}"
 
-    _print_listing(args, summary, bool(more), found.as_json(), map(line, rows))
+    _print_listing(args, summary, bool(more), found.as_json, map(line, rows))
     return 0
 
 
@@ -1238,9 +1243,12 @@ async def _empty_device_hint(db: Database, tenant: str, device_id: str) -> tuple
     """Why a device's range is empty: no such device (a misspelt id or
     --tenant; then True), or none in the range, and when its newest event was."""
     newest = await queries.latest_event(db, tenant, device_id)
-    if newest is None:
-        return _no_device_hint(tenant, device_id), True
-    return f": none in the range; its newest event is at {queries.iso(newest.ts)}", False
+    if newest is not None:
+        return f": none in the range; its newest event is at {queries.iso(newest.ts)}", False
+    if await queries.device_has_rows(db, tenant, device_id):
+        # Rows written around the gateway (no latest event): a device it has, as the API says.
+        return ": none in the range", False
+    return _no_device_hint(tenant, device_id), True
 
 
 def _no_device_hint(tenant: str, device_id: str) -> str:
@@ -1265,7 +1273,11 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
         known = await queries.meta_metrics(db, args.tenant) if not rows else []
         # A device the tenant never had fails as history's does, whatever
         # --metric says (a misspelt metric beside it hid it: exit 0).
-        missing = not rows and await queries.latest_event(db, args.tenant, args.device_id) is None
+        missing = (
+            not rows
+            and await queries.latest_event(db, args.tenant, args.device_id) is None
+            and not await queries.device_has_rows(db, args.tenant, args.device_id)
+        )
         hint = ""
         if known and args.metric not in known:
             # Likely a misspelt --metric: say which ones the tenant's devices send.
@@ -1293,7 +1305,7 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
         )
 
     _print_listing(
-        args, summary, bool(hint) or stalled, [r.as_json() for r in rows], map(line, rows)
+        args, summary, bool(hint) or stalled, lambda: [r.as_json() for r in rows], map(line, rows)
     )
     return 1 if missing else 0  # as history's
 

@@ -267,7 +267,8 @@ async def publish(
     """Publish the fleet's events at QoS 1, paced to ``spec.rate``.
 
     Stops after ``count`` messages or ``duration`` seconds, whichever comes
-    first; with neither it runs until cancelled. The broker's address,
+    first (what fell due before the end of ``duration`` still goes out for
+    up to LATE_S after it); with neither it runs until cancelled. The broker's address,
     credentials and TLS come from ``mqtt`` (the gateway's [mqtt] section; the
     defaults when None), under a client id of its own. ``on_sent(topic, event)`` is
     called for every message once the broker acknowledged it. ``concurrency``
@@ -354,7 +355,7 @@ async def publish(
                 # 300 in CI, its window full just then); stop scheduling now.
                 # What is in flight still gets its PUBACK.
                 logger.warning(
-                    "simulate: stopped %.0f s after the end with %d of %d messages published: "
+                    "simulate: stopped %g s after the end, with %d of the %d messages due sent: "
                     "the broker did not keep up with --rate %g",
                     LATE_S,
                     k,
@@ -395,7 +396,9 @@ async def publish(
                 # would spin): what falls due meanwhile goes in the next write.
                 wait = max(start + k / spec.rate - now, TICK_S)
             else:
-                wait = min(next_status, drain_by or math.inf) - now  # or a PUBACK first
+                # Or a PUBACK first; past the end, no later than LATE_S after it.
+                late = end + LATE_S if scheduling else math.inf
+                wait = min(next_status, drain_by or math.inf, late) - now
             waiter = asyncio.ensure_future(acked.wait())
             await asyncio.wait(
                 (waiter, conn.closed), timeout=max(wait, 0.0), return_when=asyncio.FIRST_COMPLETED

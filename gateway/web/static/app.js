@@ -983,7 +983,7 @@
       if (d.state != null) state.style.setProperty("--state-color", stateInk(d.state));
       return h("li", null,
         h("a", { href: href(["t", r.tenant, "d", d.device_id]), class: "device-link",
-          "data-testid": "found-device", text: d.device_id }), state,
+          "data-testid": "found-device", text: d.device_id }), " ", state, " ",
         h("span", { class: "age" }, timeEl(d.ts)));
     }));
   }
