@@ -413,8 +413,10 @@ async def test_bad_payloads_rejected_with_reasons_and_good_ones_written(
         "b7": "not_an_object",
     }
     big = next(r for r in rows if r.reason == "too_large")
-    assert big.payload_size is not None and big.payload_size > 70_000
-    assert big.payload is not None and len(big.payload) == 2048  # truncated to limits.rejected_payload_bytes
+    assert big.payload_size is not None
+    assert big.payload_size > 70_000
+    assert big.payload is not None
+    assert len(big.payload) == 2048  # truncated to limits.rejected_payload_bytes
     if driver == DRIVERS[0]:
         # `gateway rejected` reads them back, by --since (as the API's since) or --hours.
         for window in (["--since", "10m"], ["--hours", "1"]):
