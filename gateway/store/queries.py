@@ -224,6 +224,7 @@ async def devices_page(
     prefix: str = "",
     tag: tuple[str, str] | None = None,
     budget: int | None = None,
+    buckets: int | None = None,
 ) -> DevicePage:
     """One page of the devices in ``state``, sorted by device id.
 
@@ -235,13 +236,15 @@ async def devices_page(
     filters: rows are read, then kept when the device id starts with
     ``prefix`` (whatever the case) and the tags hold KEY with VALUE, at most
     ``budget`` rows per page (default SCAN_BUDGET); a page that runs out
-    comes back short, with a cursor. Each read
+    comes back short, with a cursor. ``buckets``: the tenant's state_buckets,
+    when the caller has read them (else read here). Each read
     asks for one row more than it needs, so that a page that ends the list
     exactly says so (no cursor onto an empty page).
     """
     if not 1 <= limit <= MAX_PAGE:
         raise bad_parameter("limit", f"must be between 1 and {MAX_PAGE} (got {limit})")
-    buckets = await state_buckets(db, config, tenant)
+    if buckets is None:
+        buckets = await state_buckets(db, config, tenant)
     query = query_of(tenant, state, prefix, tag)
     bucket, after = decode_cursor(cursor, buckets, query) if cursor else (0, START)
     gens = await state_generations(db, tenant, state)
@@ -469,14 +472,23 @@ async def find_devices(
         raise bad_parameter("prefix", "required: the start of a device id")
     if not 1 <= limit <= MAX_PAGE:
         raise bad_parameter("limit", f"must be between 1 and {MAX_PAGE} (got {limit})")
-    states = await known_states(db, tenant)
+    # Read once for every state's search (devices_page would read them each).
+    states, recorded = await _tenant_states(db, tenant)
+    buckets = _buckets(config, tenant, recorded)
     budget = max(FIND_STATE_ROWS, FIND_ROWS // max(len(states), 1))
     running = asyncio.Semaphore(FIND_PARALLEL)
 
     async def search(state: str) -> DevicePage:
         async with running:
             return await devices_page(
-                db, config, tenant, state, limit=limit, prefix=prefix, budget=budget
+                db,
+                config,
+                tenant,
+                state,
+                limit=limit,
+                prefix=prefix,
+                budget=budget,
+                buckets=buckets,
             )
 
     exact_read = asyncio.ensure_future(latest_event(db, tenant, prefix))
@@ -510,12 +522,17 @@ async def find_devices(
     return FoundDevices(rows[:limit], not more, short)
 
 
-async def devices_in_state(db: Database, config: Config, tenant: str, state: str) -> list[StateRow]:
-    """Every device in ``state``, by device id (the CLI's full list)."""
+async def devices_in_state(
+    db: Database, config: Config, tenant: str, state: str, *, prefix: str = ""
+) -> list[StateRow]:
+    """Every device in ``state`` (whose id starts with ``prefix``, whatever
+    the case), by device id (the CLI's full list)."""
     rows: list[StateRow] = []
     cursor: str | None = None
     while True:
-        page = await devices_page(db, config, tenant, state, limit=MAX_PAGE, cursor=cursor)
+        page = await devices_page(
+            db, config, tenant, state, limit=MAX_PAGE, cursor=cursor, prefix=prefix
+        )
         rows += page.devices
         if page.next_cursor is None:
             return sorted(rows, key=lambda r: r.device_id)
@@ -530,7 +547,12 @@ async def known_states(db: Database, tenant: str) -> list[str]:
 async def state_buckets(db: Database, config: Config, tenant: str) -> int:
     """The tenant's state_buckets: as the gateway that first wrote the tenant
     recorded it (store/latest.py), else (nothing written yet) the config's."""
-    return (await _tenant_states(db, tenant))[1] or config.tenant(tenant).state_buckets
+    return _buckets(config, tenant, (await _tenant_states(db, tenant))[1])
+
+
+def _buckets(config: Config, tenant: str, recorded: int | None) -> int:
+    """state_buckets as recorded (tenant_states), else the config's."""
+    return recorded or config.tenant(tenant).state_buckets
 
 
 async def _tenant_states(db: Database, tenant: str) -> tuple[list[str], int | None]:
@@ -548,7 +570,7 @@ async def _tenant_states(db: Database, tenant: str) -> tuple[list[str], int | No
 async def state_counts(db: Database, config: Config, tenant: str) -> list[tuple[str, int]]:
     """(state, devices) for every state the tenant has used, most devices first."""
     states, recorded = await _tenant_states(db, tenant)
-    buckets = recorded or config.tenant(tenant).state_buckets
+    buckets = _buckets(config, tenant, recorded)
     count = await db.prepared(
         f"SELECT COUNT(*) AS n FROM {db.keyspace}.latest_events_by_state "
         "WHERE tenant = ? AND state = ? AND bucket = ? AND gen = ?"

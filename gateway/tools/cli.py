@@ -1121,11 +1121,10 @@ async def _devices(config: Config, args: argparse.Namespace) -> int:
             raise UsageError("give --state, or --prefix to find devices in any state")
         return await _found_devices(config, args)
     async with connect(config.cassandra) as db:
-        rows = await queries.devices_in_state(db, config, args.tenant, args.state)
+        rows = await queries.devices_in_state(
+            db, config, args.tenant, args.state, prefix=args.prefix or ""
+        )
         known = await queries.known_states(db, args.tenant) if not rows else [args.state]
-    if args.prefix is not None:
-        folded = args.prefix.casefold()
-        rows = [r for r in rows if r.device_id.casefold().startswith(folded)]
     hint = ""
     if not known:
         hint = ": the tenant has no states yet; a misspelt --tenant?"
@@ -1273,10 +1272,9 @@ async def _rollup(config: Config, args: argparse.Namespace) -> int:
         known = await queries.meta_metrics(db, args.tenant) if not rows else []
         # A device the tenant never had fails as history's does, whatever
         # --metric says (a misspelt metric beside it hid it: exit 0).
-        missing = (
-            not rows
-            and await queries.latest_event(db, args.tenant, args.device_id) is None
-            and not await queries.device_has_rows(db, args.tenant, args.device_id)
+        # As history decides it (its hint is history's; this one's comes below).
+        _, missing = (
+            await _empty_device_hint(db, args.tenant, args.device_id) if not rows else ("", False)
         )
         hint = ""
         if known and args.metric not in known:

@@ -481,10 +481,7 @@
       showError(null);
     } catch (err) {
       if (gen !== generation || err.name === "AbortError") return;
-      if (err instanceof ApiError && err.status === 401) {
-        logOut(`Your token was not accepted (401): ${err.detail}`);
-        return;
-      }
+      if (loggedOutBy(err)) return;
       if (err instanceof ApiError && isPermanent(err)) {
         halt(err);
         return;
@@ -619,6 +616,13 @@
       $("problem-title").focus({ preventScroll: true });
     }
     renderLive();
+  }
+
+  // A 401: the token is no longer good; log out (true), or nothing (false).
+  function loggedOutBy(err) {
+    if (!(err instanceof ApiError) || err.status !== 401) return false;
+    logOut(`Your token was not accepted (401): ${err.detail}`);
+    return true;
   }
 
   function problemWords(err, r) {
@@ -943,10 +947,7 @@
     } catch (err) {
       if (mine.signal.aborted) return;
       finding = null;
-      if (err instanceof ApiError && err.status === 401) {
-        logOut(`Your token was not accepted (401): ${err.detail}`);
-        return;
-      }
+      if (loggedOutBy(err)) return;
       const words = err instanceof ApiError && err.status === 403 ? problemWords(err, r)
         : "The search could not be done; try again in a moment.";
       $("found-meta").textContent = `${words} (${err instanceof ApiError ? err.describe() : err.message})`;
